@@ -1,0 +1,1 @@
+"""Berth's node agent: discovers what its GPU host has and makes each booked share real on it."""
