@@ -1,0 +1,78 @@
+"""The error envelope and the one table from error codes to HTTP statuses.
+
+Every refusal leaves as `{"error": {"code", "message", "details"}}`. An
+unexpected failure is logged with a reference and answered as
+PROVIDER_UNAVAILABLE (the platform's fault; retry with the same key), never
+as a bare 500.
+"""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from controlplane.domain import errors as e
+
+log = structlog.get_logger("berth.api")
+
+STATUS = {
+    e.INVALID_INPUT: 400,
+    e.UNAUTHENTICATED: 401,
+    e.SPEND_LIMIT_REACHED: 402,
+    e.INSUFFICIENT_FUNDS: 402,
+    e.ACCESS_DENIED: 403,
+    e.CONFIRMATION_REQUIRED: 403,
+    e.NOT_FOUND: 404,
+    e.CONFLICT: 409,
+    e.INVALID_STATE: 409,
+    e.NO_CAPACITY: 409,
+    e.PRICE_CHANGED: 409,
+    e.QUOTE_EXPIRED: 410,
+    e.UNSUPPORTED: 422,
+    e.QUOTA_EXCEEDED: 429,
+    e.PROVIDER_UNAVAILABLE: 503,
+}
+assert set(STATUS) == set(e.CODES)
+
+_encoder = msgspec.json.Encoder(decimal_format="string")
+
+
+def json_response(body: dict, status: int = 200) -> web.Response:
+    return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
+
+
+def error_response(err: e.DomainError, status: int | None = None) -> web.Response:
+    return json_response(
+        {"error": {"code": err.code, "message": err.message, "details": err.details}},
+        status or STATUS[err.code],
+    )
+
+
+_HTTP_CODES = {404: e.NOT_FOUND, 405: e.INVALID_INPUT, 413: e.INVALID_INPUT, 415: e.INVALID_INPUT}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except e.DomainError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = _HTTP_CODES.get(exc.status, e.INVALID_INPUT)
+        message = {
+            404: f"no method {request.path}",
+            405: f"{request.method} is not allowed on {request.path}; use POST",
+            413: "body: too large",
+        }.get(exc.status, exc.reason)
+        return error_response(e.DomainError(code, message, {"field": "body"} if exc.status == 413 else {}), exc.status)
+    except Exception:
+        reference = f"ref-{time.time_ns():x}"
+        log.exception("request failed", path=request.path, reference=reference)
+        return error_response(e.DomainError(
+            e.PROVIDER_UNAVAILABLE, "the control plane failed on this request; retry with the same idempotency key",
+            {"actor": "platform", "reference": reference},
+        ))

@@ -1,0 +1,74 @@
+"""HTTP handlers of the reservations API: parse and validate, call one service method, answer.
+
+create answers 202 Accepted (the reservation is accepted; its operation runs
+until the devices are ready); the other methods answer 200.
+"""
+from __future__ import annotations
+
+from aiohttp import web
+
+from controlplane import schemas
+from controlplane.api.errors import json_response
+from controlplane.reservations import Answer, ReservationService
+
+SERVICE = web.AppKey("reservations", ReservationService)
+
+
+def _one(answer: Answer, status: int = 200) -> web.Response:
+    return json_response({"reservation": schemas.reservation_to_wire(answer.reservation, answer.operation)}, status)
+
+
+async def create(request: web.Request) -> web.Response:
+    body = schemas.decode(await request.read(), schemas.CreateBody)
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not 1 <= len(key) <= 255:
+        raise schemas.DomainError(schemas.INVALID_INPUT, "Idempotency-Key: must be 1 to 255 characters",
+                                  {"field": "Idempotency-Key", "rule": "1 to 255 characters"})
+    answer = await request.app[SERVICE].create(request["principal"], body, key)
+    return _one(answer, 202)
+
+
+async def get(request: web.Request) -> web.Response:
+    body = schemas.decode(await request.read(), schemas.ReservationRef)
+    return _one(await request.app[SERVICE].get(request["principal"], body.reservationId))
+
+
+async def list_(request: web.Request) -> web.Response:
+    body = schemas.decode(await request.read(), schemas.ListBody)
+    schemas.check_state_filter(body.state)
+    answers, cursor = await request.app[SERVICE].list(request["principal"], body)
+    return json_response({
+        "reservations": [schemas.reservation_to_wire(a.reservation, a.operation) for a in answers],
+        "nextCursor": cursor,
+    })
+
+
+async def release(request: web.Request) -> web.Response:
+    body = schemas.decode(await request.read(), schemas.ReservationRef)
+    return _one(await request.app[SERVICE].release(request["principal"], body.reservationId))
+
+
+async def cancel(request: web.Request) -> web.Response:
+    body = schemas.decode(await request.read(), schemas.ReservationRef)
+    return _one(await request.app[SERVICE].cancel(request["principal"], body.reservationId))
+
+
+async def events(request: web.Request) -> web.Response:
+    body = schemas.decode(await request.read(), schemas.EventsBody)
+    service = request.app[SERVICE]
+    principal = request["principal"]
+    await service.authorize_tenant_read(principal)
+    rows = service.store.events(principal.tenant_id, body.after, body.limit)
+    return json_response({"events": rows, "nextCursor": rows[-1]["seq"] if rows else body.after})
+
+
+def routes() -> list[web.RouteDef]:
+    base = "/api/compute/reservations/"
+    return [
+        web.post(base + "create", create),
+        web.post(base + "get", get),
+        web.post(base + "list", list_),
+        web.post(base + "release", release),
+        web.post(base + "cancel", cancel),
+        web.post("/api/compute/events/list", events),
+    ]

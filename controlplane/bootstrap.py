@@ -1,0 +1,284 @@
+"""The bootstrap file: what an operator declares first (tenants, principals, pools, nodes, tokens, policies).
+
+Parsed strictly (a bad field names itself), turned into catalog objects,
+and applied idempotently at every start: applying the same file twice
+changes nothing, and a changed file replaces what it names.
+"""
+from __future__ import annotations
+
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from controlplane.catalog import Catalog
+from controlplane.domain.model import SHARING_MODES, Node, Offer, Pool, PoolPolicy, Principal, Tenant, Unit
+from controlplane.domain.share import Share
+
+Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")]
+NonNegative = Annotated[float, Meta(ge=0)]
+
+
+class BootstrapError(ValueError):
+    """The bootstrap file is wrong; the message names the field."""
+
+
+class TenantDoc(Struct, forbid_unknown_fields=True):
+    id: Id
+    quota: dict[str, NonNegative] = {}
+    budgetUsd: str | float | None = None
+
+
+class PrincipalDoc(Struct, forbid_unknown_fields=True):
+    id: Id
+    tenant: Id
+    token: Annotated[str, Meta(min_length=16)]
+    kind: Literal["user", "agent"] = "user"
+    delegatedBy: Id | None = None
+
+
+class PerGpuDoc(Struct, forbid_unknown_fields=True):
+    vcpu: NonNegative
+    memoryGiB: NonNegative
+
+
+class PolicyDoc(Struct, forbid_unknown_fields=True):
+    tenantRoot: bool = False
+    kubernetes: bool | dict = False
+    perGpu: PerGpuDoc | None = None
+    placer: Literal["calendar", "pool-lease"] = "calendar"
+    budgetCheck: bool = False
+    slotsPerGpu: Annotated[int, Meta(ge=1, le=64)] = 4
+
+
+class OfferQuotaDoc(Struct, forbid_unknown_fields=True):
+    vcpu: NonNegative | None = None
+    memoryGiB: NonNegative | None = None
+
+
+class OfferDoc(Struct, forbid_unknown_fields=True):
+    tenant: Id
+    budgetCheck: bool = False
+    quota: OfferQuotaDoc | None = None
+
+
+class PoolDoc(Struct, forbid_unknown_fields=True):
+    id: Id
+    owner: Id
+    region: Id
+    gpuModel: Id
+    sharing: Literal["exclusive", "mig", "slots"] = "exclusive"
+    pricePerGpuHourUsd: str | float = "0"
+    archived: bool = False
+    policy: PolicyDoc = msgspec.field(default_factory=PolicyDoc)
+    offers: list[OfferDoc] = []
+
+
+class GpuDoc(Struct, forbid_unknown_fields=True):
+    index: Annotated[int, Meta(ge=0)] | None = None
+    uuid: str | None = None
+    numaNode: Annotated[int, Meta(ge=0)] | None = None
+    mig: list[str] | None = None  # MIG profiles of its instances, e.g. ["1g.10gb"] * 7
+    slots: Annotated[int, Meta(ge=1, le=64)] | None = None
+
+
+class NodeDoc(Struct, forbid_unknown_fields=True):
+    id: Id
+    pool: Id
+    hostname: Annotated[str, Meta(min_length=1, max_length=253)]
+    gpus: Annotated[int, Meta(ge=0, le=64)] | list[GpuDoc] = 0
+    vcpu: NonNegative = 0
+    memoryGiB: NonNegative = 0
+    hugepages1Gi: Annotated[int, Meta(ge=0)] = 0
+
+
+class NodeTokenDoc(Struct, forbid_unknown_fields=True):
+    pool: Id
+    token: Annotated[str, Meta(min_length=16)]
+
+
+class BootstrapDoc(Struct, forbid_unknown_fields=True):
+    tenants: list[TenantDoc] = []
+    principals: list[PrincipalDoc] = []
+    pools: list[PoolDoc] = []
+    nodes: list[NodeDoc] = []
+    nodeTokens: list[NodeTokenDoc] = []
+    policies: str | None = None
+    policiesFile: str | None = None
+    adminToken: Annotated[str, Meta(min_length=16)] | None = None
+
+
+def _money(value, field: str) -> Decimal:
+    try:
+        amount = Decimal(str(value))
+    except InvalidOperation:
+        raise BootstrapError(f"{field}: {value!r} is not a decimal amount") from None
+    if not amount.is_finite() or amount < 0:
+        raise BootstrapError(f"{field}: must be a non-negative amount")
+    return amount
+
+
+def _quota(raw: dict[str, float], field: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key, value in raw.items():
+        if key == "vcpu":
+            out["vcpu_milli"] = round(value * 1000)
+        elif key == "memoryGiB":
+            out["memory_mib"] = round(value * 1024)
+        elif key.startswith("gpu:") and len(key) > 4:
+            if value != int(value):
+                raise BootstrapError(f"{field}.{key}: GPU quota must be a whole number")
+            out[key] = int(value)
+        else:
+            raise BootstrapError(f"{field}.{key}: quota rows are gpu:<MODEL>[:<profile>|:slot], vcpu or memoryGiB")
+    return out
+
+
+def _units(doc: NodeDoc, pool: Pool, field: str) -> tuple[tuple[Unit, ...], int]:
+    gpus = [GpuDoc(index=i) for i in range(doc.gpus)] if isinstance(doc.gpus, int) else doc.gpus
+    units: list[Unit] = []
+    seen: set[int] = set()
+    for pos, gpu in enumerate(gpus):
+        index = gpu.index if gpu.index is not None else pos
+        if index in seen:
+            raise BootstrapError(f"{field}.gpus[{pos}].index: GPU {index} is listed twice")
+        seen.add(index)
+        if pool.sharing == "mig":
+            if not gpu.mig:
+                raise BootstrapError(f"{field}.gpus[{pos}].mig: pool {pool.id} shares GPUs as MIG; list each GPU's instances")
+            units.extend(Unit(f"gpu{index}/mig{j}", index, gpu.numaNode, profile, None) for j, profile in enumerate(gpu.mig))
+        elif pool.sharing == "slots":
+            for j in range(gpu.slots or pool.policy.slots_per_gpu):
+                units.append(Unit(f"gpu{index}/slot{j}", index, gpu.numaNode, None, gpu.uuid))
+        else:
+            if gpu.mig or gpu.slots:
+                raise BootstrapError(f"{field}.gpus[{pos}]: pool {pool.id} books whole GPUs; mig and slots do not apply")
+            units.append(Unit(f"gpu{index}", index, gpu.numaNode, None, gpu.uuid))
+    return tuple(units), len(gpus)
+
+
+def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, list[tuple[str, str]]], str | None]:
+    """The catalog the file declares, its tokens by kind ([(token, subject)]) and the admin token."""
+    try:
+        doc = msgspec.json.decode(raw, type=BootstrapDoc)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise BootstrapError(str(exc).replace("$.", "")) from None
+
+    tenants = {}
+    for i, t in enumerate(doc.tenants):
+        budget = _money(t.budgetUsd, f"tenants[{i}].budgetUsd") if t.budgetUsd is not None else None
+        tenants[t.id] = Tenant(t.id, _quota(t.quota, f"tenants[{i}].quota"), budget)
+
+    principals = {}
+    tokens: dict[str, list[tuple[str, str]]] = {"principal": [], "node-bootstrap": []}
+    for i, p in enumerate(doc.principals):
+        if p.tenant not in tenants:
+            raise BootstrapError(f"principals[{i}].tenant: no tenant {p.tenant!r}")
+        if p.kind == "agent" and p.delegatedBy is None:
+            pass  # an agent acting in its own right
+        if p.delegatedBy is not None and p.kind != "agent":
+            raise BootstrapError(f"principals[{i}].delegatedBy: only an agent acts for a user")
+        principals[p.id] = Principal(p.id, p.tenant, p.kind, p.delegatedBy)
+        tokens["principal"].append((p.token, p.id))
+    for i, p in enumerate(doc.principals):
+        if p.delegatedBy is not None:
+            user = principals.get(p.delegatedBy)
+            if user is None or user.kind != "user":
+                raise BootstrapError(f"principals[{i}].delegatedBy: no user {p.delegatedBy!r}")
+            if user.tenant_id != p.tenant:
+                raise BootstrapError(f"principals[{i}].delegatedBy: user {p.delegatedBy!r} is in another tenant")
+
+    pools = {}
+    for i, p in enumerate(doc.pools):
+        if p.owner not in tenants:
+            raise BootstrapError(f"pools[{i}].owner: no tenant {p.owner!r}")
+        offers = {}
+        for j, o in enumerate(p.offers):
+            if o.tenant not in tenants:
+                raise BootstrapError(f"pools[{i}].offers[{j}].tenant: no tenant {o.tenant!r}")
+            quota = {}
+            if o.quota is not None:
+                if o.quota.vcpu is not None:
+                    quota["vcpu_milli"] = round(o.quota.vcpu * 1000)
+                if o.quota.memoryGiB is not None:
+                    quota["memory_mib"] = round(o.quota.memoryGiB * 1024)
+            offers[o.tenant] = Offer(o.tenant, o.budgetCheck, quota)
+        per_gpu = None
+        if p.policy.perGpu is not None:
+            per_gpu = Share(round(p.policy.perGpu.vcpu * 1000), round(p.policy.perGpu.memoryGiB * 1024))
+        policy = PoolPolicy(
+            tenant_root=p.policy.tenantRoot,
+            kubernetes=bool(p.policy.kubernetes),
+            per_gpu=per_gpu,
+            placer=p.policy.placer,
+            budget_check=p.policy.budgetCheck,
+            slots_per_gpu=p.policy.slotsPerGpu,
+        )
+        assert p.sharing in SHARING_MODES
+        pools[p.id] = Pool(
+            p.id, p.owner, p.region, p.gpuModel, p.sharing,
+            _money(p.pricePerGpuHourUsd, f"pools[{i}].pricePerGpuHourUsd"), p.archived, policy, offers,
+        )
+
+    nodes = {}
+    hostnames: dict[str, str] = {}
+    for i, n in enumerate(doc.nodes):
+        pool = pools.get(n.pool)
+        if pool is None:
+            raise BootstrapError(f"nodes[{i}].pool: no pool {n.pool!r}")
+        if n.hostname in hostnames:
+            raise BootstrapError(f"nodes[{i}].hostname: {n.hostname!r} is also node {hostnames[n.hostname]!r}")
+        hostnames[n.hostname] = n.id
+        units, gpu_count = _units(n, pool, f"nodes[{i}]")
+        capacity = Share(round(n.vcpu * 1000), round(n.memoryGiB * 1024), n.hugepages1Gi)
+        nodes[n.id] = Node(n.id, n.pool, n.hostname, units, gpu_count, capacity, declared=True)
+
+    for i, t in enumerate(doc.nodeTokens):
+        if t.pool not in pools:
+            raise BootstrapError(f"nodeTokens[{i}].pool: no pool {t.pool!r}")
+        tokens["node-bootstrap"].append((t.token, t.pool))
+
+    policies = doc.policies or ""
+    if doc.policiesFile:
+        path = Path(doc.policiesFile)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        try:
+            policies = policies + "\n" + path.read_text()
+        except OSError as exc:
+            raise BootstrapError(f"policiesFile: {exc}") from None
+    return Catalog(tenants, principals, pools, nodes, policies), tokens, doc.adminToken
+
+
+def read(path: str | Path) -> tuple[Catalog, dict[str, list[tuple[str, str]]], str | None]:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise BootstrapError(f"{path}: {exc.strerror}") from None
+    try:
+        return parse(raw, path.parent)
+    except BootstrapError as exc:
+        raise BootstrapError(f"{path}: {exc}") from None
+
+
+def merge(current: Catalog, declared: Catalog) -> Catalog:
+    """The catalog after applying a bootstrap: what the file names replaces what is stored.
+
+    A declared node that an agent has taken over keeps the agent's inventory.
+    """
+    nodes = dict(current.nodes)
+    for node_id, node in declared.nodes.items():
+        existing = nodes.get(node_id)
+        if existing is not None and not existing.declared:
+            continue
+        nodes[node_id] = node
+    return Catalog(
+        {**current.tenants, **declared.tenants},
+        {**current.principals, **declared.principals},
+        {**current.pools, **declared.pools},
+        nodes,
+        declared.policies or current.policies,
+    )

@@ -1,0 +1,54 @@
+"""The catalog: tenants, principals, pools (with offers) and nodes, as one immutable snapshot.
+
+An operator changes it through the bootstrap file or the admin API; each
+change is stored and replaces the snapshot whole, so readers on any thread
+see either the old or the new catalog, never a mix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from controlplane.domain.model import Node, Pool, Principal, Tenant
+from controlplane.store import codec
+
+
+@dataclass(frozen=True)
+class Catalog:
+    tenants: Mapping[str, Tenant] = field(default_factory=dict)
+    principals: Mapping[str, Principal] = field(default_factory=dict)
+    pools: Mapping[str, Pool] = field(default_factory=dict)
+    nodes: Mapping[str, Node] = field(default_factory=dict)
+    policies: str = ""
+
+    @property
+    def nodes_by_pool(self) -> Mapping[str, tuple[Node, ...]]:
+        cached = self.__dict__.get("_nodes_by_pool")
+        if cached is None:
+            grouped: dict[str, list[Node]] = {}
+            for node in self.nodes.values():
+                grouped.setdefault(node.pool_id, []).append(node)
+            cached = {k: tuple(v) for k, v in grouped.items()}
+            object.__setattr__(self, "_nodes_by_pool", cached)
+        return cached
+
+    def pool_nodes(self, pool_id: str) -> tuple[Node, ...]:
+        return self.nodes_by_pool.get(pool_id, ())
+
+    def with_changes(self, **changes) -> "Catalog":
+        return replace(self, **changes)
+
+
+KINDS = {"tenant": Tenant, "principal": Principal, "pool": Pool, "node": Node}
+
+
+def encode_item(item) -> bytes:
+    return codec.encode(item)
+
+
+def load(docs_by_kind: Mapping[str, list[bytes]], policies: str) -> Catalog:
+    parts = {}
+    for kind, type_ in KINDS.items():
+        items = [codec.decode_as(doc, type_) for doc in docs_by_kind.get(kind, [])]
+        parts[kind] = {item.id: item for item in items}
+    return Catalog(parts["tenant"], parts["principal"], parts["pool"], parts["node"], policies)

@@ -1,0 +1,248 @@
+"""Admission of a create: the request checked against its pool, turned into what will be booked and charged.
+
+Everything that can be decided before the draft exists lives here: the
+pool's visibility (NOT_FOUND), the binding (UNSUPPORTED, INVALID_INPUT),
+device class, sharing and MIG profile, the window, the host resources per
+node (the per-GPU share is also the floor), the quota charge, the IAM
+attributes of the draft, and whether the pool could ever hold the request.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from controlplane.domain.clock import HOUR_MS, MINUTE_MS
+from controlplane.domain.errors import NO_CAPACITY, UNSUPPORTED, DomainError, invalid, not_found
+from controlplane.domain.model import BINDINGS, Node, Offer, Pool, Reservation, Tenant
+from controlplane.domain.placement import Ask, could_ever_fit, eligible_units
+from controlplane.domain.quota import charge_for, unit_key
+from controlplane.domain.share import NO_SHARE, Share, host_share_per_gpu, pool_share_per_gpu
+
+START_SKEW_MS = 5 * MINUTE_MS  # a start this far in the past is taken as "now" (clock skew)
+MAX_WINDOW_MS = 366 * 24 * HOUR_MS
+MAX_LEAD_MS = 366 * 24 * HOUR_MS
+
+
+@dataclass(frozen=True, slots=True)
+class ResourcesAsk:
+    vcpu_milli: int | None = None
+    memory_mib: int | None = None
+    hugepages_1g: int | None = None
+
+    def as_share(self) -> Share:
+        return Share(self.vcpu_milli or 0, self.memory_mib or 0, self.hugepages_1g or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class CreateRequest:
+    pool_id: str
+    gpu_model: str
+    gpu_count: int | None = None
+    node_count: int = 1
+    sharing: str | None = None
+    mig_profile: str | None = None
+    start: int | None = None
+    end: int | None = None
+    duration_ms: int | None = None
+    binding: str = "hold"
+    resources: ResourcesAsk | None = None
+    spot: bool = False
+    lease_seconds: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A create that passed admission: what to book, charge and ask IAM about."""
+
+    pool: Pool
+    offer: Offer | None
+    binding: str
+    gpu_count: int
+    node_count: int
+    mig_profile: str | None
+    start: int | None  # None: as soon as possible for duration_ms
+    end: int | None
+    duration_ms: int | None
+    spot: bool
+    lease_seconds: int | None
+    resources: Share  # booked per node (for a node binding: each node's whole capacity)
+    charge: dict[str, int]
+    whole_node: bool
+
+    def ask(self, start: int, end: int) -> Ask:
+        return Ask(
+            gpu_count=self.gpu_count,
+            node_count=self.node_count,
+            share=self.resources,
+            start=start,
+            end=end,
+            sharing=self.pool.sharing,
+            mig_profile=self.mig_profile,
+            whole_node=self.whole_node,
+        )
+
+    def window_for(self, now: int) -> tuple[int, int]:
+        if self.start is None:
+            return now, now + (self.duration_ms or 0)
+        return self.start, self.end  # type: ignore[return-value]
+
+
+def pool_share(pool: Pool, nodes: Sequence[Node]) -> Share:
+    """The pool's per-GPU share for whole-GPU requests (share.py holds the one definition)."""
+    if pool.sharing != "exclusive":
+        return NO_SHARE
+    hosts = [host_share_per_gpu(n.capacity.vcpu_milli, n.capacity.memory_mib, n.gpu_count) for n in nodes]
+    return pool_share_per_gpu(hosts, pool.policy.per_gpu)
+
+
+def _window(req: CreateRequest, now: int) -> tuple[int | None, int | None, int | None]:
+    if req.end is not None and req.duration_ms is not None:
+        raise invalid("end", "give end or durationHours, not both")
+    if req.end is None and req.duration_ms is None:
+        raise invalid("durationHours", "give end or durationHours")
+    if req.duration_ms is not None and req.duration_ms < MINUTE_MS:
+        raise invalid("durationHours", "must be at least one minute")
+    if req.start is None and req.end is None:
+        if req.duration_ms > MAX_WINDOW_MS:  # type: ignore[operator]
+            raise invalid("durationHours", "must be at most 366 days")
+        return None, None, req.duration_ms
+    start = now if req.start is None else req.start
+    if start < now - START_SKEW_MS:
+        raise invalid("start", "must not be in the past", now=now)
+    if start > now + MAX_LEAD_MS:
+        raise invalid("start", "must be within 366 days from now", now=now)
+    start = max(start, now)
+    end = req.end if req.end is not None else start + req.duration_ms  # type: ignore[operator]
+    if end <= start:
+        raise invalid("end", "must be after start")
+    if end - start < MINUTE_MS:
+        raise invalid("end", "the window must be at least one minute")
+    if end - start > MAX_WINDOW_MS:
+        raise invalid("end", "the window must be at most 366 days")
+    return start, end, None
+
+
+def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, nodes: Sequence[Node], now: int) -> Plan:
+    """Check a create against its pool; the Plan, or the documented refusal."""
+    if pool is None or not pool.visible_to(tenant.id):
+        raise not_found("pool", req.pool_id, field="poolId")
+    if req.binding not in BINDINGS:
+        raise DomainError(
+            UNSUPPORTED,
+            f"binding: {req.binding!r} is not supported; use one of {', '.join(BINDINGS)}",
+            {"field": "binding", "supported": list(BINDINGS)},
+        )
+    if req.gpu_model != pool.gpu_model:
+        raise invalid("gpuModel", f"pool {pool.id} holds {pool.gpu_model}", expected=pool.gpu_model)
+    if req.sharing is not None and req.sharing != pool.sharing:
+        raise invalid("sharing", f"pool {pool.id} shares its GPUs as {pool.sharing!r}", expected=pool.sharing)
+    if pool.sharing == "mig":
+        if not req.mig_profile:
+            raise invalid("migProfile", f"required: pool {pool.id} books MIG instances")
+        profiles = sorted({u.mig_profile for n in nodes for u in n.units if u.mig_profile})
+        if profiles and req.mig_profile not in profiles:
+            raise invalid("migProfile", f"pool {pool.id} offers {', '.join(profiles)}", offered=profiles)
+    elif req.mig_profile is not None:
+        raise invalid("migProfile", f"pool {pool.id} does not share its GPUs as MIG instances")
+    whole_node = req.binding == "node"
+    if whole_node:
+        if not pool.policy.tenant_root:
+            raise invalid("binding", f"'node' needs a pool with policy.tenantRoot; pool {pool.id} has none")
+        if req.resources is not None:
+            raise invalid("resources", "a node binding books whole nodes: cgroup limits mean nothing to root")
+        if pool.sharing != "exclusive":
+            raise invalid("binding", "'node' books whole GPUs; this pool shares them")
+    if req.binding == "kubernetes":
+        if not pool.policy.kubernetes:
+            raise invalid("binding", f"'kubernetes' needs a pool with policy.kubernetes; pool {pool.id} has none")
+        if tenant.id != pool.owner:
+            raise invalid("binding", "only the pool's owner books into its Kubernetes cluster: the kubelet gives bound GPUs to any pod")
+    if req.lease_seconds is not None and not 30 <= req.lease_seconds <= 7 * 24 * 3600:
+        raise invalid("leaseSeconds", "must be between 30 and 604800")
+
+    gpu_count = req.gpu_count
+    if whole_node:
+        sizes = {n.gpu_count for n in nodes}
+        if gpu_count is None:
+            if len(sizes) != 1:
+                raise invalid("gpuCount", "required for a node binding in a pool whose nodes differ in GPU count")
+            gpu_count = sizes.pop()
+    elif gpu_count is None:
+        raise invalid("gpuCount", "required")
+
+    start, end, duration_ms = _window(req, now)
+
+    # Host resources per node: the per-GPU share is the floor; the excess is charged.
+    if whole_node:
+        resources = NO_SHARE
+        excess = NO_SHARE
+    else:
+        floor = pool_share(pool, nodes).scaled(gpu_count)
+        asked = req.resources.as_share() if req.resources is not None else NO_SHARE
+        resources = asked.max_with(floor)
+        excess = resources.minus(floor)
+    offer = pool.offer_for(tenant.id) if tenant.id != pool.owner else None
+    charge = charge_for(pool, offer, unit_key(pool.gpu_model, pool.sharing, req.mig_profile), gpu_count * req.node_count, excess, req.node_count)
+
+    plan = Plan(
+        pool=pool, offer=offer, binding=req.binding, gpu_count=gpu_count, node_count=req.node_count,
+        mig_profile=req.mig_profile, start=start, end=end, duration_ms=duration_ms, spot=req.spot,
+        lease_seconds=req.lease_seconds, resources=resources, charge=charge, whole_node=whole_node,
+    )
+    _check_pool_can_hold(plan, nodes)
+    return plan
+
+
+def _check_pool_can_hold(plan: Plan, nodes: Sequence[Node]) -> None:
+    s, e = plan.window_for(0)
+    ask = plan.ask(s, e)
+    holding = [n for n in nodes if could_ever_fit(n, ask)]
+    if len(holding) >= plan.node_count:
+        return
+    most = max((len(eligible_units(n, ask)) for n in nodes), default=0)
+    raise DomainError(
+        NO_CAPACITY,
+        f"pool {plan.pool.id} can never hold {plan.node_count} x {plan.gpu_count} {plan.pool.gpu_model}"
+        + (f" {plan.mig_profile}" if plan.mig_profile else "")
+        + f" with this share: {len(holding)} of its {len(nodes)} nodes could",
+        {
+            "reason": "exceeds_pool",
+            "poolId": plan.pool.id,
+            "nodesThatFit": len(holding),
+            "maxGpuCountPerNode": most,
+        },
+    )
+
+
+def _attributes(tenant_id: str, pool_id: str, region: str, gpu_model: str, gpu_count: int, node_count: int,
+                duration_ms: int, per_node: Share, binding: str, spot: bool) -> dict[str, Any]:
+    return {
+        "tenant": tenant_id,
+        "poolId": pool_id,
+        "region": region,
+        "gpuModel": gpu_model,
+        "gpuCount": gpu_count * node_count,
+        "nodeCount": node_count,
+        "durationHours": math.ceil(duration_ms / HOUR_MS),
+        "vcpu": math.ceil(per_node.vcpu_milli * node_count / 1000),
+        "memoryGiB": math.ceil((per_node.memory_mib + per_node.hugepages_1g * 1024) * node_count / 1024),
+        "binding": binding,
+        "spot": spot,
+    }
+
+
+def iam_attributes(plan: Plan, tenant_id: str) -> dict[str, Any]:
+    """The draft's attributes as IAM sees them: totals over a gang, hours, vcpu and GiB rounded up."""
+    duration = plan.duration_ms if plan.start is None else (plan.end or 0) - plan.start
+    pool = plan.pool
+    return _attributes(tenant_id, pool.id, pool.region, pool.gpu_model, plan.gpu_count, plan.node_count, duration or 0,
+                       plan.resources, plan.binding, plan.spot)
+
+
+def reservation_attributes(res: Reservation, duration_ms: int | None = None) -> dict[str, Any]:
+    """A stored reservation's attributes; duration_ms overrides its length (an extension being decided)."""
+    if duration_ms is None:
+        duration_ms = res.duration_ms if res.start is None or res.end is None else res.end - res.start
+    return _attributes(res.tenant_id, res.pool_id, res.region, res.gpu_model, res.gpu_count, res.node_count, duration_ms or 0,
+                       res.resources, res.binding, res.spot)

@@ -1,0 +1,190 @@
+"""The control plane's plain data: tenants, principals, pools, offers, nodes, reservations, operations.
+
+Catalog objects (tenants, pools, nodes) are frozen and replaced whole when an
+operator changes them; a Reservation is mutable and changed only through the
+state machine (states.py) inside one store transaction.
+
+Units inside the domain are integral: time in epoch ms, vcpu in millicpu,
+memory in MiB (see share.py). The wire converts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Mapping
+
+from controlplane.domain.share import NO_SHARE, Share
+
+SHARING_MODES = ("exclusive", "mig", "slots")
+BINDINGS = ("hold", "node", "kubernetes")
+PLACERS = ("calendar", "pool-lease")
+PRINCIPAL_KINDS = ("user", "agent")
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    id: str
+    # Quota limits in internal units: "gpu:<class>[:<profile>|:slot]" counts,
+    # "vcpu_milli" millicpu, "memory_mib" MiB. A missing row grants 0.
+    quota: Mapping[str, int] = field(default_factory=dict)
+    budget_usd: Decimal | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    id: str
+    tenant_id: str
+    kind: str = "user"
+    delegated_by: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A pool offered to a tenant other than its owner."""
+
+    tenant_id: str
+    budget_check: bool = False
+    # Limits for the excess above the per-GPU share booked in this pool, same
+    # units as Tenant.quota ("vcpu_milli", "memory_mib"); a named resource is
+    # charged here instead of the tenant's row.
+    quota: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPolicy:
+    tenant_root: bool = False
+    kubernetes: bool = False
+    per_gpu: Share | None = None
+    placer: str = "calendar"
+    budget_check: bool = False
+    slots_per_gpu: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    id: str
+    owner: str
+    region: str
+    gpu_model: str
+    sharing: str = "exclusive"
+    price_per_gpu_hour: Decimal = Decimal(0)
+    archived: bool = False
+    policy: PoolPolicy = PoolPolicy()
+    offers: Mapping[str, Offer] = field(default_factory=dict)
+
+    def offer_for(self, tenant_id: str) -> Offer | None:
+        return self.offers.get(tenant_id)
+
+    def visible_to(self, tenant_id: str) -> bool:
+        return not self.archived and (self.owner == tenant_id or tenant_id in self.offers)
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One bookable device of a node: a whole GPU, a MIG instance or a slot of a GPU."""
+
+    id: str
+    gpu_index: int
+    numa_node: int | None = None
+    mig_profile: str | None = None
+    uuid: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    id: str
+    pool_id: str
+    hostname: str
+    units: tuple[Unit, ...]
+    gpu_count: int
+    capacity: Share = NO_SHARE  # allocatable vcpu, memory, hugepages
+    declared: bool = True  # from the bootstrap file; False once an agent owns it
+    schedulable: bool = True
+
+
+@dataclass(slots=True)
+class Condition:
+    type: str
+    status: str
+    reason: str
+    message: str
+    last_transition_time: int
+
+
+@dataclass(slots=True)
+class Placement:
+    """The units a reservation holds on one node."""
+
+    node_id: str
+    units: list[str]
+
+
+@dataclass(slots=True)
+class Failure:
+    code: str
+    actor: str  # customer | provider | platform
+    message: str
+    next: str
+
+
+@dataclass(slots=True)
+class Operation:
+    id: str
+    kind: str  # create | release | cancel | extend
+    reservation_id: str
+    tenant_id: str
+    status: str  # running | succeeded | failed | cancelled
+    created_at: int
+    updated_at: int
+    failure: Failure | None = None
+
+
+@dataclass(slots=True)
+class Reservation:
+    id: str
+    tenant_id: str
+    principal_id: str
+    idempotency_key: str
+    fingerprint: str
+    pool_id: str
+    region: str
+    state: str
+    binding: str
+    gpu_model: str
+    sharing: str
+    gpu_count: int
+    node_count: int
+    created_at: int
+    updated_at: int
+    mig_profile: str | None = None
+    start: int | None = None  # the window; for an as-soon-as-possible request, set when placed
+    end: int | None = None
+    duration_ms: int | None = None  # set for as-soon-as-possible requests
+    spot: bool = False
+    lease_seconds: int | None = None
+    lease_deadline: int | None = None
+    resources: Share = NO_SHARE  # booked per node
+    charge: dict[str, int] = field(default_factory=dict)  # quota held while not terminal
+    placements: list[Placement] = field(default_factory=list)
+    conditions: list[Condition] = field(default_factory=list)
+    decision: str | None = None  # None (undecided draft) | allow | deny
+    operation_id: str | None = None
+    reason: str | None = None
+    seq: int = 0  # creation order in the store; list pages on it
+
+    @property
+    def asap(self) -> bool:
+        return self.duration_ms is not None
+
+    def set_condition(self, type_: str, status: str, reason: str, message: str, now: int) -> None:
+        for cond in self.conditions:
+            if cond.type == type_:
+                if (cond.status, cond.reason, cond.message) != (status, reason, message):
+                    if cond.status != status:
+                        cond.last_transition_time = now
+                    cond.status, cond.reason, cond.message = status, reason, message
+                return
+        self.conditions.append(Condition(type_, status, reason, message, now))
+
+    def clear_condition(self, type_: str) -> None:
+        self.conditions = [c for c in self.conditions if c.type != type_]

@@ -1,0 +1,1 @@
+"""IAM: the Authorizer boundary and its implementations (embedded Cedar; remote AuthZEN later)."""

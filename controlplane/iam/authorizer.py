@@ -1,0 +1,55 @@
+"""The Authorizer boundary: who asks, what action, on which resource with which attributes; allow or deny.
+
+Requests are plain data (principal, action, resource entity with its
+attributes). A missing or failed decision is a deny, carrying the reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from controlplane.domain.model import Principal
+
+CREATE = "compute:reservations:create"
+READ = "compute:reservations:read"
+RELEASE = "compute:reservations:release"
+EXTEND = "compute:reservations:extend"
+ACTIONS = (CREATE, READ, RELEASE, EXTEND)
+
+
+@dataclass(frozen=True, slots=True)
+class Resource:
+    """A compute-reservation (`Reservation`) or compute-tenant (`Tenant`) with its attributes."""
+
+    type: str
+    id: str
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class AuthzRequest:
+    principal: Principal
+    action: str
+    resource: Resource
+    context: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    allowed: bool
+    reasons: tuple[str, ...] = ()  # the policies that decided
+    errors: tuple[str, ...] = ()  # why a decision could not be made (then it is a deny)
+
+
+def principal_type(principal: Principal) -> str:
+    return "Agent" if principal.kind == "agent" else "User"
+
+
+def tenant_resource(tenant_id: str) -> Resource:
+    return Resource("Tenant", tenant_id, {"tenant": tenant_id})
+
+
+class Authorizer(Protocol):
+    async def decide(self, request: AuthzRequest) -> Decision: ...
+
+    async def decide_many(self, requests: Sequence[AuthzRequest]) -> list[Decision]: ...

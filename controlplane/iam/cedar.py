@@ -1,0 +1,120 @@
+"""The embedded authorizer: Cedar policies through cedarpy, parsed once at start, never per call.
+
+Principal entities (with the delegating user of an agent) are parsed once
+per principal and kept; each call adds only its resource entity. Batches
+(`list scope: all`) go through cedarpy's is_authorized_batch.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import cedarpy
+
+from controlplane.domain.model import Principal
+from controlplane.iam.authorizer import AuthzRequest, Decision, Resource, principal_type
+
+SCHEMA_PATH = Path(__file__).with_name("berth.cedarschema")
+
+
+class PolicyError(ValueError):
+    """The policy set does not parse or does not validate against Berth's schema."""
+
+
+def validate(policies: str) -> None:
+    """Parse and validate a policy set against Berth's IAM schema; PolicyError says what is wrong."""
+    result = cedarpy.validate_policies(policies, SCHEMA_PATH.read_text())
+    if not result.validation_passed:
+        raise PolicyError("; ".join(str(e) for e in result.errors) or "policies do not validate")
+
+
+def _attr(value: Any) -> Any:
+    if isinstance(value, Principal):
+        return {"__entity": {"type": principal_type(value), "id": value.id}}
+    if isinstance(value, float):
+        raise TypeError("Cedar has no float: round attributes to integers first")
+    return value
+
+
+class CedarAuthorizer:
+    def __init__(self, policies: str, principal_lookup: Callable[[str], Principal | None]):
+        try:
+            self._policies = cedarpy.PolicySet.from_str(policies)
+        except Exception as exc:  # cedarpy raises ValueError/RuntimeError variants
+            raise PolicyError(f"policies do not parse: {exc}") from exc
+        self._lookup = principal_lookup
+        self._entities: dict[tuple[str, str], cedarpy.Entities] = {}
+
+    def _principal_entities(self, principal: Principal) -> cedarpy.Entities:
+        key = (principal.id, principal.kind)
+        cached = self._entities.get(key)
+        if cached is not None:
+            return cached
+        attrs: dict[str, Any] = {"tenant": principal.tenant_id}
+        docs = []
+        if principal.kind == "agent" and principal.delegated_by:
+            attrs["delegatedBy"] = {"__entity": {"type": "User", "id": principal.delegated_by}}
+            user = self._lookup(principal.delegated_by)
+            if user is not None:
+                docs.append({"uid": {"type": "User", "id": user.id}, "attrs": {"tenant": user.tenant_id}, "parents": []})
+        docs.append({"uid": {"type": principal_type(principal), "id": principal.id}, "attrs": attrs, "parents": []})
+        entities = cedarpy.Entities.from_json_str(json.dumps(docs))
+        if len(self._entities) > 4096:
+            self._entities.clear()
+        self._entities[key] = entities
+        return entities
+
+    @staticmethod
+    def _resource_doc(resource: Resource) -> dict:
+        return {
+            "uid": {"type": resource.type, "id": resource.id},
+            "attrs": {k: _attr(v) for k, v in resource.attributes.items()},
+            "parents": [],
+        }
+
+    @staticmethod
+    def _request(req: AuthzRequest) -> dict:
+        return {
+            "principal": {"type": principal_type(req.principal), "id": req.principal.id},
+            "action": {"type": "Action", "id": req.action},
+            "resource": {"type": req.resource.type, "id": req.resource.id},
+            "context": req.context,
+        }
+
+    @staticmethod
+    def _decision(result: cedarpy.AuthzResult) -> Decision:
+        diagnostics = result.diagnostics
+        return Decision(bool(result.allowed), tuple(diagnostics.reasons), tuple(str(e) for e in diagnostics.errors))
+
+    def decide_sync(self, req: AuthzRequest) -> Decision:
+        try:
+            entities = self._principal_entities(req.principal).with_added_json_str(json.dumps([self._resource_doc(req.resource)]))
+            return self._decision(cedarpy.is_authorized(self._request(req), self._policies, entities))
+        except Exception as exc:  # a failed decision is a deny
+            return Decision(False, (), (f"decision failed: {exc}",))
+
+    async def decide(self, request: AuthzRequest) -> Decision:
+        return self.decide_sync(request)
+
+    async def decide_many(self, requests: Sequence[AuthzRequest]) -> list[Decision]:
+        if not requests:
+            return []
+        by_principal: dict[tuple[str, str], list[int]] = {}
+        for i, req in enumerate(requests):
+            by_principal.setdefault((req.principal.id, req.principal.kind), []).append(i)
+        out: list[Decision] = [Decision(False)] * len(requests)
+        for indices in by_principal.values():
+            reqs = [requests[i] for i in indices]
+            try:
+                docs = {}
+                for r in reqs:
+                    docs[(r.resource.type, r.resource.id)] = self._resource_doc(r.resource)
+                entities = self._principal_entities(reqs[0].principal).with_added_json_str(json.dumps(list(docs.values())))
+                results = cedarpy.is_authorized_batch([self._request(r) for r in reqs], self._policies, entities)
+                for i, result in zip(indices, results):
+                    out[i] = self._decision(result)
+            except Exception as exc:
+                for i in indices:
+                    out[i] = Decision(False, (), (f"decision failed: {exc}",))
+        return out

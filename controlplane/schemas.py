@@ -1,0 +1,177 @@
+"""Wire schemas: one msgspec definition per request and answer shape, validated strictly.
+
+Decoding failures become INVALID_INPUT naming the field and the rule; the
+answers are built here too, so each wire shape has exactly one definition.
+"""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from controlplane.domain.errors import DomainError, INVALID_INPUT
+from controlplane.domain.model import Operation, Reservation
+from controlplane.domain.share import Share
+from controlplane.domain.states import PUBLIC_STATES
+
+Id = Annotated[str, Meta(min_length=1, max_length=128)]
+Key = Annotated[str, Meta(min_length=1, max_length=255)]
+EpochMs = Annotated[int, Meta(ge=0, le=32503680000000)]  # up to year 3000
+Count = Annotated[int, Meta(ge=1, le=1024)]
+
+
+class Resources(Struct, forbid_unknown_fields=True):
+    vcpu: Annotated[float, Meta(ge=0, le=1_000_000)] | None = None
+    memoryGiB: Annotated[float, Meta(ge=0, le=100_000_000)] | None = None
+    hugepages1Gi: Annotated[int, Meta(ge=0, le=1_000_000)] | None = None
+
+
+class Wait(Struct, forbid_unknown_fields=True):
+    timeoutMs: Annotated[int, Meta(ge=0, le=30_000)] = 0
+
+
+class CreateBody(Struct, forbid_unknown_fields=True):
+    poolId: Id
+    gpuModel: Id
+    gpuCount: Count | None = None
+    nodeCount: Count = 1
+    sharing: Id | None = None
+    migProfile: Id | None = None
+    start: EpochMs | None = None
+    end: EpochMs | None = None
+    durationHours: Annotated[float, Meta(gt=0, le=8784)] | None = None
+    binding: Id = "hold"
+    resources: Resources | None = None
+    spot: bool = False
+    leaseSeconds: Annotated[int, Meta(ge=1, le=604800)] | None = None
+    idempotencyKey: Key | None = None
+    wait: Wait | None = None
+
+
+class ReservationRef(Struct, forbid_unknown_fields=True):
+    reservationId: Id
+
+
+class ListBody(Struct, forbid_unknown_fields=True):
+    scope: Literal["mine", "all"] = "mine"
+    state: Id | None = None
+    poolId: Id | None = None
+    limit: Annotated[int, Meta(ge=1, le=200)] = 50
+    cursor: Id | None = None
+
+
+class EventsBody(Struct, forbid_unknown_fields=True):
+    after: Annotated[int, Meta(ge=0)] | None = None
+    limit: Annotated[int, Meta(ge=1, le=500)] = 100
+
+
+_AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_NAMED = re.compile(r"field `(?P<name>[^`]+)`")
+
+
+def _field_of(message: str) -> tuple[str, str]:
+    """(field path, rule) out of a msgspec message such as "Expected `int` >= 1 - at `$.gpuCount`"."""
+    path = ""
+    rule = message
+    m = _AT.search(message)
+    if m:
+        path = m.group("path").lstrip(".")
+        rule = message[: m.start()]
+    named = _NAMED.search(rule)
+    if named and ("unknown field" in rule or "missing required field" in rule):
+        path = f"{path}.{named.group('name')}" if path else named.group("name")
+        rule = "is not a field of this request" if "unknown field" in rule else "is required"
+    return path or "body", rule
+
+
+def decode(body: bytes, schema: type[Struct]) -> Any:
+    try:
+        return msgspec.json.decode(body or b"{}", type=schema)
+    except msgspec.ValidationError as exc:
+        field, rule = _field_of(str(exc))
+        raise DomainError(INVALID_INPUT, f"{field}: {rule}", {"field": field, "rule": rule}) from None
+    except msgspec.DecodeError as exc:
+        raise DomainError(INVALID_INPUT, f"body: not valid JSON ({exc})", {"field": "body", "rule": "must be a JSON object"}) from None
+
+
+def fingerprint_of(body: CreateBody) -> bytes:
+    """The canonical request an idempotency key is compared on: `wait` and the key itself left out."""
+    return msgspec.json.encode(msgspec.structs.replace(body, wait=None, idempotencyKey=None))
+
+
+# ---- answers -------------------------------------------------------------
+
+def share_to_wire(share: Share) -> dict:
+    return share.to_wire()
+
+
+def operation_to_wire(op: Operation | None) -> dict | None:
+    if op is None:
+        return None
+    out: dict[str, Any] = {
+        "id": op.id,
+        "kind": op.kind,
+        "status": op.status,
+        "reservationId": op.reservation_id,
+        "createdAt": op.created_at,
+        "updatedAt": op.updated_at,
+    }
+    if op.failure is not None:
+        out["failure"] = {
+            "code": op.failure.code,
+            "actor": op.failure.actor,
+            "message": op.failure.message,
+            "next": op.failure.next,
+        }
+    return out
+
+
+def reservation_to_wire(res: Reservation, operation: Operation | None) -> dict:
+    out: dict[str, Any] = {
+        "id": res.id,
+        "tenantId": res.tenant_id,
+        "principalId": res.principal_id,
+        "poolId": res.pool_id,
+        "region": res.region,
+        "state": res.state,
+        "binding": res.binding,
+        "gpuModel": res.gpu_model,
+        "sharing": res.sharing,
+        "migProfile": res.mig_profile,
+        "gpuCount": res.gpu_count,
+        "nodeCount": res.node_count,
+        "start": res.start,
+        "end": res.end,
+        "durationHours": res.duration_ms / 3_600_000 if res.duration_ms is not None else None,
+        "spot": res.spot,
+        "leaseSeconds": res.lease_seconds,
+        "leaseDeadline": res.lease_deadline,
+        "resources": res.resources.to_wire(),
+        "placements": [{"nodeId": p.node_id, "devices": list(p.units)} for p in res.placements],
+        "conditions": [
+            {
+                "type": c.type,
+                "status": c.status,
+                "reason": c.reason,
+                "message": c.message,
+                "lastTransitionTime": c.last_transition_time,
+            }
+            for c in res.conditions
+        ],
+        "operation": operation_to_wire(operation),
+        "createdAt": res.created_at,
+        "updatedAt": res.updated_at,
+        "reason": res.reason,
+    }
+    return out
+
+
+def check_state_filter(state: str | None) -> None:
+    if state is not None and state not in PUBLIC_STATES:
+        raise DomainError(
+            INVALID_INPUT,
+            f"state: must be one of {', '.join(PUBLIC_STATES)}",
+            {"field": "state", "rule": "must be a public state", "allowed": list(PUBLIC_STATES)},
+        )

@@ -1,0 +1,466 @@
+"""The SQLite store: schema, reads on the caller's thread, and one writer thread with group commit.
+
+Every mutation is a job `fn(tx)` run by the writer thread inside one
+transaction shared by all jobs that arrived meanwhile (group commit: one
+fsync for the whole group); each job has its own savepoint, so a job that
+refuses rolls back alone. A job's caller is answered only after the commit,
+so an acknowledged change survives a kill -9. A job that changes the
+writer's in-memory state (calendar, quota ledger) marks its Tx dirty first;
+if such a job fails, or a commit fails, the memory is rebuilt from the
+database (as the transaction then stands), so memory and database never
+disagree.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import structlog
+
+from controlplane.domain.errors import PROVIDER_UNAVAILABLE, DomainError
+from controlplane.domain.model import Operation, Reservation
+from controlplane.domain.states import TERMINAL
+from controlplane.store import codec
+
+log = structlog.get_logger("berth.store")
+
+SCHEMA_VERSION = 1
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS catalog (
+  kind TEXT NOT NULL, id TEXT NOT NULL, doc BLOB NOT NULL, PRIMARY KEY (kind, id)
+);
+CREATE TABLE IF NOT EXISTS tokens (
+  hash TEXT PRIMARY KEY, kind TEXT NOT NULL, subject TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS reservations (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  id TEXT NOT NULL UNIQUE,
+  tenant_id TEXT NOT NULL,
+  principal_id TEXT NOT NULL,
+  pool_id TEXT NOT NULL,
+  state TEXT NOT NULL,
+  doc BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS reservations_by_tenant ON reservations (tenant_id, seq);
+CREATE INDEX IF NOT EXISTS reservations_by_principal ON reservations (tenant_id, principal_id, seq);
+CREATE INDEX IF NOT EXISTS reservations_live ON reservations (state) WHERE state NOT IN ('released', 'cancelled');
+CREATE TABLE IF NOT EXISTS bookings (
+  id INTEGER PRIMARY KEY,
+  reservation_id TEXT NOT NULL,
+  pool_id TEXT NOT NULL,
+  node_id TEXT NOT NULL,
+  units TEXT NOT NULL,
+  start_ms INTEGER NOT NULL,
+  end_ms INTEGER NOT NULL,
+  vcpu_milli INTEGER NOT NULL,
+  memory_mib INTEGER NOT NULL,
+  hugepages_1g INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS bookings_by_reservation ON bookings (reservation_id);
+CREATE TABLE IF NOT EXISTS operations (
+  id TEXT PRIMARY KEY,
+  reservation_id TEXT NOT NULL,
+  tenant_id TEXT NOT NULL,
+  status TEXT NOT NULL,
+  updated_at INTEGER NOT NULL,
+  doc BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS operations_by_reservation ON operations (reservation_id);
+CREATE TABLE IF NOT EXISTS events (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  tenant_id TEXT NOT NULL,
+  reservation_id TEXT,
+  type TEXT NOT NULL,
+  at INTEGER NOT NULL,
+  data BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_tenant ON events (tenant_id, seq);
+"""
+
+GROUP_MAX = 256
+
+
+def connect(path: str, synchronous: str = "FULL") -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute(f"PRAGMA synchronous={synchronous}")
+    conn.execute("PRAGMA foreign_keys=ON")
+    conn.execute("PRAGMA busy_timeout=30000")
+    return conn
+
+
+@dataclass(slots=True)
+class BookingRow:
+    reservation_id: str
+    pool_id: str
+    node_id: str
+    units: tuple[str, ...]
+    start: int
+    end: int
+    vcpu_milli: int
+    memory_mib: int
+    hugepages_1g: int
+
+
+class Commit:
+    """A job's answer that keeps its writes and still reports a refusal (a draft that stays)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: DomainError):
+        self.error = error
+
+
+class Tx:
+    """The writer's view of the open transaction: the domain's writes, as small methods."""
+
+    __slots__ = ("conn", "dirty")
+
+    def __init__(self, conn: sqlite3.Connection):
+        self.conn = conn
+        self.dirty = False
+
+    def touch(self) -> None:
+        """Say that this job is about to change the writer's memory (undone by a rebuild if it fails)."""
+        self.dirty = True
+
+    # reservations
+    def reservation(self, reservation_id: str) -> Reservation | None:
+        row = self.conn.execute("SELECT doc, seq FROM reservations WHERE id = ?", (reservation_id,)).fetchone()
+        if row is None:
+            return None
+        res = codec.decode_reservation(row[0])
+        res.seq = row[1]
+        return res
+
+    def insert_reservation(self, res: Reservation) -> None:
+        cur = self.conn.execute(
+            "INSERT INTO reservations (id, tenant_id, principal_id, pool_id, state, doc) VALUES (?, ?, ?, ?, ?, ?)",
+            (res.id, res.tenant_id, res.principal_id, res.pool_id, res.state, codec.encode(res)),
+        )
+        res.seq = cur.lastrowid
+
+    def update_reservation(self, res: Reservation) -> None:
+        self.conn.execute(
+            "UPDATE reservations SET state = ?, doc = ? WHERE id = ?", (res.state, codec.encode(res), res.id)
+        )
+
+    def move_if(self, res: Reservation, expected_state: str) -> bool:
+        """Write the reservation only if its stored state is still expected_state (a conditional transition)."""
+        cur = self.conn.execute(
+            "UPDATE reservations SET state = ?, doc = ? WHERE id = ? AND state = ?",
+            (res.state, codec.encode(res), res.id, expected_state),
+        )
+        return cur.rowcount == 1
+
+    # bookings
+    def insert_bookings(self, rows: Iterable[BookingRow]) -> None:
+        self.conn.executemany(
+            "INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli, memory_mib, hugepages_1g)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (b.reservation_id, b.pool_id, b.node_id, ",".join(b.units), b.start, b.end, b.vcpu_milli, b.memory_mib, b.hugepages_1g)
+                for b in rows
+            ],
+        )
+
+    def end_bookings(self, reservation_id: str, at: int) -> None:
+        """Bookings end at `at`; one not yet started ends where it starts (kept, empty, for history)."""
+        self.conn.execute(
+            "UPDATE bookings SET end_ms = MAX(start_ms, MIN(end_ms, ?)) WHERE reservation_id = ?", (at, reservation_id)
+        )
+
+    def set_bookings_end(self, reservation_id: str, end: int) -> None:
+        self.conn.execute("UPDATE bookings SET end_ms = ? WHERE reservation_id = ?", (end, reservation_id))
+
+    # operations and events
+    def put_operation(self, op: Operation) -> None:
+        self.conn.execute(
+            "INSERT INTO operations (id, reservation_id, tenant_id, status, updated_at, doc) VALUES (?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (id) DO UPDATE SET status = excluded.status, updated_at = excluded.updated_at, doc = excluded.doc",
+            (op.id, op.reservation_id, op.tenant_id, op.status, op.updated_at, codec.encode(op)),
+        )
+
+    def operation(self, op_id: str) -> Operation | None:
+        row = self.conn.execute("SELECT doc FROM operations WHERE id = ?", (op_id,)).fetchone()
+        return codec.decode_operation(row[0]) if row else None
+
+    def event(self, tenant_id: str, reservation_id: str | None, type_: str, at: int, data: dict[str, Any]) -> None:
+        self.conn.execute(
+            "INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES (?, ?, ?, ?, ?)",
+            (tenant_id, reservation_id, type_, at, codec.encode(data)),
+        )
+
+    # catalog and tokens
+    def put_catalog(self, kind: str, ident: str, doc: bytes) -> None:
+        self.conn.execute(
+            "INSERT INTO catalog (kind, id, doc) VALUES (?, ?, ?) ON CONFLICT (kind, id) DO UPDATE SET doc = excluded.doc",
+            (kind, ident, doc),
+        )
+
+    def put_token(self, token_hash: str, kind: str, subject: str) -> None:
+        self.conn.execute(
+            "INSERT INTO tokens (hash, kind, subject) VALUES (?, ?, ?) ON CONFLICT (hash) DO UPDATE SET kind = excluded.kind, subject = excluded.subject",
+            (token_hash, kind, subject),
+        )
+
+    def delete_tokens(self, kind: str, subject: str) -> None:
+        self.conn.execute("DELETE FROM tokens WHERE kind = ? AND subject = ?", (kind, subject))
+
+
+class Writer:
+    """The single writer thread: jobs in, group commits, answers out to the asking event loop."""
+
+    def __init__(self, path: str, synchronous: str, on_reset: Callable[[Tx], None]):
+        self._path = path
+        self._synchronous = synchronous
+        self._on_reset = on_reset
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="berth-store-writer", daemon=True)
+        self.groups = 0
+        self.jobs = 0
+        self._thread.start()
+        self._ready.wait()
+
+    def call(self, fn: Callable[[Tx], Any]) -> "asyncio.Future[Any]":
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.put((fn, fut, loop))
+        return fut
+
+    def call_sync(self, fn: Callable[[Tx], Any]) -> Any:
+        """Run a job from a thread without an event loop (start-up, tools); blocks until committed."""
+        done = threading.Event()
+        box: list = []
+        self._queue.put((fn, (done, box), None))
+        done.wait()
+        value, error = box
+        if error is not None:
+            raise error
+        return value
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _main(self) -> None:
+        conn = connect(self._path, self._synchronous)
+        self._ready.set()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            group = [item]
+            stop = False
+            while len(group) < GROUP_MAX:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                group.append(nxt)
+            self._run_group(conn, group)
+            if stop:
+                break
+        conn.close()
+
+    def _run_group(self, conn: sqlite3.Connection, group: list) -> None:
+        answers: list[tuple[Any, Any, Any, BaseException | None]] = []
+        conn.execute("BEGIN IMMEDIATE")
+        for fn, fut, loop in group:
+            tx = Tx(conn)
+            conn.execute("SAVEPOINT job")
+            try:
+                value = fn(tx)
+            except BaseException as exc:  # noqa: BLE001 - every job gets an answer
+                conn.execute("ROLLBACK TO job")
+                conn.execute("RELEASE job")
+                if not isinstance(exc, DomainError):
+                    log.exception("store job failed", job=getattr(fn, "__qualname__", repr(fn)))
+                    exc = _unavailable("the control plane could not complete this request")
+                if tx.dirty:
+                    self._on_reset(Tx(conn))
+                answers.append((fut, loop, None, exc))
+                continue
+            conn.execute("RELEASE job")
+            answers.append((fut, loop, value, None))
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            log.error("commit failed; rebuilding state from the database", error=str(exc))
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            err = _unavailable(f"the store could not commit: {exc}")
+            answers = [(f, l, None, err) for f, l, _, _ in answers]
+            self._reset(conn)
+        self.groups += 1
+        self.jobs += len(group)
+        self._answer(answers)
+
+    def _reset(self, conn: sqlite3.Connection) -> None:
+        conn.execute("BEGIN")
+        try:
+            self._on_reset(Tx(conn))
+        finally:
+            conn.execute("COMMIT")
+
+    @staticmethod
+    def _answer(answers) -> None:
+        by_loop: dict[Any, list] = {}
+        for fut, loop, value, error in answers:
+            if loop is None:
+                done, box = fut
+                box.extend((value, error))
+                done.set()
+            else:
+                by_loop.setdefault(loop, []).append((fut, value, error))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_resolve, items)
+            except RuntimeError:  # the loop closed meanwhile; nobody is waiting
+                pass
+
+
+def _resolve(items) -> None:
+    for fut, value, error in items:
+        if fut.done():
+            continue
+        if error is not None:
+            fut.set_exception(error)
+        elif isinstance(value, Commit):
+            fut.set_exception(value.error)
+        else:
+            fut.set_result(value)
+
+
+def _reference() -> str:
+    return f"ref-{time.time_ns():x}"
+
+
+def _unavailable(message: str) -> DomainError:
+    return DomainError(PROVIDER_UNAVAILABLE, message, {"actor": "platform", "reference": _reference()})
+
+
+class SqliteStore:
+    """Reads on the caller's thread (a connection that sees committed data only) and the writer."""
+
+    def __init__(self, path: str, synchronous: str = "FULL"):
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        init = connect(path, synchronous)
+        with init:
+            init.executescript(SCHEMA)
+            init.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        init.close()
+        self._synchronous = synchronous
+        self._read = connect(path, synchronous)
+        self.writer: Writer | None = None
+
+    def start_writer(self, on_reset: Callable[[Tx], None]) -> Writer:
+        self.writer = Writer(self.path, self._synchronous, on_reset)
+        return self.writer
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self._read.close()
+
+    # ---- reads (committed data) --------------------------------------------
+    def reservation(self, reservation_id: str) -> Reservation | None:
+        row = self._read.execute("SELECT doc, seq FROM reservations WHERE id = ?", (reservation_id,)).fetchone()
+        if row is None:
+            return None
+        res = codec.decode_reservation(row[0])
+        res.seq = row[1]
+        return res
+
+    def reservations_page(
+        self, tenant_id: str, principal_id: str | None, state: str | None, pool_id: str | None,
+        before_seq: int | None, limit: int,
+    ) -> list[Reservation]:
+        sql = ["SELECT doc, seq FROM reservations WHERE tenant_id = ? AND state NOT IN ('draft', 'awaiting-confirmation')"]
+        args: list[Any] = [tenant_id]
+        if principal_id is not None:
+            sql.append("AND principal_id = ?")
+            args.append(principal_id)
+        if state is not None:
+            sql.append("AND state = ?")
+            args.append(state)
+        if pool_id is not None:
+            sql.append("AND pool_id = ?")
+            args.append(pool_id)
+        if before_seq is not None:
+            sql.append("AND seq < ?")
+            args.append(before_seq)
+        sql.append("ORDER BY seq DESC LIMIT ?")
+        args.append(limit)
+        out = []
+        for doc, seq in self._read.execute(" ".join(sql), args):
+            res = codec.decode_reservation(doc)
+            res.seq = seq
+            out.append(res)
+        return out
+
+    def operation(self, op_id: str) -> Operation | None:
+        row = self._read.execute("SELECT doc FROM operations WHERE id = ?", (op_id,)).fetchone()
+        return codec.decode_operation(row[0]) if row else None
+
+    def operations(self, op_ids: list[str]) -> dict[str, Operation]:
+        if not op_ids:
+            return {}
+        marks = ",".join("?" * len(op_ids))
+        rows = self._read.execute(f"SELECT id, doc FROM operations WHERE id IN ({marks})", op_ids)
+        return {i: codec.decode_operation(d) for i, d in rows}
+
+    def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]:
+        rows = self._read.execute(
+            "SELECT seq, reservation_id, type, at, data FROM events WHERE tenant_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (tenant_id, after or 0, limit),
+        )
+        return [
+            {"seq": seq, "reservationId": rid, "type": type_, "at": at, "data": codec.decode_as(data, dict)}
+            for seq, rid, type_, at, data in rows
+        ]
+
+    def token(self, token_hash: str) -> tuple[str, str] | None:
+        row = self._read.execute("SELECT kind, subject FROM tokens WHERE hash = ?", (token_hash,)).fetchone()
+        return (row[0], row[1]) if row else None
+
+
+# ---- loading what the writer keeps in memory (used by the writer's reset and at start)
+
+def live_reservations(conn: sqlite3.Connection) -> list[Reservation]:
+    out = []
+    for doc, seq in conn.execute(
+        "SELECT doc, seq FROM reservations WHERE state NOT IN ('released', 'cancelled') ORDER BY seq"
+    ):
+        res = codec.decode_reservation(doc)
+        res.seq = seq
+        if res.state not in TERMINAL:
+            out.append(res)
+    return out
+
+
+def live_bookings(conn: sqlite3.Connection) -> list[BookingRow]:
+    rows = conn.execute(
+        "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib, b.hugepages_1g"
+        " FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
+        " WHERE r.state IN ('placed', 'binding', 'active') AND b.end_ms > b.start_ms"
+    )
+    return [BookingRow(r[0], r[1], r[2], tuple(r[3].split(",")) if r[3] else (), r[4], r[5], r[6], r[7], r[8]) for r in rows]
+
+
+def catalog_docs(conn: sqlite3.Connection, kind: str) -> list[bytes]:
+    return [row[0] for row in conn.execute("SELECT doc FROM catalog WHERE kind = ? ORDER BY id", (kind,))]

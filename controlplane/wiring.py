@@ -1,0 +1,140 @@
+"""The control plane assembled: store, catalog, IAM, writer state and services, opened and closed together."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from controlplane import bootstrap as bootstrap_file
+from controlplane import catalog as catalog_mod
+from controlplane.api.auth import Tokens
+from controlplane.catalog import Catalog
+from controlplane.domain.clock import Clock
+from controlplane.domain.ids import token_hash
+from controlplane.iam.cedar import CedarAuthorizer, validate
+from controlplane.reservations import CatalogRef, ReservationService
+from controlplane.state import WriterState
+from controlplane.store import sqlite as sq
+
+log = structlog.get_logger("berth.controlplane")
+
+
+class ConfigError(ValueError):
+    """The control plane cannot start with this configuration; the message says what to change."""
+
+
+def default_db_url() -> str:
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return f"sqlite:///{base / 'berth' / 'controlplane.db'}"
+
+
+def sqlite_path(url: str) -> str:
+    """The file of a `sqlite:///PATH` URL (PATH as written: `sqlite:////abs` and `sqlite:///rel` both work)."""
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        raise ConfigError("--db: the PostgreSQL engine is not built yet; use sqlite:///PATH")
+    if not url.startswith("sqlite:///"):
+        raise ConfigError(f"--db: {url!r} is not sqlite:///PATH or postgresql://...")
+    path = url[len("sqlite:///"):]
+    if not path:
+        raise ConfigError("--db: sqlite:/// needs a file path")
+    if path == ":memory:":
+        raise ConfigError("--db: an in-memory database would lose every booking; give a file")
+    if not path.startswith("/") and url.startswith("sqlite:////"):
+        path = "/" + path
+    return path
+
+
+@dataclass
+class Config:
+    db: str = field(default_factory=default_db_url)
+    bootstrap: str | None = None
+    clock: Clock = field(default_factory=Clock)
+    synchronous: str = "FULL"
+
+
+class ControlPlane:
+    def __init__(self, config: Config):
+        self.config = config
+        self.clock = config.clock
+        self.store = sq.SqliteStore(sqlite_path(config.db), config.synchronous)
+        self.catalog = CatalogRef(Catalog())
+        self.state = WriterState()
+        self.tokens = Tokens()
+        self.authorizer: CedarAuthorizer | None = None
+        self.reservations: ReservationService | None = None
+
+    def open(self) -> "ControlPlane":
+        writer = self.store.start_writer(self._rebuild)
+        writer.call_sync(self._load)
+        if self.config.bootstrap:
+            self.apply_bootstrap(self.config.bootstrap)
+        self._build_iam()
+        self.reservations = ReservationService(self.store, self.authorizer, self.clock, self.catalog, self.state)
+        return self
+
+    def close(self) -> None:
+        self.store.close()
+
+    # ---- catalog and memory ----------------------------------------------------
+    def _load(self, tx: sq.Tx) -> None:
+        docs = {kind: sq.catalog_docs(tx.conn, kind) for kind in catalog_mod.KINDS}
+        policies = b"".join(sq.catalog_docs(tx.conn, "policies")).decode()
+        self.catalog.current = catalog_mod.load(docs, policies)
+        self.tokens.rows = {h: (k, s) for h, k, s in tx.conn.execute("SELECT hash, kind, subject FROM tokens")}
+        self._rebuild(tx)
+
+    def _rebuild(self, tx: sq.Tx) -> None:
+        self.state.rebuild(self.catalog.current, sq.live_reservations(tx.conn), sq.live_bookings(tx.conn))
+
+    def apply_bootstrap(self, path: str) -> None:
+        try:
+            declared, tokens, admin = bootstrap_file.read(path)
+        except bootstrap_file.BootstrapError as exc:
+            raise ConfigError(f"--bootstrap {exc}") from None
+        if declared.policies.strip():
+            try:
+                validate(declared.policies)
+            except ValueError as exc:
+                raise ConfigError(f"--bootstrap {path}: policies: {exc}") from None
+
+        def job(tx: sq.Tx) -> None:
+            merged = bootstrap_file.merge(self.catalog.current, declared)
+            for kind, items in (("tenant", merged.tenants), ("principal", merged.principals),
+                                ("pool", merged.pools), ("node", merged.nodes)):
+                for ident, item in items.items():
+                    tx.put_catalog(kind, ident, catalog_mod.encode_item(item))
+            tx.put_catalog("policies", "default", merged.policies.encode())
+            rows = dict(self.tokens.rows)
+            for kind, pairs in tokens.items():
+                for token, subject in pairs:
+                    for h in [h for h, (k, s) in rows.items() if k == kind and s == subject]:
+                        del rows[h]
+                    tx.delete_tokens(kind, subject)
+            if admin:
+                for h in [h for h, (k, _) in rows.items() if k == "admin"]:
+                    del rows[h]
+                tx.delete_tokens("admin", "admin")
+            for kind, pairs in tokens.items():
+                for token, subject in pairs:
+                    tx.put_token(token_hash(token), kind, subject)
+                    rows[token_hash(token)] = (kind, subject)
+            if admin:
+                tx.put_token(token_hash(admin), "admin", "admin")
+                rows[token_hash(admin)] = ("admin", "admin")
+            tx.touch()
+            self.catalog.current = merged
+            self.tokens.rows = rows
+            self.state.add_nodes(merged.nodes.values())
+
+        self.store.writer.call_sync(job)
+        c = self.catalog.current
+        log.info("bootstrap applied", file=str(path), tenants=len(c.tenants), principals=len(c.principals),
+                 pools=len(c.pools), nodes=len(c.nodes))
+
+    def _build_iam(self) -> None:
+        policies = self.catalog.current.policies
+        if not policies.strip():
+            log.warning("no Cedar policies: every request is denied until a bootstrap declares some")
+        self.authorizer = CedarAuthorizer(policies, lambda pid: self.catalog.current.principals.get(pid))
