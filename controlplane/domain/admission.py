@@ -168,6 +168,9 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, nodes: Sequence
             if len(sizes) != 1:
                 raise invalid("gpuCount", "required for a node binding in a pool whose nodes differ in GPU count")
             gpu_count = sizes.pop()
+        elif gpu_count not in sizes:
+            raise invalid("gpuCount", f"a node binding books every GPU of a node; nodes of pool {pool.id} have "
+                          + " or ".join(str(s) for s in sorted(sizes)), sizes=sorted(sizes))
     elif gpu_count is None:
         raise invalid("gpuCount", "required")
 

@@ -1,0 +1,148 @@
+"""Fixtures for the control plane: a real server on loopback with a real SQLite file and a fake clock."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controlplane.api.app import CONTROL_PLANE, create_app
+from controlplane.domain.clock import FakeClock
+from controlplane.wiring import Config
+
+T0 = 1_800_000_000_000  # the fake clock's start, epoch ms
+HOUR = 3_600_000
+
+TOKENS = {
+    "alice": "token-acme-alice-000001",
+    "bob": "token-acme-bob-0000001",
+    "agent": "token-acme-agent-000001",
+    "carol": "token-globex-carol-0001",
+    "dave": "token-initech-dave-00001",
+}
+
+POLICIES = """
+permit (principal, action, resource) when { principal.tenant == resource.tenant };
+forbid (principal is Agent, action == Action::"compute:reservations:create", resource is Reservation)
+  when { resource.gpuCount > 2 };
+forbid (principal, action in [Action::"compute:reservations:create", Action::"compute:reservations:extend"], resource is Reservation)
+  when { resource.durationHours > 168 };
+forbid (principal == User::"bob", action == Action::"compute:reservations:read", resource is Reservation)
+  when { resource.principal != principal };
+"""
+
+
+def h100_node(node_id: str, pool: str = "h100", vcpu: int = 64, memory: int = 512, hugepages: int = 16) -> dict:
+    return {
+        "id": node_id, "pool": pool, "hostname": f"{node_id}.test", "vcpu": vcpu, "memoryGiB": memory,
+        "hugepages1Gi": hugepages, "gpus": [{"numaNode": 0 if i < 4 else 1} for i in range(8)],
+    }
+
+
+def bootstrap_doc() -> dict:
+    return {
+        "adminToken": "admin-token-for-tests-0001",
+        "tenants": [
+            {"id": "acme", "budgetUsd": "100", "quota": {
+                "gpu:H100_80GB": 64, "gpu:A100_80GB:1g.10gb": 14, "gpu:L4_24GB:slot": 16, "vcpu": 32, "memoryGiB": 256}},
+            {"id": "globex", "budgetUsd": "0", "quota": {"gpu:H100_80GB": 16}},
+            {"id": "initech", "budgetUsd": "50", "quota": {"gpu:H100_80GB": 16}},
+        ],
+        "principals": [
+            {"id": "alice", "tenant": "acme", "token": TOKENS["alice"]},
+            {"id": "bob", "tenant": "acme", "token": TOKENS["bob"]},
+            {"id": "agent", "tenant": "acme", "kind": "agent", "delegatedBy": "alice", "token": TOKENS["agent"]},
+            {"id": "carol", "tenant": "globex", "token": TOKENS["carol"]},
+            {"id": "dave", "tenant": "initech", "token": TOKENS["dave"]},
+        ],
+        "pools": [
+            {"id": "h100", "owner": "acme", "region": "eu", "gpuModel": "H100_80GB", "pricePerGpuHourUsd": "2.5",
+             "policy": {"tenantRoot": True},
+             "offers": [{"tenant": "globex", "budgetCheck": True},
+                        {"tenant": "initech", "quota": {"vcpu": 8}}]},
+            {"id": "mig", "owner": "acme", "region": "us", "gpuModel": "A100_80GB", "sharing": "mig"},
+            {"id": "k8s", "owner": "acme", "region": "us", "gpuModel": "H100_80GB",
+             "policy": {"kubernetes": True, "perGpu": {"vcpu": 4, "memoryGiB": 32}}, "offers": [{"tenant": "globex"}]},
+            {"id": "slots", "owner": "acme", "region": "us", "gpuModel": "L4_24GB", "sharing": "slots",
+             "policy": {"slotsPerGpu": 2}},
+            {"id": "budget", "owner": "acme", "region": "eu", "gpuModel": "H100_80GB", "policy": {"budgetCheck": True}},
+            {"id": "old", "owner": "acme", "region": "eu", "gpuModel": "H100_80GB", "archived": True},
+            {"id": "globex-own", "owner": "globex", "region": "eu", "gpuModel": "H100_80GB"},
+        ],
+        "nodes": [
+            h100_node("h1"), h100_node("h2"),
+            {"id": "m1", "pool": "mig", "hostname": "m1.test", "vcpu": 32, "memoryGiB": 256,
+             "gpus": [{"mig": ["1g.10gb"] * 7}, {"mig": ["1g.10gb"] * 5 + ["2g.20gb"]}]},
+            h100_node("k1", pool="k8s"),
+            {"id": "s1", "pool": "slots", "hostname": "s1.test", "vcpu": 16, "memoryGiB": 64, "gpus": 2},
+            h100_node("b1", pool="budget"),
+            h100_node("o1", pool="old"),
+            h100_node("g1", pool="globex-own"),
+        ],
+        "nodeTokens": [{"pool": "h100", "token": "node-token-h100-000001"}],
+        "policies": POLICIES,
+    }
+
+
+class Api:
+    """Real HTTP against the test server: call(method, who, body) -> (status, json)."""
+
+    def __init__(self, client, clock: FakeClock):
+        self.client = client
+        self.clock = clock
+
+    @property
+    def cp(self):
+        return self.client.server.app[CONTROL_PLANE]
+
+    async def post(self, path: str, who: str | None, body=None, headers: dict | None = None, raw: bytes | None = None):
+        hdrs = dict(headers or {})
+        if who is not None:
+            hdrs["Authorization"] = f"Bearer {TOKENS.get(who, who)}"
+        data = raw if raw is not None else json.dumps(body if body is not None else {}).encode()
+        resp = await self.client.post(path, data=data, headers=hdrs)
+        return resp.status, await resp.json()
+
+    async def call(self, method: str, who: str | None, body=None, **kw):
+        return await self.post(f"/api/compute/reservations/{method}", who, body, **kw)
+
+    async def create(self, who: str = "alice", key: str | None = None, **fields):
+        body = {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1, **fields}
+        if "end" in fields and "durationHours" not in fields:
+            body.pop("durationHours")
+        body = {k: v for k, v in body.items() if v is not None}
+        if key is not None:
+            body["idempotencyKey"] = key
+        return await self.call("create", who, body)
+
+    async def ok(self, method: str, who: str, body) -> dict:
+        status, doc = await self.call(method, who, body)
+        assert status in (200, 202), (status, doc)
+        return doc["reservation"] if "reservation" in doc else doc
+
+    async def events(self, who: str = "alice", after: int | None = None) -> list[dict]:
+        status, doc = await self.post("/api/compute/events/list", who, {"after": after} if after else {})
+        assert status == 200, doc
+        return doc["events"]
+
+
+@pytest.fixture
+def bootstrap_file(tmp_path: Path):
+    def write(doc: dict | None = None) -> str:
+        path = tmp_path / "bootstrap.json"
+        path.write_text(json.dumps(doc or bootstrap_doc()))
+        return str(path)
+
+    return write
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(T0)
+
+
+@pytest.fixture
+async def api(aiohttp_client, tmp_path, bootstrap_file, clock) -> Api:
+    config = Config(db=f"sqlite:///{tmp_path / 'cp.db'}", bootstrap=bootstrap_file(), clock=clock, synchronous="NORMAL")
+    client = await aiohttp_client(create_app(config))
+    return Api(client, clock)
