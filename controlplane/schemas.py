@@ -71,6 +71,23 @@ _AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _NAMED = re.compile(r"field `(?P<name>[^`]+)`")
 
 
+_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+          "object": "an object", "array": "an array", "null": "null"}
+_EXPECTED = re.compile(r"^Expected `(?P<kind>[^`]+)`(?P<rest>.*?)(?:, got `(?P<got>[^`]+)`)?$")
+
+
+def _rule(text: str) -> str:
+    """msgspec's "Expected `int` >= 1, got `str`" as "must be an integer >= 1 (got a string)"."""
+    m = _EXPECTED.match(text)
+    if not m:
+        return text[:1].lower() + text[1:]
+    kinds = " or ".join(_KINDS.get(k.strip(), k.strip()) for k in m.group("kind").split("|"))
+    out = f"must be {kinds}{m.group('rest')}"
+    if m.group("got"):
+        out += f" (got {_KINDS.get(m.group('got'), m.group('got'))})"
+    return out
+
+
 def _field_of(message: str) -> tuple[str, str]:
     """(field path, rule) out of a msgspec message such as "Expected `int` >= 1 - at `$.gpuCount`"."""
     path = ""
@@ -83,13 +100,18 @@ def _field_of(message: str) -> tuple[str, str]:
     if named and ("unknown field" in rule or "missing required field" in rule):
         path = f"{path}.{named.group('name')}" if path else named.group("name")
         rule = "is not a field of this request" if "unknown field" in rule else "is required"
-    return path or "body", rule
+    return path or "body", _rule(rule)
 
 
 def decode(body: bytes, schema: type[Struct]) -> Any:
     try:
         return msgspec.json.decode(body or b"{}", type=schema)
     except msgspec.ValidationError as exc:
+        try:  # the decoder streams: a syntax error after a bad field must still read as bad JSON
+            msgspec.json.decode(body or b"{}")
+        except msgspec.DecodeError as syntax:
+            raise DomainError(INVALID_INPUT, f"body: not valid JSON ({syntax})",
+                              {"field": "body", "rule": "must be a JSON object"}) from None
         field, rule = _field_of(str(exc))
         raise DomainError(INVALID_INPUT, f"{field}: {rule}", {"field": field, "rule": rule}) from None
     except msgspec.DecodeError as exc:

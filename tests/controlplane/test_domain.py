@@ -1,0 +1,177 @@
+"""The domain core as plain code: calendar, placement, quota, state machine and admission."""
+from __future__ import annotations
+
+import pytest
+
+from controlplane.domain import states
+from controlplane.domain.admission import CreateRequest, ResourcesAsk, admit, pool_share
+from controlplane.domain.calendar import Booking, Calendar, DeviceTimeline
+from controlplane.domain.errors import DomainError
+from controlplane.domain.model import Node, Pool, PoolPolicy, Reservation, Tenant, Unit
+from controlplane.domain.placement import Ask, place
+from controlplane.domain.quota import QuotaLedger, charge_for
+from controlplane.domain.share import NO_SHARE, Share, host_share_per_gpu, pool_share_per_gpu
+
+H = 3_600_000
+
+
+def node(node_id: str, gpus: int = 8, vcpu: int = 64, mem_gib: int = 512, numa_split: int = 4) -> Node:
+    units = tuple(Unit(f"gpu{i}", i, 0 if i < numa_split else 1) for i in range(gpus))
+    return Node(node_id, "p", f"{node_id}.test", units, gpus, Share(vcpu * 1000, mem_gib * 1024, 8))
+
+
+def calendar_with(*nodes: Node) -> tuple[Calendar, dict[str, Node]]:
+    cal = Calendar()
+    for n in nodes:
+        cal.add_node("p", n.id, [u.id for u in n.units])
+    return cal, {n.id: n for n in nodes}
+
+
+# ---- calendar ----------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "start, end, free",
+    [(0, 10, True), (0, 11, False), (10, 20, False), (25, 30, True), (19, 21, False), (20, 25, True), (35, 45, False)],
+)
+def test_device_timeline_is_free_exactly_outside_its_bookings(start, end, free):
+    tl = DeviceTimeline()
+    tl.add(10, 20, "a")
+    tl.add(30, 40, "b")
+    assert free == tl.is_free(start, end)
+
+
+def test_device_timeline_refuses_an_overlap():
+    tl = DeviceTimeline()
+    tl.add(10, 20, "a")
+    with pytest.raises(ValueError):
+        tl.add(15, 25, "b")
+
+
+def test_release_cuts_running_bookings_and_drops_future_ones():
+    cal, _ = calendar_with(node("n1"))
+    cal.book(Booking("r1", "p", "n1", ("gpu0",), 0, 100, NO_SHARE))
+    cal.book(Booking("r2", "p", "n1", ("gpu1",), 200, 300, NO_SHARE))
+    kept = cal.release("r1", 50)
+    assert [(b.start, b.end) for b in kept] == [(0, 50)]
+    assert cal.release("r2", 50) == []
+    assert cal.pools["p"].nodes["n1"].devices["gpu1"].is_free(200, 300)
+    assert "n1" in cal.pools["p"].idle
+
+
+def test_host_peak_sums_only_overlapping_bookings():
+    cal, _ = calendar_with(node("n1"))
+    cal.book(Booking("a", "p", "n1", ("gpu0",), 0, 10, Share(1000, 10, 0)))
+    cal.book(Booking("b", "p", "n1", ("gpu1",), 5, 15, Share(2000, 20, 1)))
+    cal.book(Booking("c", "p", "n1", ("gpu2",), 10, 20, Share(4000, 40, 0)))
+    ncal = cal.pools["p"].nodes["n1"]
+    assert Share(3000, 30, 1) == ncal.host_peak(0, 10)
+    assert Share(6000, 60, 1) == ncal.host_peak(10, 15)
+    assert Share(4000, 40, 0) == ncal.host_peak(15, 30)
+
+
+def test_latest_end_is_bounded_by_the_next_booking_of_any_device():
+    cal, _ = calendar_with(node("n1"))
+    cal.book(Booking("mine", "p", "n1", ("gpu0", "gpu1"), 0, 10, NO_SHARE))
+    cal.book(Booking("next", "p", "n1", ("gpu1",), 25, 30, NO_SHARE))
+    assert 25 == cal.latest_end("mine", 100)
+    assert 20 == cal.latest_end("mine", 20)
+
+
+# ---- placement -----------------------------------------------------------------
+
+def test_placement_prefers_the_node_in_use_and_one_numa_node():
+    cal, nodes = calendar_with(node("n1"), node("n2"))
+    cal.book(Booking("x", "p", "n2", ("gpu0",), 0, H, NO_SHARE))
+    got = place(cal.pools["p"], nodes, Ask(gpu_count=3, node_count=1, share=NO_SHARE, start=0, end=H))
+    assert got[0].node_id == "n2"
+    assert got[0].units == ["gpu1", "gpu2", "gpu3"]  # the NUMA node with 3 free: tightest fit
+
+
+def test_placement_spreads_over_numa_nodes_only_when_one_cannot_hold_it():
+    cal, nodes = calendar_with(node("n1"))
+    got = place(cal.pools["p"], nodes, Ask(gpu_count=6, node_count=1, share=NO_SHARE, start=0, end=H))
+    assert sorted(got[0].units) == sorted([f"gpu{i}" for i in range(6)])
+
+
+def test_placement_checks_host_resources_over_the_window():
+    cal, nodes = calendar_with(node("n1", vcpu=16))
+    cal.book(Booking("x", "p", "n1", ("gpu0",), 0, H, Share(12000, 0, 0)))
+    ask = Ask(gpu_count=1, node_count=1, share=Share(8000, 0, 0), start=0, end=H)
+    assert place(cal.pools["p"], nodes, ask) is None
+    later = Ask(gpu_count=1, node_count=1, share=Share(8000, 0, 0), start=H, end=2 * H)
+    assert place(cal.pools["p"], nodes, later) is not None
+
+
+def test_placement_skips_unschedulable_nodes():
+    lost = Node("n1", "p", "h", node("n1").units, 8, Share(64000, 512 * 1024, 0), schedulable=False)
+    cal, nodes = calendar_with(lost)
+    assert place(cal.pools["p"], nodes, Ask(gpu_count=1, node_count=1, share=NO_SHARE, start=0, end=H)) is None
+
+
+def test_gang_placement_is_all_or_nothing_on_distinct_nodes():
+    cal, nodes = calendar_with(node("n1"), node("n2"), node("n3"))
+    cal.book(Booking("x", "p", "n1", tuple(f"gpu{i}" for i in range(6)), 0, H, NO_SHARE))
+    got = place(cal.pools["p"], nodes, Ask(gpu_count=4, node_count=2, share=NO_SHARE, start=0, end=H))
+    assert sorted(p.node_id for p in got) == ["n2", "n3"]
+    assert place(cal.pools["p"], nodes, Ask(gpu_count=4, node_count=3, share=NO_SHARE, start=0, end=H)) is None
+
+
+# ---- share and quota -----------------------------------------------------------------
+
+def test_per_gpu_share_is_the_smallest_any_host_gives_unless_policy_sets_it():
+    hosts = [host_share_per_gpu(64000, 512 * 1024, 8), host_share_per_gpu(96000, 256 * 1024, 8), host_share_per_gpu(0, 0, 8)]
+    assert Share(8000, 32 * 1024) == pool_share_per_gpu(hosts)
+    assert Share(1, 2) == pool_share_per_gpu(hosts, Share(1, 2))
+    assert NO_SHARE == pool_share_per_gpu([None])
+
+
+def test_quota_ledger_checks_holds_and_refunds():
+    tenant = Tenant("t", {"gpu:H100_80GB": 4, "vcpu_milli": 2000})
+    pool = Pool("p", "t", "eu", "H100_80GB")
+    ledger = QuotaLedger()
+    charge = charge_for(pool, None, "gpu:H100_80GB", 3, Share(1000, 0, 0), 1)
+    ledger.check(tenant, {"p": pool}, charge)
+    ledger.hold("t", charge)
+    with pytest.raises(DomainError) as err:
+        ledger.check(tenant, {"p": pool}, charge)
+    assert err.value.code == "QUOTA_EXCEEDED" and err.value.details["resource"] == "gpu:H100_80GB"
+    ledger.refund("t", charge)
+    assert dict(ledger.usage("t")) == {}
+
+
+# ---- state machine ------------------------------------------------------------------
+
+def _res(state: str) -> Reservation:
+    return Reservation("r", "t", "p", "k", "f", "pool", "eu", state, "hold", "H100_80GB", "exclusive", 1, 1, 0, 0)
+
+
+@pytest.mark.parametrize("terminal", sorted(states.TERMINAL))
+@pytest.mark.parametrize("target", states.PUBLIC_STATES)
+def test_terminal_states_are_never_left(terminal, target):
+    with pytest.raises(states.IllegalTransition):
+        states.move(_res(terminal), target, 1)
+
+
+def test_a_move_records_the_reason_of_a_terminal_state():
+    res = _res(states.PLACED)
+    assert states.PLACED == states.move(res, states.RELEASED, 5, "release")
+    assert (res.state, res.reason, res.updated_at) == (states.RELEASED, "release", 5)
+
+
+# ---- admission -------------------------------------------------------------------------
+
+def test_admission_raises_the_asked_resources_to_the_share():
+    pool = Pool("p", "t", "eu", "H100_80GB")
+    nodes = [node("n1")]
+    assert Share(8000, 64 * 1024) == pool_share(pool, nodes)
+    req = CreateRequest("p", "H100_80GB", gpu_count=2, duration_ms=H, resources=ResourcesAsk(20000, None, 2))
+    plan = admit(req, Tenant("t"), pool, nodes, now=0)
+    assert Share(20000, 128 * 1024, 2) == plan.resources
+    assert {"gpu:H100_80GB": 2, "vcpu_milli": 4000, "memory_mib": 2048} == plan.charge
+
+
+def test_admission_of_mig_requests_books_no_share():
+    pool = Pool("p", "t", "us", "A100_80GB", sharing="mig", policy=PoolPolicy())
+    mig = Node("m", "p", "m", tuple(Unit(f"gpu0/mig{i}", 0, 0, "1g.10gb") for i in range(7)), 1, Share(32000, 1024, 0))
+    plan = admit(CreateRequest("p", "A100_80GB", gpu_count=2, mig_profile="1g.10gb", duration_ms=H), Tenant("t"), pool, [mig], 0)
+    assert NO_SHARE == plan.resources and {"gpu:A100_80GB:1g.10gb": 2} == plan.charge

@@ -1,0 +1,89 @@
+"""Run `berth controlplane serve` as a real process for tests: start, wait for its listening line, stop or kill."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+LISTENING = re.compile(r'"address":\s*"http://([^"]+)"')
+
+
+class ServerProcess:
+    def __init__(self, db: Path, bootstrap: Path, extra: list[str] | None = None):
+        self.db = db
+        self.bootstrap = bootstrap
+        self.extra = extra or []
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.lines: list[str] = []
+
+    def start(self, timeout: float = 20) -> "ServerProcess":
+        cmd = [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--listen", "127.0.0.1:0",
+               "--db", f"sqlite:///{self.db}", "--bootstrap", str(self.bootstrap), "--log-format", "json", *self.extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        found = threading.Event()
+
+        def pump() -> None:
+            for line in self.proc.stderr:  # type: ignore[union-attr]
+                self.lines.append(line)
+                m = LISTENING.search(line)
+                if m and not found.is_set():
+                    self.url = "http://" + m.group(1)
+                    found.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not found.wait(timeout):
+            self.kill()
+            raise RuntimeError("control plane did not start:\n" + "".join(self.lines))
+        return self
+
+    def post(self, path: str, token: str | None, body, timeout: float = 10, headers: dict | None = None):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST")
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        for k, v in (headers or {}).items():
+            req.add_header(k, v)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+
+    def stop(self) -> int:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode if self.proc else 0
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def wait_until(predicate, timeout: float = 10, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
