@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from controlplane.domain.admission import PoolProfile, profile_of
 from controlplane.domain.model import Node, Pool, Principal, Tenant
 from controlplane.store import codec
 
@@ -34,6 +35,16 @@ class Catalog:
 
     def pool_nodes(self, pool_id: str) -> tuple[Node, ...]:
         return self.nodes_by_pool.get(pool_id, ())
+
+    def profile(self, pool_id: str) -> PoolProfile:
+        """The pool's admission profile, computed once per catalog snapshot."""
+        profiles = self.__dict__.setdefault("_profiles", {})
+        found = profiles.get(pool_id)
+        if found is None:
+            pool = self.pools.get(pool_id)
+            found = profiles[pool_id] = profile_of(pool, self.pool_nodes(pool_id)) if pool else profile_of(
+                Pool(pool_id, "", "", ""), ())
+        return found
 
     def with_changes(self, **changes) -> "Catalog":
         return replace(self, **changes)

@@ -215,8 +215,9 @@ class ReservationService:
             raise not_found("tenant", principal.tenant_id)
         req = to_request(body)
         now = self.clock.compute_now()
-        plan = admit(req, tenant, catalog.pools.get(req.pool_id), catalog.pool_nodes(req.pool_id), now)
+        plan = admit(req, tenant, catalog.pools.get(req.pool_id), catalog.profile(req.pool_id), now)
 
+        draft = None
         if existing is None:
             draft = Reservation(
                 id=rid, tenant_id=tenant.id, principal_id=principal.id, idempotency_key=key, fingerprint=fp,
@@ -226,21 +227,45 @@ class ReservationService:
                 start=plan.start, end=plan.end, duration_ms=plan.duration_ms, spot=plan.spot,
                 lease_seconds=plan.lease_seconds, resources=plan.resources, charge=plan.charge,
             )
-            stored = await self.writer.call(lambda tx: self._job_write_draft(tx, draft, principal))
-            if stored.id != rid or stored.fingerprint != fp or stored.state != states.DRAFT:
-                replay = self._replay(stored, fp)
-                if replay is not None:
-                    return replay
-
         attributes = iam_attributes(plan, tenant.id)
         attributes["principal"] = principal
-        decision = await self.authorizer.decide(AuthzRequest(principal, CREATE, Resource("Reservation", rid, attributes)))
-        answer = await self.writer.call(lambda tx: self._job_admit(tx, rid, plan, decision, principal))
+        request = AuthzRequest(principal, CREATE, Resource("Reservation", rid, attributes))
+
+        decide_now = getattr(self.authorizer, "decide_sync", None)
+        if decide_now is not None:
+            # An embedded decision takes microseconds, so the draft, its decision and
+            # its admission are one transaction: the draft is still written first, and
+            # a crash before the commit leaves nothing, so the retry decides afresh.
+            def job(tx: Tx):
+                res = None
+                if draft is not None:
+                    res = tx.reservation(rid)
+                    if res is not None:  # a concurrent request with the same key got here first
+                        replay = self._replay(res, fp, tx.operation)
+                        if replay is not None:
+                            return replay
+                    else:
+                        res = draft  # stored by the admission below, in whatever state it ends
+                return self._job_admit(tx, rid, plan, decide_now(request), principal, res)
+
+            answer = await self.writer.call(job)
+        else:
+            if draft is not None:
+                stored = await self.writer.call(lambda tx: self._job_write_draft(tx, draft, principal))
+                if stored is not draft:
+                    replay = self._replay(stored, fp)
+                    if replay is not None:
+                        return replay
+            decision = await self.authorizer.decide(request)
+            answer = await self.writer.call(lambda tx: self._job_admit(tx, rid, plan, decision, principal))
         self._notify("created", answer.reservation)
         return answer
 
-    def _replay(self, existing: Reservation, fp: str) -> Answer | None:
-        """The answer to a repeated key, or None when its draft is to be decided again."""
+    def _replay(self, existing: Reservation, fp: str, operation_of=None) -> Answer | None:
+        """The answer to a repeated key, or None when its draft is to be decided again.
+
+        operation_of reads the operation (a job passes its transaction's reader).
+        """
         if existing.fingerprint != fp:
             raise DomainError(
                 CONFLICT,
@@ -252,7 +277,9 @@ class ReservationService:
                               {"reservationId": existing.id, "action": CREATE})
         if existing.state == states.DRAFT:
             return None
-        return self._answer(existing)
+        if operation_of is None:
+            return self._answer(existing)
+        return Answer(existing, operation_of(existing.operation_id) if existing.operation_id else None)
 
     @staticmethod
     def _job_write_draft(tx: Tx, draft: Reservation, principal: Principal) -> Reservation:
@@ -262,8 +289,12 @@ class ReservationService:
         tx.insert_reservation(draft)
         return draft
 
-    def _job_admit(self, tx: Tx, rid: str, plan: Plan, decision: Decision, principal: Principal) -> Answer | Commit:
-        res = tx.reservation(rid)
+    def _job_admit(self, tx: Tx, rid: str, plan: Plan, decision: Decision, principal: Principal,
+                   res: Reservation | None = None) -> Answer | Commit:
+        return self._admit(tx, res if res is not None else tx.reservation(rid), rid, plan, decision, principal)
+
+    def _admit(self, tx: Tx, res: Reservation | None, rid: str, plan: Plan, decision: Decision,
+               principal: Principal) -> Answer | Commit:
         if res is None:  # the draft is gone: cannot happen unless the database was edited by hand
             raise not_found("reservation", rid)
         if res.state != states.DRAFT:
@@ -274,7 +305,7 @@ class ReservationService:
         if not decision.allowed:
             res.decision = "deny"
             res.updated_at = now
-            tx.update_reservation(res)
+            tx.save_reservation(res)
             return Commit(DomainError(
                 ACCESS_DENIED,
                 f"{principal.id} may not create this reservation",
@@ -282,8 +313,14 @@ class ReservationService:
             ))
         catalog = self.catalog.current
         tenant = catalog.tenants[res.tenant_id]
-        self._check_spend(tenant, plan)
-        self.state.ledger.check(tenant, catalog.pools, plan.charge)
+        try:
+            self._check_spend(tenant, plan)
+            self.state.ledger.check(tenant, catalog.pools, plan.charge)
+        except DomainError as err:
+            if res.seq == 0:  # the draft stays, so the same key can be retried
+                tx.save_reservation(res)
+                return Commit(err)
+            raise
 
         # Allowed and charged: the draft becomes a reservation.
         res.decision = "allow"
@@ -303,7 +340,7 @@ class ReservationService:
             res.set_condition("Unschedulable", "True", "NoFit",
                               f"no {res.gpu_count} x {res.gpu_model} fit in pool {res.pool_id} for the window; retried as capacity frees", now)
             self.state.queue(res.pool_id)[res.id] = None
-        tx.update_reservation(res)
+        tx.save_reservation(res)
         tx.put_operation(op)
         self._event(tx, res, states.EVENT_OF_STATE[res.state], now)
         return Answer(res, op)

@@ -96,6 +96,27 @@ def pool_share(pool: Pool, nodes: Sequence[Node]) -> Share:
     return pool_share_per_gpu(hosts, pool.policy.per_gpu)
 
 
+@dataclass(frozen=True, slots=True)
+class PoolProfile:
+    """What admission needs to know of a pool's nodes, computed once per catalog, not per request."""
+
+    share: Share
+    mig_profiles: tuple[str, ...]
+    node_gpu_counts: frozenset[int]
+    # Nodes by how much they could ever hold, largest first, so that "could the
+    # pool ever hold this" stops as soon as node_count nodes qualify.
+    nodes_by_size: tuple[Node, ...]
+
+
+def profile_of(pool: Pool, nodes: Sequence[Node]) -> PoolProfile:
+    return PoolProfile(
+        share=pool_share(pool, nodes),
+        mig_profiles=tuple(sorted({u.mig_profile for n in nodes for u in n.units if u.mig_profile})),
+        node_gpu_counts=frozenset(n.gpu_count for n in nodes),
+        nodes_by_size=tuple(sorted(nodes, key=lambda n: (len(n.units), n.capacity.vcpu_milli, n.capacity.memory_mib), reverse=True)),
+    )
+
+
 def _window(req: CreateRequest, now: int) -> tuple[int | None, int | None, int | None]:
     if req.end is not None and req.duration_ms is not None:
         raise invalid("end", "give end or durationHours, not both")
@@ -123,8 +144,8 @@ def _window(req: CreateRequest, now: int) -> tuple[int | None, int | None, int |
     return start, end, None
 
 
-def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, nodes: Sequence[Node], now: int) -> Plan:
-    """Check a create against its pool; the Plan, or the documented refusal."""
+def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, profile: PoolProfile, now: int) -> Plan:
+    """Check a create against its pool (and the profile of its nodes); the Plan, or the documented refusal."""
     if pool is None or not pool.visible_to(tenant.id):
         raise not_found("pool", req.pool_id, field="poolId")
     if req.binding not in BINDINGS:
@@ -140,7 +161,7 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, nodes: Sequence
     if pool.sharing == "mig":
         if not req.mig_profile:
             raise invalid("migProfile", f"required: pool {pool.id} books MIG instances")
-        profiles = sorted({u.mig_profile for n in nodes for u in n.units if u.mig_profile})
+        profiles = list(profile.mig_profiles)
         if profiles and req.mig_profile not in profiles:
             raise invalid("migProfile", f"pool {pool.id} offers {', '.join(profiles)}", offered=profiles)
     elif req.mig_profile is not None:
@@ -163,7 +184,7 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, nodes: Sequence
 
     gpu_count = req.gpu_count
     if whole_node:
-        sizes = {n.gpu_count for n in nodes}
+        sizes = set(profile.node_gpu_counts)
         if gpu_count is None:
             if len(sizes) != 1:
                 raise invalid("gpuCount", "required for a node binding in a pool whose nodes differ in GPU count")
@@ -181,7 +202,7 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, nodes: Sequence
         resources = NO_SHARE
         excess = NO_SHARE
     else:
-        floor = pool_share(pool, nodes).scaled(gpu_count)
+        floor = profile.share.scaled(gpu_count)
         asked = req.resources.as_share() if req.resources is not None else NO_SHARE
         resources = asked.max_with(floor)
         excess = resources.minus(floor)
@@ -193,26 +214,29 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, nodes: Sequence
         mig_profile=req.mig_profile, start=start, end=end, duration_ms=duration_ms, spot=req.spot,
         lease_seconds=req.lease_seconds, resources=resources, charge=charge, whole_node=whole_node,
     )
-    _check_pool_can_hold(plan, nodes)
+    _check_pool_can_hold(plan, profile.nodes_by_size)
     return plan
 
 
 def _check_pool_can_hold(plan: Plan, nodes: Sequence[Node]) -> None:
     s, e = plan.window_for(0)
     ask = plan.ask(s, e)
-    holding = [n for n in nodes if could_ever_fit(n, ask)]
-    if len(holding) >= plan.node_count:
-        return
+    holding = 0
+    for n in nodes:
+        if could_ever_fit(n, ask):
+            holding += 1
+            if holding >= plan.node_count:
+                return
     most = max((len(eligible_units(n, ask)) for n in nodes), default=0)
     raise DomainError(
         NO_CAPACITY,
         f"pool {plan.pool.id} can never hold {plan.node_count} x {plan.gpu_count} {plan.pool.gpu_model}"
         + (f" {plan.mig_profile}" if plan.mig_profile else "")
-        + f" with this share: {len(holding)} of its {len(nodes)} nodes could",
+        + f" with this share: {holding} of its {len(nodes)} nodes could",
         {
             "reason": "exceeds_pool",
             "poolId": plan.pool.id,
-            "nodesThatFit": len(holding),
+            "nodesThatFit": holding,
             "maxGpuCountPerNode": most,
         },
     )

@@ -5,12 +5,15 @@ placement or None; booking it is the caller's job. The rules:
 
 - all or nothing: a gang (node_count > 1) gets node_count distinct nodes,
   each with gpu_count free units and room for the per-node host share;
-- least fragmentation: nodes that already hold bookings are tried first,
-  tightest fit wins, so whole free nodes stay whole for whole-node and large
-  requests; a bounded sample of recently booked nodes is scored (as
-  kube-scheduler samples nodes) so the cost of a create does not grow with
-  the fleet; only when the sample and the idle nodes give nothing is every
-  node examined before the request is declared not to fit;
+- least fragmentation: nodes that already hold bookings are filled before
+  an idle one is opened, so whole free nodes stay whole for whole-node and
+  large requests. The cost of a create must not grow with the fleet or the
+  calendar, so the search is bounded (as kube-scheduler samples nodes):
+  first the SAMPLE most recently booked nodes, taking the first that fits;
+  then idle nodes; then the other nodes in use, least recently booked
+  first (the likeliest to be free in a new window), scoring a few fits past
+  what is needed and taking the tightest. Only a request that fits nowhere
+  examines every node;
 - NUMA: within a node, units are taken from one NUMA node where one has
   enough (the tightest), else from the fullest NUMA nodes first;
 - slots: one slot per GPU, on distinct GPUs, fullest GPUs first.
@@ -25,7 +28,8 @@ from controlplane.domain.calendar import NodeCalendar, PoolCalendar
 from controlplane.domain.model import Node, Placement, Unit
 from controlplane.domain.share import Share
 
-SAMPLE = 8  # in-use nodes scored before the idle ones are tried
+SAMPLE = 8  # most recently booked nodes scored before the idle ones are tried
+EXTRA_FITS = 3  # fits past what is needed that the fallback scan scores before it stops
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +138,13 @@ def place(pool: PoolCalendar, nodes: Mapping[str, Node], ask: Ask) -> list[Place
         for _, node_id, chosen in scored[: ask.node_count - len(found)]:
             found[node_id] = chosen
 
-    in_use_recent = reversed(pool.in_use)  # most recently booked first
+    recent = islice(reversed(pool.in_use), SAMPLE * max(1, ask.node_count))
     if not ask.whole_node:
-        take(islice(in_use_recent, SAMPLE * max(1, ask.node_count)), None)
+        take(recent, ask.node_count)
     if len(found) < ask.node_count:
         take(pool.idle, ask.node_count - len(found))
     if len(found) < ask.node_count:
-        take(list(reversed(pool.in_use)), None)  # exhaustive before declaring no fit
+        take(pool.in_use, ask.node_count - len(found) + EXTRA_FITS)
     if len(found) < ask.node_count:
         return None
     return [Placement(node_id, units) for node_id, units in found.items()]

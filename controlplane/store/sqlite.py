@@ -1,9 +1,9 @@
 """The SQLite store: schema, reads on the caller's thread, and one writer thread with group commit.
 
-Every mutation is a job `fn(tx)` run by the writer thread inside one
-transaction shared by all jobs that arrived meanwhile (group commit: one
-fsync for the whole group); each job has its own savepoint, so a job that
-refuses rolls back alone. A job's caller is answered only after the commit,
+Every mutation is a job `fn(tx)` run by the writer inside one transaction
+shared by all jobs that arrived while the previous group was committing
+(group commit: one fsync for the whole group); each job has its own
+savepoint, so a job that refuses rolls back alone. A job's caller is answered only after the commit,
 so an acknowledged change survives a kill -9. A job that changes the
 writer's in-memory state (calendar, quota ledger) marks its Tx dirty first;
 if such a job fails, or a commit fails, the memory is rebuilt from the
@@ -13,7 +13,7 @@ disagree.
 from __future__ import annotations
 
 import asyncio
-import queue
+import concurrent.futures
 import sqlite3
 import threading
 import time
@@ -146,6 +146,13 @@ class Tx:
         )
         res.seq = cur.lastrowid
 
+    def save_reservation(self, res: Reservation) -> None:
+        """Insert a reservation never stored (seq 0), else update it."""
+        if res.seq == 0:
+            self.insert_reservation(res)
+        else:
+            self.update_reservation(res)
+
     def update_reservation(self, res: Reservation) -> None:
         self.conn.execute(
             "UPDATE reservations SET state = ?, doc = ? WHERE id = ?", (res.state, codec.encode(res), res.id)
@@ -215,68 +222,87 @@ class Tx:
 
 
 class Writer:
-    """The single writer thread: jobs in, group commits, answers out to the asking event loop."""
+    """The single writer: jobs run on the event loop in groups, each group committed by one fsync.
+
+    While a group's COMMIT (the fsync) runs on the commit thread, new jobs
+    queue; the next group runs them all in one transaction, each in its own
+    savepoint, and commits once. Jobs run on the loop thread, so the
+    writer's memory is only ever touched there, and only one group is open
+    at a time. Answers are given after the commit.
+    """
 
     def __init__(self, path: str, synchronous: str, on_reset: Callable[[Tx], None]):
-        self._path = path
-        self._synchronous = synchronous
+        self._conn = connect(path, synchronous)
         self._on_reset = on_reset
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="berth-store-writer", daemon=True)
+        self._pending: list[tuple[Callable[[Tx], Any], asyncio.Future]] = []
+        self._busy = False
+        self._commit_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="berth-store-commit")
+        self._lock = threading.Lock()  # call_sync against a group run by the loop
         self.groups = 0
         self.jobs = 0
-        self._thread.start()
-        self._ready.wait()
 
     def call(self, fn: Callable[[Tx], Any]) -> "asyncio.Future[Any]":
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._queue.put((fn, fut, loop))
+        self._pending.append((fn, fut))
+        if not self._busy:
+            self._busy = True
+            loop.call_soon(self._start_group, loop)
         return fut
 
     def call_sync(self, fn: Callable[[Tx], Any]) -> Any:
-        """Run a job from a thread without an event loop (start-up, tools); blocks until committed."""
-        done = threading.Event()
-        box: list = []
-        self._queue.put((fn, (done, box), None))
-        done.wait()
-        value, error = box
+        """Run one job now, outside any event loop (start-up, tools); returns once committed."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            answers = self._run_jobs([(fn, None)])
+            self._commit_or_reset(answers)
+        _, value, error = answers[0]
         if error is not None:
             raise error
+        if isinstance(value, Commit):
+            raise value.error
         return value
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._commit_thread.shutdown(wait=True)
+        self._conn.close()
 
-    def _main(self) -> None:
-        conn = connect(self._path, self._synchronous)
-        self._ready.set()
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            group = [item]
-            stop = False
-            while len(group) < GROUP_MAX:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                group.append(nxt)
-            self._run_group(conn, group)
-            if stop:
-                break
-        conn.close()
+    def _start_group(self, loop: asyncio.AbstractEventLoop) -> None:
+        group, self._pending = self._pending[:GROUP_MAX], self._pending[GROUP_MAX:]
+        if not group:
+            self._busy = False
+            return
+        self._lock.acquire()
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            answers = self._run_jobs(group)
+        except BaseException:
+            self._lock.release()
+            raise
+        commit = loop.run_in_executor(self._commit_thread, self._commit, answers)
+        commit.add_done_callback(lambda f: self._finish_group(loop, answers, f))
 
-    def _run_group(self, conn: sqlite3.Connection, group: list) -> None:
-        answers: list[tuple[Any, Any, Any, BaseException | None]] = []
-        conn.execute("BEGIN IMMEDIATE")
-        for fn, fut, loop in group:
+    def _finish_group(self, loop, answers, commit_future) -> None:
+        try:
+            if commit_future.exception() is not None or not commit_future.result():
+                if commit_future.exception() is not None:  # the commit thread itself failed
+                    err = _unavailable(f"the store failed: {commit_future.exception()}")
+                    answers = [(fut, None, err) for fut, _, _ in answers]
+                self._reset()
+        finally:
+            self._lock.release()
+        self.groups += 1
+        self.jobs += len(answers)
+        _resolve(answers)
+        if self._pending:
+            loop.call_soon(self._start_group, loop)
+        else:
+            self._busy = False
+
+    def _run_jobs(self, group) -> list[tuple[Any, Any, BaseException | None]]:
+        conn = self._conn
+        answers: list[tuple[Any, Any, BaseException | None]] = []
+        for fn, fut in group:
             tx = Tx(conn)
             conn.execute("SAVEPOINT job")
             try:
@@ -289,52 +315,43 @@ class Writer:
                     exc = _unavailable("the control plane could not complete this request")
                 if tx.dirty:
                     self._on_reset(Tx(conn))
-                answers.append((fut, loop, None, exc))
+                answers.append((fut, None, exc))
                 continue
             conn.execute("RELEASE job")
-            answers.append((fut, loop, value, None))
+            answers.append((fut, value, None))
+        return answers
+
+    def _commit(self, answers: list) -> bool:
+        """COMMIT (on the commit thread); on failure roll back and fail the group's answers."""
         try:
-            conn.execute("COMMIT")
+            self._conn.execute("COMMIT")
+            return True
         except sqlite3.Error as exc:
             log.error("commit failed; rebuilding state from the database", error=str(exc))
             try:
-                conn.execute("ROLLBACK")
+                self._conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
             err = _unavailable(f"the store could not commit: {exc}")
-            answers = [(f, l, None, err) for f, l, _, _ in answers]
-            self._reset(conn)
-        self.groups += 1
-        self.jobs += len(group)
-        self._answer(answers)
+            answers[:] = [(fut, None, err) for fut, _, _ in answers]
+            return False
 
-    def _reset(self, conn: sqlite3.Connection) -> None:
-        conn.execute("BEGIN")
+    def _reset(self) -> None:
+        """Rebuild the writer's memory from the database, on the thread that owns the memory."""
+        self._conn.execute("BEGIN")
         try:
-            self._on_reset(Tx(conn))
+            self._on_reset(Tx(self._conn))
         finally:
-            conn.execute("COMMIT")
+            self._conn.execute("COMMIT")
 
-    @staticmethod
-    def _answer(answers) -> None:
-        by_loop: dict[Any, list] = {}
-        for fut, loop, value, error in answers:
-            if loop is None:
-                done, box = fut
-                box.extend((value, error))
-                done.set()
-            else:
-                by_loop.setdefault(loop, []).append((fut, value, error))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_resolve, items)
-            except RuntimeError:  # the loop closed meanwhile; nobody is waiting
-                pass
+    def _commit_or_reset(self, answers: list) -> None:
+        if not self._commit(answers):
+            self._reset()
 
 
 def _resolve(items) -> None:
     for fut, value, error in items:
-        if fut.done():
+        if fut is None or fut.done():
             continue
         if error is not None:
             fut.set_exception(error)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from controlplane.domain import states
-from controlplane.domain.admission import CreateRequest, ResourcesAsk, admit, pool_share
+from controlplane.domain.admission import CreateRequest, ResourcesAsk, admit, pool_share, profile_of
 from controlplane.domain.calendar import Booking, Calendar, DeviceTimeline
 from controlplane.domain.errors import DomainError
 from controlplane.domain.model import Node, Pool, PoolPolicy, Reservation, Tenant, Unit
@@ -165,7 +165,7 @@ def test_admission_raises_the_asked_resources_to_the_share():
     nodes = [node("n1")]
     assert Share(8000, 64 * 1024) == pool_share(pool, nodes)
     req = CreateRequest("p", "H100_80GB", gpu_count=2, duration_ms=H, resources=ResourcesAsk(20000, None, 2))
-    plan = admit(req, Tenant("t"), pool, nodes, now=0)
+    plan = admit(req, Tenant("t"), pool, profile_of(pool, nodes), now=0)
     assert Share(20000, 128 * 1024, 2) == plan.resources
     assert {"gpu:H100_80GB": 2, "vcpu_milli": 4000, "memory_mib": 2048} == plan.charge
 
@@ -173,5 +173,5 @@ def test_admission_raises_the_asked_resources_to_the_share():
 def test_admission_of_mig_requests_books_no_share():
     pool = Pool("p", "t", "us", "A100_80GB", sharing="mig", policy=PoolPolicy())
     mig = Node("m", "p", "m", tuple(Unit(f"gpu0/mig{i}", 0, 0, "1g.10gb") for i in range(7)), 1, Share(32000, 1024, 0))
-    plan = admit(CreateRequest("p", "A100_80GB", gpu_count=2, mig_profile="1g.10gb", duration_ms=H), Tenant("t"), pool, [mig], 0)
+    plan = admit(CreateRequest("p", "A100_80GB", gpu_count=2, mig_profile="1g.10gb", duration_ms=H), Tenant("t"), pool, profile_of(pool, [mig]), 0)
     assert NO_SHARE == plan.resources and {"gpu:A100_80GB:1g.10gb": 2} == plan.charge
