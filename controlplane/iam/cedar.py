@@ -3,10 +3,19 @@
 Principal entities (with the delegating user of an agent) are parsed once
 per principal and kept; each call adds only its resource entity. Batches
 (`list scope: all`) go through cedarpy's is_authorized_batch.
+
+Decisions are memoized. A Cedar decision is a pure function of the request
+and the entities; a policy can tell two reservations apart only by their
+attributes, or by naming one (`Reservation::"..."` in the policy text).
+So while no policy names a reservation, a decision is reused for the same
+principal, action, resource type and attributes; the memo belongs to this
+authorizer and goes with it when policies change.
 """
 from __future__ import annotations
 
 import json
+import re
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -16,6 +25,8 @@ from controlplane.domain.model import Principal
 from controlplane.iam.authorizer import AuthzRequest, Decision, Resource, principal_type
 
 SCHEMA_PATH = Path(__file__).with_name("berth.cedarschema")
+MEMO_SIZE = 8192
+_NAMES_AN_ENTITY = re.compile(r"\b(Reservation|Tenant)::")
 
 
 class PolicyError(ValueError):
@@ -44,10 +55,25 @@ class CedarAuthorizer:
         except Exception as exc:  # cedarpy raises ValueError/RuntimeError variants
             raise PolicyError(f"policies do not parse: {exc}") from exc
         self._lookup = principal_lookup
-        self._entities: dict[tuple[str, str], cedarpy.Entities] = {}
+        self._entities: dict[tuple, cedarpy.Entities] = {}
+        self._memo: OrderedDict | None = None if _NAMES_AN_ENTITY.search(policies) else OrderedDict()
+
+    def _memo_key(self, req: AuthzRequest):
+        if self._memo is None:
+            return None
+        try:
+            attrs = tuple(sorted((k, (v.id, v.kind) if isinstance(v, Principal) else v)
+                                 for k, v in req.resource.attributes.items()))
+            key = (req.principal.id, req.principal.tenant_id, req.principal.kind, req.principal.delegated_by,
+                   req.action, req.resource.type,
+                   attrs, json.dumps(req.context, sort_keys=True) if req.context else "")
+            hash(key)
+            return key
+        except TypeError:  # an unhashable attribute value: decide without the memo
+            return None
 
     def _principal_entities(self, principal: Principal) -> cedarpy.Entities:
-        key = (principal.id, principal.kind)
+        key = (principal.id, principal.tenant_id, principal.kind, principal.delegated_by)
         cached = self._entities.get(key)
         if cached is not None:
             return cached
@@ -88,6 +114,19 @@ class CedarAuthorizer:
         return Decision(bool(result.allowed), tuple(diagnostics.reasons), tuple(str(e) for e in diagnostics.errors))
 
     def decide_sync(self, req: AuthzRequest) -> Decision:
+        key = self._memo_key(req)
+        if key is not None:
+            hit = self._memo.get(key)  # type: ignore[union-attr]
+            if hit is not None:
+                return hit
+        decision = self._decide(req)
+        if key is not None and not decision.errors:
+            self._memo[key] = decision  # type: ignore[index]
+            if len(self._memo) > MEMO_SIZE:  # type: ignore[arg-type]
+                self._memo.popitem(last=False)  # type: ignore[union-attr]
+        return decision
+
+    def _decide(self, req: AuthzRequest) -> Decision:
         try:
             entities = self._principal_entities(req.principal).with_added_json_str(json.dumps([self._resource_doc(req.resource)]))
             return self._decision(cedarpy.is_authorized(self._request(req), self._policies, entities))

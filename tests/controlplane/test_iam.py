@@ -1,0 +1,77 @@
+"""The embedded Cedar authorizer: policies validated against the schema, decisions, memo soundness."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controlplane import bootstrap
+from controlplane.domain.model import Principal
+from controlplane.iam.authorizer import CREATE, READ, AuthzRequest, Resource
+from controlplane.iam.cedar import CedarAuthorizer, PolicyError, validate
+from tests.controlplane.conftest import POLICIES
+
+ROOT = Path(__file__).resolve().parents[2]
+ALICE = Principal("alice", "acme")
+AGENT = Principal("agent", "acme", "agent", "alice")
+
+
+def _res(rid: str = "r1", **attrs) -> Resource:
+    base = {"tenant": "acme", "poolId": "p", "region": "eu", "gpuModel": "H100_80GB", "gpuCount": 1, "nodeCount": 1,
+            "durationHours": 1, "vcpu": 8, "memoryGiB": 64, "binding": "hold", "spot": False, "principal": ALICE}
+    return Resource("Reservation", rid, {**base, **attrs})
+
+
+def _authorizer(policies: str) -> CedarAuthorizer:
+    people = {"alice": ALICE, "agent": AGENT}
+    return CedarAuthorizer(policies, people.get)
+
+
+def test_the_example_and_test_policies_validate_against_the_schema():
+    catalog, _, _ = bootstrap.read(ROOT / "examples" / "bootstrap.json")
+    validate(catalog.policies)
+    validate(POLICIES)
+
+
+def test_a_policy_with_an_unknown_attribute_does_not_validate():
+    with pytest.raises(PolicyError):
+        validate('permit (principal, action, resource) when { resource.colour == "red" };')
+
+
+def test_nothing_is_allowed_unless_a_policy_permits_it():
+    assert not _authorizer("").decide_sync(AuthzRequest(ALICE, CREATE, _res())).allowed
+
+
+def test_agent_limits_and_tenant_scoping():
+    az = _authorizer(POLICIES)
+    assert az.decide_sync(AuthzRequest(ALICE, CREATE, _res(gpuCount=8))).allowed
+    assert not az.decide_sync(AuthzRequest(AGENT, CREATE, _res(gpuCount=3, principal=AGENT))).allowed
+    assert not az.decide_sync(AuthzRequest(ALICE, READ, _res(tenant="globex"))).allowed
+
+
+def test_memoized_decisions_equal_fresh_ones():
+    az = _authorizer(POLICIES)
+    for count in (1, 2, 3, 1, 3):
+        req = AuthzRequest(AGENT, CREATE, _res(gpuCount=count, principal=AGENT))
+        assert az.decide_sync(req).allowed == az._decide(req).allowed == (count <= 2)
+
+
+def test_a_policy_naming_a_reservation_turns_the_memo_off():
+    az = _authorizer('permit (principal, action, resource) when { resource == Reservation::"r1" };')
+    assert az._memo is None
+    assert az.decide_sync(AuthzRequest(ALICE, READ, _res("r1"))).allowed
+    assert not az.decide_sync(AuthzRequest(ALICE, READ, _res("r2"))).allowed
+
+
+def test_a_failed_decision_is_a_deny_with_the_reason():
+    az = _authorizer(POLICIES)
+    decision = az.decide_sync(AuthzRequest(ALICE, CREATE, _res(vcpu=1.5)))  # Cedar has no float
+    assert not decision.allowed and decision.errors
+
+
+async def test_batch_decisions_match_single_ones():
+    az = _authorizer(POLICIES)
+    bob = Principal("bob", "acme")
+    reqs = [AuthzRequest(bob, READ, _res(f"r{i}", principal=bob if i % 2 else ALICE)) for i in range(6)]
+    batch = await az.decide_many(reqs)
+    assert [d.allowed for d in batch] == [az._decide(r).allowed for r in reqs] == [False, True] * 3
