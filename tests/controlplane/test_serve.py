@@ -1,0 +1,62 @@
+"""`berth controlplane serve` as a process: the listening line, SIGTERM, and start-up errors that say what to fix."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.controlplane.conftest import TOKENS, bootstrap_doc
+from tests.serverproc import ServerProcess
+
+
+def test_serve_logs_its_address_answers_and_stops_cleanly_on_sigterm(tmp_path):
+    (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
+    server = ServerProcess(tmp_path / "cp.db", tmp_path / "b.json").start()
+    status, doc = server.post("/api/compute/reservations/list", TOKENS["alice"], {})
+    assert (status, doc["reservations"]) == (200, [])
+    assert server.stop() == 0
+    assert any('"stopping"' in line for line in server.lines)
+
+
+def test_bootstrap_is_applied_idempotently_across_restarts(tmp_path):
+    (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
+    with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json") as server:
+        status, doc = server.post("/api/compute/reservations/create", TOKENS["alice"],
+                                  {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1, "idempotencyKey": "a"})
+        assert status == 202
+    with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json") as server:
+        status, doc = server.post("/api/compute/reservations/list", TOKENS["alice"], {})
+        assert [r["state"] for r in doc["reservations"]] == ["placed"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d["pools"][0].update(owner="nobody"), "pools[0].owner: no tenant 'nobody'"),
+        (lambda d: d["nodes"][0].update(pool="nope"), "nodes[0].pool: no pool 'nope'"),
+        (lambda d: d["tenants"][0]["quota"].update({"disk": 1}), "tenants[0].quota.disk"),
+        (lambda d: d.update(policies="permit (principal, action, resource) when { resource.colour == 1 };"), "policies"),
+        (lambda d: d["principals"][0].update(token="short"), "token"),
+    ],
+)
+def test_a_bad_bootstrap_stops_the_start_naming_the_field(tmp_path, change, message):
+    doc = bootstrap_doc()
+    change(doc)
+    (tmp_path / "b.json").write_text(json.dumps(doc))
+    out = subprocess.run(
+        [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--listen", "127.0.0.1:0",
+         "--db", f"sqlite:///{tmp_path / 'cp.db'}", "--bootstrap", str(tmp_path / "b.json")],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+
+
+def test_an_unsupported_database_url_says_what_to_use(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--db", "mysql://x"],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert out.returncode == 2 and "sqlite:///PATH" in out.stderr
