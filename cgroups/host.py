@@ -1,0 +1,109 @@
+"""Facts about the host that the cgroup code needs: filesystem type, mounts, own cgroup, CPUs, memory, 1 GiB pages.
+
+One short function per kernel file, the roots (/proc, /sys) as parameters so
+tests point them at a hand-made tree. Nothing here writes.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CgroupError
+from .files import parse_cpulist
+
+CGROUP2_SUPER_MAGIC = 0x63677270
+CGROUP_SUPER_MAGIC = 0x27E0EB  # v1
+HUGEPAGES_1G_DIR = "kernel/mm/hugepages/hugepages-1048576kB"
+GIB = 1 << 30
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def statfs_type(path: Path | str) -> int:
+    """f_type of the filesystem holding path (statfs(2)); f_type is the first word of struct statfs."""
+    buf = ctypes.create_string_buffer(256)
+    if _libc.statfs(os.fsencode(str(path)), buf) != 0:
+        err = ctypes.get_errno()
+        raise CgroupError(f"statfs {path}: [Errno {err}] {os.strerror(err)}", path=path, errno=err)
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def is_cgroup2(path: Path | str) -> bool:
+    return statfs_type(path) == CGROUP2_SUPER_MAGIC
+
+
+def describe_fs(path: Path | str) -> str:
+    kind = statfs_type(path)
+    names = {CGROUP2_SUPER_MAGIC: "cgroup2", CGROUP_SUPER_MAGIC: "cgroup v1", 0x01021994: "tmpfs", 0xEF53: "ext4"}
+    return names.get(kind, f"filesystem magic {kind:#x}")
+
+
+@dataclass(frozen=True)
+class Mount:
+    mount_point: Path
+    fstype: str
+    super_options: tuple[str, ...]
+
+
+def read_mountinfo(proc: Path = Path("/proc")) -> list[Mount]:
+    """/proc/self/mountinfo: mount point, filesystem type and super options of each mount."""
+    out = []
+    for line in (Path(proc) / "self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        fields, rfields = left.split(), right.split()
+        if len(fields) < 5 or len(rfields) < 3:
+            continue
+        point = fields[4].replace("\\040", " ")
+        out.append(Mount(Path(point), rfields[0], tuple(rfields[2].split(","))))
+    return out
+
+
+def cgroup2_mount(proc: Path = Path("/proc")) -> Path | None:
+    """Where cgroup2 is mounted (/sys/fs/cgroup on a unified host, /sys/fs/cgroup/unified on a hybrid one)."""
+    for m in read_mountinfo(proc):
+        if m.fstype == "cgroup2":
+            return m.mount_point
+    return None
+
+
+def v1_controllers(proc: Path = Path("/proc")) -> frozenset[str]:
+    """Controllers bound to a cgroup v1 hierarchy (they cannot be enabled in cgroup2 on this boot)."""
+    out: set[str] = set()
+    for m in read_mountinfo(proc):
+        if m.fstype == "cgroup":
+            out.update(o for o in m.super_options if o not in ("rw", "ro") and "=" not in o)
+    return frozenset(out)
+
+
+def own_cgroup2(proc: Path = Path("/proc"), pid: str = "self") -> str:
+    """This process's cgroup v2 path, the '0::' line of /proc/<pid>/cgroup ('/' at the root)."""
+    for line in (Path(proc) / pid / "cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    raise CgroupError(f"{proc}/{pid}/cgroup has no cgroup v2 line (0::); cgroup2 is not mounted")
+
+
+def mem_total(proc: Path = Path("/proc")) -> int:
+    """MemTotal from /proc/meminfo, in bytes."""
+    for line in (Path(proc) / "meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise CgroupError(f"{proc}/meminfo has no MemTotal")
+
+
+def online_cpus(sys: Path = Path("/sys")) -> frozenset[int]:
+    return parse_cpulist((Path(sys) / "devices/system/cpu/online").read_text())
+
+
+def online_nodes(sys: Path = Path("/sys")) -> frozenset[int]:
+    path = Path(sys) / "devices/system/node/online"
+    return parse_cpulist(path.read_text()) if path.exists() else frozenset({0})
+
+
+def hugepages_1g(sys: Path = Path("/sys")) -> int | None:
+    """1 GiB pages in the host pool (nr_hugepages); None when the kernel has no 1 GiB page size."""
+    path = Path(sys) / HUGEPAGES_1G_DIR / "nr_hugepages"
+    return int(path.read_text()) if path.exists() else None

@@ -1,0 +1,179 @@
+"""The share the package enforces (CgroupShare), what a host or parent cgroup can give (Capacity), and the check between them.
+
+Plain frozen data: no knowledge of reservations. A share that is malformed in
+itself is InvalidShare when it is built; one that the host cannot give is
+ShareTooLarge from `check_fits`, before anything is written.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import host
+from .errors import FileMissing, InvalidShare, ShareTooLarge
+from .files import format_cpulist, parse_cpulist, parse_max, read_file
+
+PAGE_SIZE = 4096
+MIN_QUOTA_US = 1000  # the kernel refuses a cpu.max quota below 1 ms
+DEFAULT_PERIOD_US = 100_000
+
+
+@dataclass(frozen=True)
+class CgroupShare:
+    """One cgroup's limits. None means 'no limit' for that resource.
+
+    vcpu_milli: thousandths of a CPU (2500 = 2.5 vcpu), enforced by cpu.max.
+    memory_bytes / memory_high_bytes: memory.max / memory.high (rounded down to a page).
+    hugepages_1g: 1 GiB pages the cgroup may fault or reserve (0 = none).
+    cpus / mems: cpuset lists ('0-7,16'), for NUMA alignment with the GPUs.
+    """
+
+    vcpu_milli: int | None = None
+    memory_bytes: int | None = None
+    memory_high_bytes: int | None = None
+    hugepages_1g: int = 0
+    cpus: str | None = None
+    mems: str | None = None
+    cpu_period_us: int = DEFAULT_PERIOD_US
+
+    def __post_init__(self) -> None:
+        for name in ("vcpu_milli", "memory_bytes", "memory_high_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise InvalidShare(f"{name} must be a positive integer or None, got {v!r}")
+        if not isinstance(self.hugepages_1g, int) or isinstance(self.hugepages_1g, bool) or self.hugepages_1g < 0:
+            raise InvalidShare(f"hugepages_1g must be an integer >= 0, got {self.hugepages_1g!r}")
+        if not isinstance(self.cpu_period_us, int) or not 1000 <= self.cpu_period_us <= 1_000_000:
+            raise InvalidShare(f"cpu_period_us must be within [1000, 1000000], got {self.cpu_period_us!r}")
+        if self.vcpu_milli is not None and self.quota_us < MIN_QUOTA_US:
+            raise InvalidShare(
+                f"vcpu_milli {self.vcpu_milli} gives a cpu.max quota of {self.quota_us} us, below the kernel's "
+                f"{MIN_QUOTA_US} us minimum"
+            )
+        if self.memory_bytes is not None and self.memory_bytes < PAGE_SIZE:
+            raise InvalidShare(f"memory_bytes must be at least one page ({PAGE_SIZE}), got {self.memory_bytes}")
+        if self.memory_high_bytes is not None and self.memory_high_bytes < PAGE_SIZE:
+            raise InvalidShare(f"memory_high_bytes must be at least one page, got {self.memory_high_bytes}")
+        if (self.memory_high_bytes is not None and self.memory_bytes is not None
+                and self.memory_high_bytes > self.memory_bytes):
+            raise InvalidShare(
+                f"memory_high_bytes {self.memory_high_bytes} is above memory_bytes {self.memory_bytes}"
+            )
+        for name in ("cpus", "mems"):
+            v = getattr(self, name)
+            if v is not None:
+                try:
+                    ids = parse_cpulist(v)
+                except Exception:
+                    raise InvalidShare(f"{name} is not a list like '0-3,8': {v!r}") from None
+                if not ids:
+                    raise InvalidShare(f"{name} must name at least one id, or be None")
+                # canonical form, so that what is written reads back equal
+                object.__setattr__(self, name, format_cpulist(ids))
+
+    @property
+    def quota_us(self) -> int:
+        """cpu.max quota: vcpu x period (2.5 vcpu at 100 ms = 250000)."""
+        assert self.vcpu_milli is not None
+        return self.vcpu_milli * self.cpu_period_us // 1000
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CgroupShare:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+    def asks(self) -> frozenset[str]:
+        """The Capacity fields this share needs checked (a share without a limit asks nothing of it)."""
+        out = set()
+        if self.cpus is not None or self.vcpu_milli is not None:
+            out.add("cpus")
+        if self.mems is not None:
+            out.add("mems")
+        if self.memory_bytes is not None or self.memory_high_bytes is not None:
+            out.add("memory_bytes")
+        if self.hugepages_1g:
+            out.add("hugepages_1g")
+        return frozenset(out)
+
+    def check_fits(self, capacity: Capacity) -> None:
+        """Raise ShareTooLarge for the first field the capacity cannot give (fields it left None: unchecked)."""
+        if self.cpus is not None and capacity.cpus is not None:
+            if not parse_cpulist(self.cpus) <= capacity.cpus:
+                raise ShareTooLarge("cpus", self.cpus, format_cpulist(capacity.cpus))
+        if self.mems is not None and capacity.mems is not None:
+            if not parse_cpulist(self.mems) <= capacity.mems:
+                raise ShareTooLarge("mems", self.mems, format_cpulist(capacity.mems))
+        if self.vcpu_milli is not None and capacity.cpus is not None:
+            cpus = parse_cpulist(self.cpus) if self.cpus is not None else capacity.cpus
+            if self.vcpu_milli > 1000 * len(cpus):
+                raise ShareTooLarge("vcpu_milli", self.vcpu_milli, 1000 * len(cpus))
+        if capacity.memory_bytes is not None:
+            for name in ("memory_bytes", "memory_high_bytes"):
+                v = getattr(self, name)
+                if v is not None and v > capacity.memory_bytes:
+                    raise ShareTooLarge(name, v, capacity.memory_bytes)
+        if capacity.hugepages_1g is not None and self.hugepages_1g > capacity.hugepages_1g:
+            raise ShareTooLarge("hugepages_1g", self.hugepages_1g, capacity.hugepages_1g)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a child of one cgroup can be given: the parent's limits, bounded by the host.
+
+    A field left None was not read (the share asked nothing of it) and is not checked.
+    """
+
+    cpus: frozenset[int] | None = None
+    mems: frozenset[int] | None = None
+    memory_bytes: int | None = None
+    hugepages_1g: int | None = None
+
+
+CAPACITY_FIELDS = frozenset(Capacity.__dataclass_fields__)
+
+
+@functools.lru_cache(maxsize=8)
+def _host_facts(proc: Path, sys: Path) -> tuple[frozenset[int], frozenset[int], int]:
+    """Online CPUs, online nodes and MemTotal: fixed for a boot (CPU hotplug aside), so read once per process."""
+    return host.online_cpus(sys), host.online_nodes(sys), host.mem_total(proc)
+
+
+def read_capacity(parent: Path, *, proc: Path = Path("/proc"), sys: Path = Path("/sys"),
+                  fields: frozenset[str] = CAPACITY_FIELDS) -> Capacity:
+    """The host's CPUs, nodes, memory and 1 GiB pool, narrowed by the parent cgroup's own files where present.
+
+    Only `fields` are read (see CgroupShare.asks). The parent's files and the 1 GiB pool are read on every
+    call; the host's CPUs, nodes and MemTotal once per process.
+    """
+    online, nodes, memory = _host_facts(Path(proc), Path(sys))
+    out: dict = {}
+    if "cpus" in fields:
+        out["cpus"] = _effective(parent, "cpuset.cpus.effective") or online
+    if "mems" in fields:
+        out["mems"] = _effective(parent, "cpuset.mems.effective") or nodes
+    if "memory_bytes" in fields:
+        parent_max = _limit(parent, "memory.max")
+        out["memory_bytes"] = memory if parent_max is None else min(memory, parent_max)
+    if "hugepages_1g" in fields:
+        pages = host.hugepages_1g(sys) or 0
+        parent_pages = _limit(parent, "hugetlb.1GB.max")
+        out["hugepages_1g"] = pages if parent_pages is None else min(pages, parent_pages // host.GIB)
+    return Capacity(**out)
+
+
+def _effective(dir: Path, name: str) -> frozenset[int] | None:
+    try:
+        return parse_cpulist(read_file(dir, name)) or None
+    except FileMissing:
+        return None
+
+
+def _limit(dir: Path, name: str) -> int | None:
+    try:
+        return parse_max(read_file(dir, name))
+    except FileMissing:
+        return None
