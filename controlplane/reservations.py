@@ -1,57 +1,61 @@
-"""The reservations service: create, get, list, release and cancel.
+"""The reservations service: the seven tenant methods (create, get, list, release, cancel, extend, renew).
 
 Each method reads what it needs (committed data), asks IAM, and makes its
-change as one job of the store's writer: one transaction in which the state
-moves, the calendar and the quota ledger follow, and the event and the
-operation are written. create is two jobs around the IAM decision: the
-draft is written first, so a retry with the same key finds it and decides
-the same draft again.
+change as a job of the store's writer through Transitions (one transaction
+in which the state moves and everything that follows from it is written).
+create writes the draft first and decides once on it; an agent refused
+where its delegating user would be allowed opens a confirmation instead.
 """
 from __future__ import annotations
 
 import asyncio
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any, Callable
 
 import structlog
 
-from controlplane.catalog import Catalog
 from controlplane.domain import states
-from controlplane.domain.admission import (
-    CreateRequest, Plan, ResourcesAsk, admit, iam_attributes, reservation_attributes,
-)
-from controlplane.domain.calendar import Booking
+from controlplane.domain.admission import CreateRequest, Plan, ResourcesAsk, admit, iam_attributes, reservation_attributes
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import (
-    ACCESS_DENIED, CONFLICT, INVALID_INPUT, INVALID_STATE, SPEND_LIMIT_REACHED, DomainError, not_found,
+    ACCESS_DENIED, CONFIRMATION_REQUIRED, CONFLICT, INVALID_INPUT, INVALID_STATE, SPEND_LIMIT_REACHED, DomainError,
+    invalid, not_found,
 )
 from controlplane.domain.ids import fingerprint, operation_id, reservation_id
-from controlplane.domain.model import Failure, Operation, Placement, Principal, Reservation
-from controlplane.domain.placement import Ask, place
-from controlplane.domain.share import Share
-from controlplane.iam.authorizer import CREATE, READ, RELEASE, Authorizer, AuthzRequest, Decision, Resource, tenant_resource
-from controlplane.schemas import CreateBody, ListBody, fingerprint_of
+from controlplane.domain.model import Confirmation, Operation, PendingChange, Principal, Reservation, Tenant
+from controlplane.domain.timers import CONFIRMATION_WINDOW_MS
+from controlplane.iam.authorizer import (
+    CREATE, EXTEND, READ, RELEASE, Authorizer, AuthzRequest, Decision, Resource, tenant_resource,
+)
+from controlplane.schemas import CreateBody, ExtendBody, ListBody, fingerprint_of
 from controlplane.state import WriterState
-from controlplane.store.sqlite import BookingRow, Commit, SqliteStore, Tx
+from controlplane.store.sqlite import Commit, SqliteStore, Tx
+from controlplane.transitions import CatalogRef, Transitions
+from controlplane import confirmations
 
 log = structlog.get_logger("berth.reservations")
 
-WAKE_ATTEMPTS = 64  # pending reservations tried per wake; the reconciler's retry covers the rest
+EXTEND_STALE_MS = 60_000  # a pending change older than this was abandoned (its caller died mid-decision)
+EXTEND_RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True, slots=True)
 class Answer:
     reservation: Reservation
     operation: Operation | None
+    extended: bool | None = None
+    available_until: int | None = None
 
 
-class CatalogRef:
-    """The current catalog; replaced whole when an operator changes it."""
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """IAM's answer to a create: allow, deny, or confirm (ask `approver`, the agent's delegating user)."""
 
-    def __init__(self, catalog: Catalog):
-        self.current = catalog
+    outcome: str
+    decision: Decision
+    approver: str | None = None
 
 
 def to_request(body: CreateBody) -> CreateRequest:
@@ -77,22 +81,19 @@ def to_request(body: CreateBody) -> CreateRequest:
     )
 
 
-def ask_of(res: Reservation, start: int, end: int) -> Ask:
-    return Ask(
-        gpu_count=res.gpu_count, node_count=res.node_count, share=res.resources, start=start, end=end,
-        sharing=res.sharing, mig_profile=res.mig_profile, whole_node=res.binding == "node",
-    )
-
-
 class ReservationService:
-    def __init__(self, store: SqliteStore, authorizer: Authorizer, clock: Clock, catalog: CatalogRef, state: WriterState):
+    def __init__(self, store: SqliteStore, authorizer: Authorizer, clock: Clock, catalog: CatalogRef,
+                 state: WriterState, transitions: Transitions | None = None):
         self.store = store
         self.authorizer = authorizer
         self.clock = clock
         self.catalog = catalog
         self.state = state
+        self.moves = transitions or Transitions(clock, catalog, state)
         self._background: set[asyncio.Task] = set()
-        self.listeners: list[Callable[[str, Reservation], None]] = []  # (event type, reservation) after commit
+        self._waiters: dict[str, list[asyncio.Future]] = {}
+        self.moves.listeners.append(self._wake_waiters)
+        self.spent_usd: Callable[[str], Decimal] = lambda tenant_id: Decimal(0)
 
     @property
     def writer(self):
@@ -127,15 +128,9 @@ class ReservationService:
         op = self.store.operation(res.operation_id) if res.operation_id else None
         return Answer(res, op)
 
-    def _event(self, tx: Tx, res: Reservation, type_: str, now: int, **data: Any) -> None:
-        payload = {"state": res.state, "poolId": res.pool_id, **data}
-        if res.reason and res.state in states.TERMINAL:
-            payload.setdefault("reason", res.reason)
-        tx.event(res.tenant_id, res.id, type_, now, payload)
-
-    def _notify(self, type_: str, res: Reservation) -> None:
-        for listener in self.listeners:
-            listener(type_, res)
+    @staticmethod
+    def _answer_in(tx: Tx, res: Reservation) -> Answer:
+        return Answer(res, tx.operation(res.operation_id) if res.operation_id else None)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -147,52 +142,32 @@ class ReservationService:
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
-    # ---- placement inside a job ----------------------------------------------
-    def _window(self, res: Reservation, now: int) -> tuple[int, int]:
-        if res.asap:
-            return now, now + (res.duration_ms or 0)
-        return max(res.start or now, now), res.end or now
+    def _wake_waiters(self, res: Reservation) -> None:
+        if res.state == states.PENDING:
+            return
+        for fut in self._waiters.pop(res.id, ()):
+            if not fut.done():
+                fut.set_result(None)
 
-    def try_place(self, tx: Tx, res: Reservation, now: int) -> bool:
-        """Book the reservation in its window if it fits (calendar and rows); True when placed."""
-        start, end = self._window(res, now)
-        if end <= start:
-            return False
-        catalog = self.catalog.current
-        placements = place(self.state.calendar.pool(res.pool_id), catalog.nodes, ask_of(res, start, end))
-        if placements is None:
-            return False
-        self.book(tx, res, placements, start, end, catalog)
-        return True
+    async def _wait_while_pending(self, answer: Answer, timeout_ms: int) -> Answer:
+        """Hold the create's answer while its reservation waits for capacity, at most timeout_ms."""
+        if answer.reservation.state != states.PENDING or timeout_ms <= 0:
+            return answer
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(answer.reservation.id, []).append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout_ms / 1000)
+        except asyncio.TimeoutError:
+            waiters = self._waiters.get(answer.reservation.id, [])
+            if fut in waiters:
+                waiters.remove(fut)
+        return self._answer(self.store.reservation(answer.reservation.id) or answer.reservation)
 
-    def book(self, tx: Tx, res: Reservation, placements: list[Placement], start: int, end: int, catalog: Catalog) -> None:
-        bookings = []
-        for p in placements:
-            share = catalog.nodes[p.node_id].capacity if res.binding == "node" else res.resources
-            bookings.append(Booking(res.id, res.pool_id, p.node_id, tuple(p.units), start, end, share))
-        tx.insert_bookings(
-            BookingRow(b.reservation_id, b.pool_id, b.node_id, b.units, b.start, b.end,
-                       b.share.vcpu_milli, b.share.memory_mib, b.share.hugepages_1g)
-            for b in bookings
-        )
-        tx.touch()
-        for b in bookings:
-            self.state.calendar.book(b)
-        res.placements = placements
-        if res.binding == "node":
-            res.resources = bookings[0].share
-        if res.asap:
-            res.start, res.end = start, end
-
-    def _unbook(self, tx: Tx, res: Reservation, now: int) -> None:
-        tx.end_bookings(res.id, now)
-        tx.touch()
-        self.state.calendar.release(res.id, now)
-
-    def _refund(self, tx: Tx, res: Reservation) -> None:
-        tx.touch()
-        self.state.ledger.refund(res.tenant_id, res.charge)
-        self.state.queue(res.pool_id).pop(res.id, None)
+    def wake(self, pool_id: str) -> None:
+        """Freed capacity: try the pool's pending reservations now."""
+        if not self.state.pending.get(pool_id):
+            return
+        self._spawn(self.writer.call(lambda tx: self.moves.place_pending(tx, pool_id)))
 
     # ---- create --------------------------------------------------------------
     async def create(self, principal: Principal, body: CreateBody, header_key: str | None) -> Answer:
@@ -202,20 +177,22 @@ class ReservationService:
         key = header_key or body.idempotencyKey or secrets.token_urlsafe(18)
         rid = reservation_id(principal.tenant_id, principal.id, key)
         fp = fingerprint(fingerprint_of(body))
+        wait_ms = body.wait.timeoutMs if body.wait else 0
 
         existing = self.store.reservation(rid)
+        confirmed = False
         if existing is not None:
-            replay = self._replay(existing, fp)
+            replay = self._replay(existing, fp, self.store.operation, self.store.confirmation)
             if replay is not None:
-                return replay
+                return await self._wait_while_pending(replay, wait_ms)
+            confirmed = existing.state == states.AWAITING_CONFIRMATION  # approved: no second decision
 
         catalog = self.catalog.current
         tenant = catalog.tenants.get(principal.tenant_id)
         if tenant is None:
             raise not_found("tenant", principal.tenant_id)
-        req = to_request(body)
         now = self.clock.compute_now()
-        plan = admit(req, tenant, catalog.pools.get(req.pool_id), catalog.profile(req.pool_id), now)
+        plan = admit(to_request(body), tenant, catalog.pools.get(body.poolId), catalog.profile(body.poolId), now)
 
         draft = None
         if existing is None:
@@ -230,6 +207,7 @@ class ReservationService:
         attributes = iam_attributes(plan, tenant.id)
         attributes["principal"] = principal
         request = AuthzRequest(principal, CREATE, Resource("Reservation", rid, attributes))
+        approved = Verdict("allow", Decision(True, (f"confirmation:{existing.confirmation_id}",))) if confirmed else None
 
         decide_now = getattr(self.authorizer, "decide_sync", None)
         if decide_now is not None:
@@ -241,31 +219,29 @@ class ReservationService:
                 if draft is not None:
                     res = tx.reservation(rid)
                     if res is not None:  # a concurrent request with the same key got here first
-                        replay = self._replay(res, fp, tx.operation)
+                        replay = self._replay(res, fp, tx.operation, tx.confirmation)
                         if replay is not None:
                             return replay
                     else:
                         res = draft  # stored by the admission below, in whatever state it ends
-                return self._job_admit(tx, rid, plan, decide_now(request), principal, res)
+                verdict = approved or self._verdict(principal, request, decide_now(request), decide_now)
+                return self._admit(tx, res or tx.reservation(rid), rid, plan, verdict, principal, tenant)
 
             answer = await self.writer.call(job)
         else:
             if draft is not None:
-                stored = await self.writer.call(lambda tx: self._job_write_draft(tx, draft, principal))
+                stored = await self.writer.call(lambda tx: self._write_draft(tx, draft))
                 if stored is not draft:
-                    replay = self._replay(stored, fp)
+                    replay = self._replay(stored, fp, self.store.operation, self.store.confirmation)
                     if replay is not None:
-                        return replay
-            decision = await self.authorizer.decide(request)
-            answer = await self.writer.call(lambda tx: self._job_admit(tx, rid, plan, decision, principal))
-        self._notify("created", answer.reservation)
-        return answer
+                        return await self._wait_while_pending(replay, wait_ms)
+            verdict = approved or await self._verdict_async(principal, request)
+            answer = await self.writer.call(
+                lambda tx: self._admit(tx, tx.reservation(rid), rid, plan, verdict, principal, tenant))
+        return await self._wait_while_pending(answer, wait_ms)
 
-    def _replay(self, existing: Reservation, fp: str, operation_of=None) -> Answer | None:
-        """The answer to a repeated key, or None when its draft is to be decided again.
-
-        operation_of reads the operation (a job passes its transaction's reader).
-        """
+    def _replay(self, existing: Reservation, fp: str, operation_of, confirmation_of) -> Answer | None:
+        """The answer to a repeated key, or None when its draft is to be decided (or continued) now."""
         if existing.fingerprint != fp:
             raise DomainError(
                 CONFLICT,
@@ -277,76 +253,107 @@ class ReservationService:
                               {"reservationId": existing.id, "action": CREATE})
         if existing.state == states.DRAFT:
             return None
-        if operation_of is None:
-            return self._answer(existing)
+        if existing.state == states.AWAITING_CONFIRMATION:
+            conf = confirmation_of(existing.confirmation_id) if existing.confirmation_id else None
+            now = self.clock.compute_now()
+            if conf is not None and conf.status == "approved":
+                return None
+            if conf is None or conf.status != "pending" or conf.expires_at <= now:
+                raise DomainError(ACCESS_DENIED, "the confirmation for this key was denied or lapsed",
+                                  {"reservationId": existing.id, "confirmationId": existing.confirmation_id})
+            raise confirmations.required(conf)
         return Answer(existing, operation_of(existing.operation_id) if existing.operation_id else None)
 
+    def _verdict(self, principal: Principal, request: AuthzRequest, decision: Decision, decide) -> Verdict:
+        if decision.allowed:
+            return Verdict("allow", decision)
+        user = self._delegating_user(principal)
+        if user is None:
+            return Verdict("deny", decision)
+        if decision.confirm or decide(replace(request, principal=user)).allowed:
+            return Verdict("confirm", decision, user.id)
+        return Verdict("deny", decision)
+
+    async def _verdict_async(self, principal: Principal, request: AuthzRequest) -> Verdict:
+        decision = await self.authorizer.decide(request)
+        if decision.allowed:
+            return Verdict("allow", decision)
+        user = self._delegating_user(principal)
+        if user is None:
+            return Verdict("deny", decision)
+        if decision.confirm or (await self.authorizer.decide(replace(request, principal=user))).allowed:
+            return Verdict("confirm", decision, user.id)
+        return Verdict("deny", decision)
+
+    def _delegating_user(self, principal: Principal) -> Principal | None:
+        if principal.kind != "agent" or not principal.delegated_by:
+            return None
+        user = self.catalog.current.principals.get(principal.delegated_by)
+        return user if user is not None and user.kind == "user" and user.tenant_id == principal.tenant_id else None
+
     @staticmethod
-    def _job_write_draft(tx: Tx, draft: Reservation, principal: Principal) -> Reservation:
+    def _write_draft(tx: Tx, draft: Reservation) -> Reservation:
         existing = tx.reservation(draft.id)
         if existing is not None:
             return existing
         tx.insert_reservation(draft)
         return draft
 
-    def _job_admit(self, tx: Tx, rid: str, plan: Plan, decision: Decision, principal: Principal,
-                   res: Reservation | None = None) -> Answer | Commit:
-        return self._admit(tx, res if res is not None else tx.reservation(rid), rid, plan, decision, principal)
-
-    def _admit(self, tx: Tx, res: Reservation | None, rid: str, plan: Plan, decision: Decision,
-               principal: Principal) -> Answer | Commit:
+    def _admit(self, tx: Tx, res: Reservation | None, rid: str, plan: Plan, verdict: Verdict,
+               principal: Principal, tenant: Tenant) -> Answer | Commit:
         if res is None:  # the draft is gone: cannot happen unless the database was edited by hand
             raise not_found("reservation", rid)
-        if res.state != states.DRAFT:
-            return Answer(res, tx.operation(res.operation_id) if res.operation_id else None)
-        now = self.clock.compute_now()
+        if res.state not in states.INTERNAL:
+            return self._answer_in(tx, res)
         if res.decision == "deny":
             raise DomainError(ACCESS_DENIED, "this key's request was refused", {"reservationId": rid, "action": CREATE})
-        if not decision.allowed:
+        now = self.clock.compute_now()
+        if verdict.outcome == "deny":
             res.decision = "deny"
             res.updated_at = now
-            tx.save_reservation(res)
+            self.moves.save(tx, res)
             return Commit(DomainError(
-                ACCESS_DENIED,
-                f"{principal.id} may not create this reservation",
-                {"reservationId": rid, "action": CREATE, "errors": list(decision.errors)},
+                ACCESS_DENIED, f"{principal.id} may not create this reservation",
+                {"reservationId": rid, "action": CREATE, "errors": list(verdict.decision.errors)},
             ))
+        if verdict.outcome == "confirm" and res.state == states.DRAFT:
+            conf = confirmations.open_for(res, principal, verdict.approver, plan, now)
+            res.confirmation_id = conf.id
+            states.move(res, states.AWAITING_CONFIRMATION, now)
+            self.moves.save(tx, res)
+            tx.put_confirmation(conf)
+            self.moves.event(tx, res, "reservation.awaiting-confirmation", now, confirmationId=conf.id,
+                             approver=conf.user_id)
+            return Commit(confirmations.required(conf))
+
         catalog = self.catalog.current
-        tenant = catalog.tenants[res.tenant_id]
         try:
             self._check_spend(tenant, plan)
             self.state.ledger.check(tenant, catalog.pools, plan.charge)
         except DomainError as err:
             if res.seq == 0:  # the draft stays, so the same key can be retried
-                tx.save_reservation(res)
+                self.moves.save(tx, res)
                 return Commit(err)
             raise
-
         # Allowed and charged: the draft becomes a reservation.
         res.decision = "allow"
         res.charge = dict(plan.charge)
         res.resources = plan.resources
         res.gpu_count = plan.gpu_count
         res.start, res.end, res.duration_ms = plan.start, plan.end, plan.duration_ms
-        res.lease_deadline = now + plan.lease_seconds * 1000 if plan.lease_seconds else None
         op = Operation(operation_id(rid, "create"), "create", rid, res.tenant_id, "running", now, now)
         res.operation_id = op.id
         tx.touch()
         self.state.ledger.hold(res.tenant_id, res.charge)
-        if self.try_place(tx, res, now):
-            states.move(res, states.PLACED, now)
-        else:
-            states.move(res, states.PENDING, now)
-            res.set_condition("Unschedulable", "True", "NoFit",
-                              f"no {res.gpu_count} x {res.gpu_model} fit in pool {res.pool_id} for the window; retried as capacity frees", now)
-            self.state.queue(res.pool_id)[res.id] = None
-        tx.save_reservation(res)
         tx.put_operation(op)
-        self._event(tx, res, states.EVENT_OF_STATE[res.state], now)
+        self.moves.place_or_queue(tx, res, now)
         return Answer(res, op)
 
-    def _check_spend(self, tenant, plan: Plan) -> None:
-        asked = plan.pool.policy.budget_check or (plan.offer is not None and plan.offer.budget_check)
+    def _check_spend(self, tenant: Tenant, plan: Plan) -> None:
+        pool, offer = plan.pool, plan.offer
+        self.check_spend(tenant, pool.id, pool.policy.budget_check or (offer is not None and offer.budget_check))
+
+    def check_spend(self, tenant: Tenant, pool_id: str, asked: bool) -> None:
         if not asked:
             return
         budget = tenant.budget_usd if tenant.budget_usd is not None else Decimal(0)
@@ -354,13 +361,16 @@ class ReservationService:
         if spent >= budget:
             raise DomainError(
                 SPEND_LIMIT_REACHED,
-                f"tenant {tenant.id} has spent its budget ({spent} of {budget} USD); pool {plan.pool.id} checks budgets",
-                {"budgetUsd": f"{budget:.6f}", "spentUsd": f"{spent:.6f}", "poolId": plan.pool.id},
+                f"tenant {tenant.id} has spent its budget ({spent:.2f} of {budget:.2f} USD); pool {pool_id} checks budgets",
+                {"budgetUsd": f"{budget:.6f}", "spentUsd": f"{spent:.6f}", "poolId": pool_id},
             )
 
-    def spent_usd(self, tenant_id: str) -> Decimal:
-        """What the tenant has been billed so far (billing accrues from active to released)."""
-        return Decimal(0)
+    def _spend_asked(self, res: Reservation) -> bool:
+        pool = self.catalog.current.pools.get(res.pool_id)
+        if pool is None:
+            return False
+        offer = pool.offer_for(res.tenant_id) if pool.owner != res.tenant_id else None
+        return pool.policy.budget_check or (offer is not None and offer.budget_check)
 
     # ---- get and list ----------------------------------------------------------
     async def authorize_tenant_read(self, principal: Principal) -> None:
@@ -407,18 +417,16 @@ class ReservationService:
     async def release(self, principal: Principal, reservation_id: str) -> Answer:
         res = self._visible(principal, reservation_id, drafts_found=True)
         await self._authorize(principal, RELEASE, self._resource(res, principal))
-        answer, freed = await self.writer.call(lambda tx: self._job_end(tx, reservation_id, "release"))
-        if freed:
-            self._notify("freed", answer.reservation)
-            self.wake(answer.reservation.pool_id)
-        return answer
+        return await self._end(reservation_id, "release")
 
     async def cancel(self, principal: Principal, reservation_id: str) -> Answer:
         res = self._visible(principal, reservation_id)
         await self._authorize(principal, RELEASE, self._resource(res, principal))
-        answer, freed = await self.writer.call(lambda tx: self._job_end(tx, reservation_id, "cancel"))
+        return await self._end(reservation_id, "cancel")
+
+    async def _end(self, reservation_id: str, how: str) -> Answer:
+        answer, freed = await self.writer.call(lambda tx: self._job_end(tx, reservation_id, how))
         if freed:
-            self._notify("freed", answer.reservation)
             self.wake(answer.reservation.pool_id)
         return answer
 
@@ -444,83 +452,124 @@ class ReservationService:
                     f"reservation {rid} is {res.state}: only a pending or placed reservation can be cancelled; use release",
                     {"state": res.state, "reservationId": rid, "next": "release"},
                 )
-        op = self.end(tx, res, now, how, actor="customer")
+        op = self.moves.end(tx, res, now, how, actor="customer", kind=how)
         return Answer(res, op), True
 
-    def end(self, tx: Tx, res: Reservation, now: int, reason: str, actor: str = "customer",
-            kind: str | None = None) -> Operation | None:
-        """End a live reservation now (released, or cancelled if it never held devices); one transaction.
+    # ---- extend and renew ----------------------------------------------------------
+    async def extend(self, principal: Principal, body: ExtendBody) -> Answer:
+        if (body.until is None) == (body.by is None):
+            raise invalid("until", "give exactly one of until (epoch ms) or by (milliseconds)")
+        res = self._visible(principal, body.reservationId)
+        if res.state not in states.BOOKED:
+            raise DomainError(INVALID_STATE, f"reservation {res.id} is {res.state}: only placed, binding or active ones extend",
+                              {"state": res.state, "reservationId": res.id})
+        rid = res.id
+        marked = await self.writer.call(lambda tx: self._job_mark_extend(tx, rid, body))
+        if isinstance(marked, Answer):
+            return marked  # nothing to decide: already reached, or the calendar has no room
+        res, new_end = marked
+        attributes = reservation_attributes(res, duration_ms=new_end - (res.start or 0))
+        decision = await self.authorizer.decide(AuthzRequest(principal, EXTEND, self._resource(res, principal, attributes)))
+        return await self.writer.call(lambda tx: self._job_apply_extend(tx, rid, new_end, decision, principal))
 
-        `reason` goes on the reservation and its event; `kind` names the
-        operation recorded for the ending mutation (release, cancel), none
-        for endings the platform decides.
-        """
-        kind = kind if kind is not None else (reason if reason in ("release", "cancel") else None)
-        booked = res.state in states.BOOKED
-        target = states.CANCELLED if res.state == states.PENDING or reason == "cancel" else states.RELEASED
-        if booked:
-            self._unbook(tx, res, now)
-        if res.state in states.CHARGED:
-            self._refund(tx, res)
-        states.move(res, target, now, reason)
-        res.clear_condition("Unschedulable")
-        res.clear_condition("Queued")
-        create_op = tx.operation(operation_id(res.id, "create"))
-        if create_op is not None and create_op.status == "running":
-            create_op.status = "cancelled" if actor == "customer" else "failed"
-            create_op.updated_at = now
-            create_op.failure = _ending_failure(reason, actor)
-            tx.put_operation(create_op)
-        op = None
-        if kind is not None:
-            op = Operation(operation_id(res.id, kind), kind, res.id, res.tenant_id, "succeeded", now, now)
-            tx.put_operation(op)
-            res.operation_id = op.id
-        elif create_op is not None:
-            op = create_op
-        tx.update_reservation(res)
-        self._event(tx, res, states.EVENT_OF_STATE[res.state], now, reason=reason)
-        return op
+    def _room(self, res: Reservation, new_end: int) -> int:
+        """The latest end up to new_end that the reservation's devices and host shares can reach."""
+        latest = self.state.calendar.latest_end(res.id, new_end)
+        catalog = self.catalog.current
+        for b in self.state.calendar.bookings_of(res.id):
+            node = catalog.nodes.get(b.node_id)
+            cal = self.state.calendar.pools[b.pool_id].nodes[b.node_id]
+            if node is None or b.share.empty or cal.host_fits(b.end, latest, b.share, node.capacity):
+                continue
+            starts = sorted({h.start for h in cal.host if b.end < h.start < latest} | {latest})
+            room = b.end
+            for s in starts:
+                if not cal.host_fits(b.end, s, b.share, node.capacity):
+                    break
+                room = s
+            latest = min(latest, room)
+        return latest
+
+    def _job_mark_extend(self, tx: Tx, rid: str, body: ExtendBody):
+        res = tx.reservation(rid)
+        now = self.clock.compute_now()
+        if res is None or res.state not in states.BOOKED:
+            raise DomainError(INVALID_STATE, f"reservation {rid} is {res.state if res else 'gone'}: it cannot be extended",
+                              {"state": res.state if res else None, "reservationId": rid})
+        if res.pending_change is not None and now - res.pending_change.since < EXTEND_STALE_MS:
+            raise DomainError(CONFLICT, "another extend of this reservation is being decided",
+                              {"reason": "extend-in-flight", "retryAfterSeconds": EXTEND_RETRY_AFTER_S, "reservationId": rid})
+        new_end = body.until if body.until is not None else (res.end or now) + (body.by or 0)
+        if new_end <= (res.end or 0):  # already reached: safe to retry, no decision
+            return Answer(res, None, extended=False, available_until=self._room(res, res.end or now))
+        room = self._room(res, new_end)
+        if room < new_end:
+            return Answer(res, None, extended=False, available_until=room)
+        res.pending_change = PendingChange(new_end, now)
+        self.moves.save(tx, res, res.state)
+        return res, new_end
+
+    def _job_apply_extend(self, tx: Tx, rid: str, new_end: int, decision: Decision, principal: Principal):
+        res = tx.reservation(rid)
+        now = self.clock.compute_now()
+        if res is None or res.pending_change is None or res.pending_change.until != new_end:
+            raise DomainError(CONFLICT, "another extend of this reservation was decided meanwhile",
+                              {"reason": "extend-in-flight", "retryAfterSeconds": EXTEND_RETRY_AFTER_S, "reservationId": rid})
+        res.pending_change = None
+        if not decision.allowed:
+            self.moves.save(tx, res)
+            return Commit(DomainError(ACCESS_DENIED, f"{principal.id} may not extend reservation {rid} to {new_end}",
+                                      {"action": EXTEND, "reservationId": rid, "errors": list(decision.errors)}))
+        if res.state not in states.BOOKED:
+            self.moves.save(tx, res)
+            return Commit(DomainError(INVALID_STATE, f"reservation {rid} became {res.state} meanwhile",
+                                      {"state": res.state, "reservationId": rid}))
+        tenant = self.catalog.current.tenants.get(res.tenant_id)
+        try:
+            if tenant is not None:
+                self.check_spend(tenant, res.pool_id, self._spend_asked(res))
+        except DomainError as err:
+            self.moves.save(tx, res)
+            return Commit(err)
+        room = self._room(res, new_end)
+        if room < new_end:
+            self.moves.save(tx, res)
+            return Answer(res, self._answer_in(tx, res).operation, extended=False, available_until=room)
+        tx.set_bookings_end(rid, new_end)
+        tx.touch()
+        self.state.calendar.set_end(rid, new_end)
+        res.end = new_end
+        if res.duration_ms is not None and res.start is not None:
+            res.duration_ms = new_end - res.start
+        res.extensions += 1
+        op = Operation(operation_id(rid, "extend", res.extensions), "extend", rid, res.tenant_id, "succeeded", now, now)
+        tx.put_operation(op)
+        res.operation_id = op.id
+        res.updated_at = now
+        self.moves.save(tx, res, res.state)
+        self.moves.event(tx, res, "reservation.extended", now, end=new_end)
+        return Answer(res, op, extended=True, available_until=self._room(res, new_end))
+
+    async def renew(self, principal: Principal, reservation_id: str) -> Answer:
+        res = self._visible(principal, reservation_id)
+        self._check_renewable(res)
+        await self._authorize(principal, EXTEND, self._resource(res, principal))
+
+        def job(tx: Tx) -> Answer:
+            current = tx.reservation(reservation_id)
+            self._check_renewable(current)
+            now = self.clock.compute_now()
+            current.lease_deadline = now + current.lease_seconds * 1000
+            self.moves.save(tx, current, current.state)
+            return self._answer_in(tx, current)
+
+        return await self.writer.call(job)
 
     @staticmethod
-    def _answer_in(tx: Tx, res: Reservation) -> Answer:
-        return Answer(res, tx.operation(res.operation_id) if res.operation_id else None)
-
-    # ---- freed capacity wakes the pool's pending reservations --------------------
-    def wake(self, pool_id: str) -> None:
-        if not self.state.pending.get(pool_id):
-            return
-        self._spawn(self.writer.call(lambda tx: self.place_pending(tx, pool_id)))
-
-    def place_pending(self, tx: Tx, pool_id: str, attempts: int = WAKE_ATTEMPTS) -> list[str]:
-        """Try the pool's pending reservations oldest first; the ids placed."""
-        queue = self.state.queue(pool_id)
-        placed: list[str] = []
-        now = self.clock.compute_now()
-        for rid in list(queue)[:attempts]:
-            res = tx.reservation(rid)
-            if res is None or res.state != states.PENDING:
-                tx.touch()
-                queue.pop(rid, None)
-                continue
-            if self.try_place(tx, res, now):
-                states.move(res, states.PLACED, now)
-                res.clear_condition("Unschedulable")
-                res.clear_condition("Queued")
-                tx.update_reservation(res)
-                self._event(tx, res, states.EVENT_OF_STATE[states.PLACED], now)
-                queue.pop(rid, None)
-                placed.append(rid)
-        return placed
-
-
-def _ending_failure(reason: str, actor: str) -> Failure:
-    messages = {
-        "release": ("released", "The reservation was released before its devices were ready.", "Create a new reservation when you need the devices."),
-        "cancel": ("cancelled", "The reservation was cancelled before it started.", "Create a new reservation when you need the devices."),
-        "expired": ("expired", "The window passed before the devices could be placed. Nothing was billed.", "Request a fresh quote, perhaps for another window or pool."),
-        "preempted": ("preempted", "Spot capacity was taken back for a reservation that is not spot.", "Retry later or book without spot."),
-        "lease-lapsed": ("lease-lapsed", "The lease was not renewed in time.", "Renew within leaseSeconds, or create without a lease."),
-    }
-    code, message, nxt = messages.get(reason, (reason, f"The reservation ended: {reason}.", "Create a new reservation."))
-    return Failure(code, actor, message, nxt)
+    def _check_renewable(res: Reservation) -> None:
+        if res.lease_seconds is None:
+            raise DomainError(INVALID_STATE, f"reservation {res.id} was created without leaseSeconds: there is no lease to renew",
+                              {"state": res.state, "reservationId": res.id, "rule": "created without leaseSeconds"})
+        if res.state not in states.BOOKED:
+            raise DomainError(INVALID_STATE, f"reservation {res.id} is {res.state}: only placed, binding or active leases renew",
+                              {"state": res.state, "reservationId": res.id})

@@ -54,6 +54,22 @@ class ReservationRef(Struct, forbid_unknown_fields=True):
     reservationId: Id
 
 
+class ExtendBody(Struct, forbid_unknown_fields=True):
+    reservationId: Id
+    until: EpochMs | None = None
+    by: Annotated[int, Meta(ge=1, le=366 * 24 * 3_600_000)] | None = None
+    idempotencyKey: Key | None = None  # accepted, never replayed: a repeated `by` extends again
+
+
+class ConfirmationRef(Struct, forbid_unknown_fields=True):
+    confirmationId: Id
+
+
+class ConfirmationList(Struct, forbid_unknown_fields=True):
+    status: Literal["pending", "approved", "denied", "expired"] | None = None
+    limit: Annotated[int, Meta(ge=1, le=200)] = 50
+
+
 class ListBody(Struct, forbid_unknown_fields=True):
     scope: Literal["mine", "all"] = "mine"
     state: Id | None = None

@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--db", default=None, metavar="URL",
                        help=f"sqlite:///PATH (default {default_db_url()})")
     serve.add_argument("--bootstrap", default=None, metavar="FILE", help="JSON file applied idempotently at start")
+    serve.add_argument("--authzen", default=None, metavar="URL",
+                       help="decide with a remote OpenID AuthZEN service at URL instead of the embedded Cedar policies")
+    serve.add_argument("--authzen-timeout", type=float, default=2.0, metavar="SECONDS",
+                       help="a remote decision slower than this is a deny (default 2)")
     serve.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--synchronous", choices=("FULL", "NORMAL"), default="FULL",
@@ -60,7 +64,8 @@ async def serve(config: Config, host: str, port: int) -> None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logs.configure(args.log_format, args.log_level)
-    config = Config(db=args.db or default_db_url(), bootstrap=args.bootstrap, synchronous=args.synchronous)
+    config = Config(db=args.db or default_db_url(), bootstrap=args.bootstrap, synchronous=args.synchronous,
+                    authzen=args.authzen, authzen_timeout_s=args.authzen_timeout)
     try:
         asyncio.run(serve(config, *args.listen))
     except ConfigError as exc:

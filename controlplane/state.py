@@ -1,19 +1,20 @@
-"""The writer's memory: the booking calendar, the quota ledger and the pending queues.
+"""The writer's memory: the booking calendar, the quota ledger, the pending queues, the timers.
 
-Owned by the store's single writer thread and changed only from its jobs'
-`after` hooks, so it always equals what the database holds; rebuilt from
-the database at start and whenever a commit fails.
+Changed only by store jobs (on the event loop), so it always equals what the
+database holds; rebuilt from the database at start and whenever a job or a
+commit fails.
 """
 from __future__ import annotations
 
 from typing import Iterable
 
 from controlplane.catalog import Catalog
+from controlplane.domain import states
 from controlplane.domain.calendar import Booking, Calendar
 from controlplane.domain.model import Node, Reservation
 from controlplane.domain.quota import QuotaLedger
 from controlplane.domain.share import Share
-from controlplane.domain.states import CHARGED, PENDING
+from controlplane.domain.timers import RETRY_MS, Timers
 from controlplane.store.sqlite import BookingRow
 
 
@@ -21,30 +22,49 @@ class WriterState:
     def __init__(self) -> None:
         self.calendar = Calendar()
         self.ledger = QuotaLedger()
-        self.pending: dict[str, dict[str, None]] = {}  # pool -> reservation ids, oldest first
+        self.pending: dict[str, dict[str, None]] = {}  # pool -> pending reservation ids, oldest first
+        self.spot: dict[str, dict[str, None]] = {}  # pool -> booked spot reservation ids, oldest first
+        self.timers = Timers()
 
     def add_nodes(self, nodes: Iterable[Node]) -> None:
         for node in nodes:
             self.calendar.add_node(node.pool_id, node.id, (u.id for u in node.units))
 
-    def rebuild(self, catalog: Catalog, reservations: Iterable[Reservation], bookings: Iterable[BookingRow]) -> None:
+    def rebuild(self, catalog: Catalog, reservations: Iterable[Reservation], bookings: Iterable[BookingRow],
+                now: int = 0) -> None:
         self.calendar = Calendar()
         self.ledger = QuotaLedger()
         self.pending = {}
+        self.spot = {}
+        self.timers = Timers()
         self.add_nodes(catalog.nodes.values())
         for row in bookings:
-            if row.node_id not in catalog.nodes:
-                continue
             self.calendar.add_node(row.pool_id, row.node_id, row.units)
             self.calendar.book(
                 Booking(row.reservation_id, row.pool_id, row.node_id, row.units, row.start, row.end,
                         Share(row.vcpu_milli, row.memory_mib, row.hugepages_1g))
             )
         for res in reservations:
-            if res.state in CHARGED:
+            self.track(res)
+            if res.state in states.CHARGED:
                 self.ledger.hold(res.tenant_id, res.charge)
-            if res.state == PENDING:
-                self.pending.setdefault(res.pool_id, {})[res.id] = None
+        for pool_id, queue in self.pending.items():
+            if queue:
+                self.timers.retry_pool(pool_id, now + RETRY_MS)
+
+    def track(self, res: Reservation) -> None:
+        """Keep the indexes (pending queue, spot set, timers) in step with the reservation's state."""
+        queue = self.queue(res.pool_id)
+        if res.state == states.PENDING:
+            queue.setdefault(res.id, None)
+        else:
+            queue.pop(res.id, None)
+        spot = self.spot.setdefault(res.pool_id, {})
+        if res.spot and res.state in states.BOOKED:
+            spot.setdefault(res.id, None)
+        else:
+            spot.pop(res.id, None)
+        self.timers.schedule(res)
 
     def queue(self, pool_id: str) -> dict[str, None]:
         return self.pending.setdefault(pool_id, {})

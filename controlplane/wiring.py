@@ -14,7 +14,10 @@ from controlplane.catalog import Catalog
 from controlplane.domain.clock import Clock
 from controlplane.domain.ids import token_hash
 from controlplane.iam.cedar import CedarAuthorizer, validate
-from controlplane.reservations import CatalogRef, ReservationService
+from controlplane.confirmations import ConfirmationService
+from controlplane.reconciler import Reconciler
+from controlplane.reservations import ReservationService
+from controlplane.transitions import CatalogRef, Transitions
 from controlplane.state import WriterState
 from controlplane.store import sqlite as sq
 
@@ -52,6 +55,9 @@ class Config:
     bootstrap: str | None = None
     clock: Clock = field(default_factory=Clock)
     synchronous: str = "FULL"
+    authzen: str | None = None  # base URL of a remote AuthZEN decision service, instead of embedded Cedar
+    authzen_timeout_s: float = 2.0
+    reconcile: bool = True  # run the reconciler loop (tests of a fake clock may drive passes themselves)
 
 
 class ControlPlane:
@@ -62,8 +68,11 @@ class ControlPlane:
         self.catalog = CatalogRef(Catalog())
         self.state = WriterState()
         self.tokens = Tokens()
-        self.authorizer: CedarAuthorizer | None = None
+        self.authorizer = None
+        self.moves = Transitions(self.clock, self.catalog, self.state)
         self.reservations: ReservationService | None = None
+        self.confirmations = ConfirmationService(self.store, self.clock, self.moves)
+        self.reconciler: Reconciler | None = None
 
     def open(self) -> "ControlPlane":
         writer = self.store.start_writer(self._rebuild)
@@ -71,7 +80,10 @@ class ControlPlane:
         if self.config.bootstrap:
             self.apply_bootstrap(self.config.bootstrap)
         self._build_iam()
-        self.reservations = ReservationService(self.store, self.authorizer, self.clock, self.catalog, self.state)
+        self.reservations = ReservationService(self.store, self.authorizer, self.clock, self.catalog, self.state, self.moves)
+        self.reconciler = Reconciler(self.store, self.clock, self.state, self.moves, on_freed=self.reservations.wake)
+        if hasattr(self.clock, "on_advance"):
+            self.clock.on_advance(lambda _now: self.reconciler.wake())
         return self
 
     def close(self) -> None:
@@ -86,7 +98,8 @@ class ControlPlane:
         self._rebuild(tx)
 
     def _rebuild(self, tx: sq.Tx) -> None:
-        self.state.rebuild(self.catalog.current, sq.live_reservations(tx.conn), sq.live_bookings(tx.conn))
+        self.state.rebuild(self.catalog.current, sq.live_reservations(tx.conn), sq.live_bookings(tx.conn),
+                           self.clock.compute_now())
 
     def apply_bootstrap(self, path: str) -> None:
         try:
@@ -134,6 +147,11 @@ class ControlPlane:
                  pools=len(c.pools), nodes=len(c.nodes))
 
     def _build_iam(self) -> None:
+        if self.config.authzen:
+            from controlplane.iam.authzen import AuthZenAuthorizer
+
+            self.authorizer = AuthZenAuthorizer(self.config.authzen, timeout_s=self.config.authzen_timeout_s)
+            return
         policies = self.catalog.current.policies
         if not policies.strip():
             log.warning("no Cedar policies: every request is denied until a bootstrap declares some")

@@ -9,6 +9,7 @@ import asyncio
 
 from aiohttp import web
 
+from controlplane.api import confirmations as confirmation_api
 from controlplane.api import reservations as reservation_api
 from controlplane.api.auth import principal_of
 from controlplane.api.errors import error_middleware
@@ -38,12 +39,20 @@ def create_app(config: Config, control_plane: ControlPlane | None = None) -> web
         cp = control_plane or await asyncio.to_thread(lambda: ControlPlane(config).open())
         app[CONTROL_PLANE] = cp
         app[reservation_api.SERVICE] = cp.reservations
+        app[confirmation_api.SERVICE] = cp.confirmations
+        loop_task = asyncio.ensure_future(cp.reconciler.run()) if config.reconcile else None
         yield
+        if loop_task is not None:
+            loop_task.cancel()
+            await asyncio.gather(loop_task, return_exceptions=True)
         await cp.reservations.drain()
+        if hasattr(cp.authorizer, "close"):
+            await cp.authorizer.close()
         if control_plane is None:
             await asyncio.to_thread(cp.close)
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_get("/healthz", healthz)
     app.add_routes(reservation_api.routes())
+    app.add_routes(confirmation_api.routes())
     return app

@@ -15,7 +15,11 @@ SERVICE = web.AppKey("reservations", ReservationService)
 
 
 def _one(answer: Answer, status: int = 200) -> web.Response:
-    return json_response({"reservation": schemas.reservation_to_wire(answer.reservation, answer.operation)}, status)
+    body = {"reservation": schemas.reservation_to_wire(answer.reservation, answer.operation)}
+    if answer.extended is not None:
+        body["extended"] = answer.extended
+        body["availableUntil"] = answer.available_until
+    return json_response(body, status)
 
 
 async def create(request: web.Request) -> web.Response:
@@ -53,6 +57,16 @@ async def cancel(request: web.Request) -> web.Response:
     return _one(await request.app[SERVICE].cancel(request["principal"], body.reservationId))
 
 
+async def extend(request: web.Request) -> web.Response:
+    body = schemas.decode(await request.read(), schemas.ExtendBody)
+    return _one(await request.app[SERVICE].extend(request["principal"], body))
+
+
+async def renew(request: web.Request) -> web.Response:
+    body = schemas.decode(await request.read(), schemas.ReservationRef)
+    return _one(await request.app[SERVICE].renew(request["principal"], body.reservationId))
+
+
 async def events(request: web.Request) -> web.Response:
     body = schemas.decode(await request.read(), schemas.EventsBody)
     service = request.app[SERVICE]
@@ -70,5 +84,7 @@ def routes() -> list[web.RouteDef]:
         web.post(base + "list", list_),
         web.post(base + "release", release),
         web.post(base + "cancel", cancel),
+        web.post(base + "extend", extend),
+        web.post(base + "renew", renew),
         web.post("/api/compute/events/list", events),
     ]

@@ -20,6 +20,7 @@ from controlplane.domain.quota import charge_for, unit_key
 from controlplane.domain.share import NO_SHARE, Share, host_share_per_gpu, pool_share_per_gpu
 
 START_SKEW_MS = 5 * MINUTE_MS  # a start this far in the past is taken as "now" (clock skew)
+MIN_WINDOW_MS = 1000
 MAX_WINDOW_MS = 366 * 24 * HOUR_MS
 MAX_LEAD_MS = 366 * 24 * HOUR_MS
 
@@ -122,8 +123,8 @@ def _window(req: CreateRequest, now: int) -> tuple[int | None, int | None, int |
         raise invalid("end", "give end or durationHours, not both")
     if req.end is None and req.duration_ms is None:
         raise invalid("durationHours", "give end or durationHours")
-    if req.duration_ms is not None and req.duration_ms < MINUTE_MS:
-        raise invalid("durationHours", "must be at least one minute")
+    if req.duration_ms is not None and req.duration_ms < MIN_WINDOW_MS:
+        raise invalid("durationHours", "must be at least one second")
     if req.start is None and req.end is None:
         if req.duration_ms > MAX_WINDOW_MS:  # type: ignore[operator]
             raise invalid("durationHours", "must be at most 366 days")
@@ -137,8 +138,8 @@ def _window(req: CreateRequest, now: int) -> tuple[int | None, int | None, int |
     end = req.end if req.end is not None else start + req.duration_ms  # type: ignore[operator]
     if end <= start:
         raise invalid("end", "must be after start")
-    if end - start < MINUTE_MS:
-        raise invalid("end", "the window must be at least one minute")
+    if end - start < MIN_WINDOW_MS:
+        raise invalid("end", "the window must be at least one second")
     if end - start > MAX_WINDOW_MS:
         raise invalid("end", "the window must be at most 366 days")
     return start, end, None

@@ -220,6 +220,13 @@ class Calendar:
         node.count -= 1
         pool._unbooked(node.node_id)
 
+    def remove(self, reservation_id: str) -> list[Booking]:
+        """Take all of a reservation's bookings out; book() each again to undo."""
+        removed = self.by_reservation.pop(reservation_id, [])
+        for b in removed:
+            self._drop(b)
+        return removed
+
     def release(self, reservation_id: str, at: int) -> list[Booking]:
         """End the reservation's bookings at `at`: those not yet started vanish, running ones are cut.
 

@@ -140,6 +140,31 @@ class Operation:
 
 
 @dataclass(slots=True)
+class Confirmation:
+    """A delegating user's approval asked for an agent's refused create (after OpenID CIBA)."""
+
+    id: str
+    tenant_id: str
+    reservation_id: str
+    agent_id: str
+    user_id: str
+    status: str  # pending | approved | denied | expired
+    created_at: int
+    expires_at: int
+    message: str
+    asked: dict
+    decided_at: int | None = None
+
+
+@dataclass(slots=True)
+class PendingChange:
+    """An extension being decided: the end asked for, and since when (a stale one is abandoned)."""
+
+    until: int
+    since: int
+
+
+@dataclass(slots=True)
 class Reservation:
     id: str
     tenant_id: str
@@ -170,6 +195,9 @@ class Reservation:
     decision: str | None = None  # None (undecided draft) | allow | deny
     operation_id: str | None = None
     reason: str | None = None
+    pending_change: PendingChange | None = None  # the reservation's authz row while an extend is decided
+    extensions: int = 0
+    confirmation_id: str | None = None
     seq: int = 0  # creation order in the store; list pages on it
 
     @property

@@ -39,6 +39,7 @@ class Decision:
     allowed: bool
     reasons: tuple[str, ...] = ()  # the policies that decided
     errors: tuple[str, ...] = ()  # why a decision could not be made (then it is a deny)
+    confirm: bool = False  # a deny that the decision service says a person may overturn (remote context)
 
 
 def principal_type(principal: Principal) -> str:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import msgspec
 
-from controlplane.domain.model import Operation, Reservation
+from controlplane.domain.model import Confirmation, Operation, Reservation
 
 _encoder = msgspec.json.Encoder(decimal_format="string")
 _reservation = msgspec.json.Decoder(Reservation)
 _operation = msgspec.json.Decoder(Operation)
+_confirmation = msgspec.json.Decoder(Confirmation)
 
 encode = _encoder.encode
 
@@ -18,6 +19,10 @@ def decode_reservation(doc: bytes | str) -> Reservation:
 
 def decode_operation(doc: bytes | str) -> Operation:
     return _operation.decode(doc)
+
+
+def decode_confirmation(doc: bytes | str) -> Confirmation:
+    return _confirmation.decode(doc)
 
 
 def decode_as(doc: bytes | str, type_):

@@ -81,6 +81,18 @@ CREATE TABLE IF NOT EXISTS events (
   data BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_by_tenant ON events (tenant_id, seq);
+CREATE TABLE IF NOT EXISTS confirmations (
+  id TEXT PRIMARY KEY,
+  tenant_id TEXT NOT NULL,
+  reservation_id TEXT NOT NULL,
+  agent_id TEXT NOT NULL,
+  user_id TEXT NOT NULL,
+  status TEXT NOT NULL,
+  created_at INTEGER NOT NULL,
+  doc BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS confirmations_by_user ON confirmations (tenant_id, user_id, created_at);
+CREATE INDEX IF NOT EXISTS confirmations_by_agent ON confirmations (tenant_id, agent_id, created_at);
 """
 
 GROUP_MAX = 256
@@ -120,11 +132,16 @@ class Commit:
 class Tx:
     """The writer's view of the open transaction: the domain's writes, as small methods."""
 
-    __slots__ = ("conn", "dirty")
+    __slots__ = ("conn", "dirty", "committed")
 
     def __init__(self, conn: sqlite3.Connection):
         self.conn = conn
         self.dirty = False
+        self.committed: list[Callable[[], None]] = []
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Call fn on the event loop once this job's group is committed (never if it is not)."""
+        self.committed.append(fn)
 
     def touch(self) -> None:
         """Say that this job is about to change the writer's memory (undone by a rebuild if it fails)."""
@@ -204,6 +221,19 @@ class Tx:
             (tenant_id, reservation_id, type_, at, codec.encode(data)),
         )
 
+    # confirmations
+    def put_confirmation(self, conf) -> None:
+        self.conn.execute(
+            "INSERT INTO confirmations (id, tenant_id, reservation_id, agent_id, user_id, status, created_at, doc)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET status = excluded.status, doc = excluded.doc",
+            (conf.id, conf.tenant_id, conf.reservation_id, conf.agent_id, conf.user_id, conf.status, conf.created_at,
+             codec.encode(conf)),
+        )
+
+    def confirmation(self, conf_id: str):
+        row = self.conn.execute("SELECT doc FROM confirmations WHERE id = ?", (conf_id,)).fetchone()
+        return codec.decode_confirmation(row[0]) if row else None
+
     # catalog and tokens
     def put_catalog(self, kind: str, ident: str, doc: bytes) -> None:
         self.conn.execute(
@@ -238,6 +268,7 @@ class Writer:
         self._busy = False
         self._commit_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="berth-store-commit")
         self._lock = threading.Lock()  # call_sync against a group run by the loop
+        self._hooks: list[Callable[[], None]] = []  # on_commit hooks of the open group
         self.groups = 0
         self.jobs = 0
 
@@ -255,7 +286,11 @@ class Writer:
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             answers = self._run_jobs([(fn, None)])
-            self._commit_or_reset(answers)
+            hooks, self._hooks = self._hooks, []
+            if self._commit(answers):
+                _run_hooks(hooks)
+            else:
+                self._reset()
         _, value, error = answers[0]
         if error is not None:
             raise error
@@ -283,8 +318,11 @@ class Writer:
         commit.add_done_callback(lambda f: self._finish_group(loop, answers, f))
 
     def _finish_group(self, loop, answers, commit_future) -> None:
+        hooks, self._hooks = self._hooks, []
+        committed = False
         try:
-            if commit_future.exception() is not None or not commit_future.result():
+            committed = commit_future.exception() is None and commit_future.result()
+            if not committed:
                 if commit_future.exception() is not None:  # the commit thread itself failed
                     err = _unavailable(f"the store failed: {commit_future.exception()}")
                     answers = [(fut, None, err) for fut, _, _ in answers]
@@ -293,6 +331,8 @@ class Writer:
             self._lock.release()
         self.groups += 1
         self.jobs += len(answers)
+        if committed:
+            _run_hooks(hooks)
         _resolve(answers)
         if self._pending:
             loop.call_soon(self._start_group, loop)
@@ -318,6 +358,7 @@ class Writer:
                 answers.append((fut, None, exc))
                 continue
             conn.execute("RELEASE job")
+            self._hooks.extend(tx.committed)
             answers.append((fut, value, None))
         return answers
 
@@ -344,9 +385,12 @@ class Writer:
         finally:
             self._conn.execute("COMMIT")
 
-    def _commit_or_reset(self, answers: list) -> None:
-        if not self._commit(answers):
-            self._reset()
+def _run_hooks(hooks: list[Callable[[], None]]) -> None:
+    for hook in hooks:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - a listener's failure is not the store's
+            log.exception("on-commit hook failed")
 
 
 def _resolve(items) -> None:
@@ -450,6 +494,23 @@ class SqliteStore:
             {"seq": seq, "reservationId": rid, "type": type_, "at": at, "data": codec.decode_as(data, dict)}
             for seq, rid, type_, at, data in rows
         ]
+
+    def confirmation(self, conf_id: str):
+        row = self._read.execute("SELECT doc FROM confirmations WHERE id = ?", (conf_id,)).fetchone()
+        return codec.decode_confirmation(row[0]) if row else None
+
+    def confirmations(self, tenant_id: str, user_id: str | None, agent_id: str | None, status: str | None, limit: int):
+        sql = "SELECT doc FROM confirmations WHERE tenant_id = ?"
+        args: list[Any] = [tenant_id]
+        if user_id is not None and agent_id is not None:
+            sql += " AND (user_id = ? OR agent_id = ?)"
+            args += [user_id, agent_id]
+        if status is not None:
+            sql += " AND status = ?"
+            args.append(status)
+        sql += " ORDER BY created_at DESC LIMIT ?"
+        args.append(limit)
+        return [codec.decode_confirmation(row[0]) for row in self._read.execute(sql, args)]
 
     def token(self, token_hash: str) -> tuple[str, str] | None:
         row = self._read.execute("SELECT kind, subject FROM tokens WHERE hash = ?", (token_hash,)).fetchone()

@@ -17,6 +17,7 @@ TOKENS = {
     "alice": "token-acme-alice-000001",
     "bob": "token-acme-bob-0000001",
     "agent": "token-acme-agent-000001",
+    "robot": "token-acme-robot-000001",
     "carol": "token-globex-carol-0001",
     "dave": "token-initech-dave-00001",
 }
@@ -52,6 +53,7 @@ def bootstrap_doc() -> dict:
             {"id": "alice", "tenant": "acme", "token": TOKENS["alice"]},
             {"id": "bob", "tenant": "acme", "token": TOKENS["bob"]},
             {"id": "agent", "tenant": "acme", "kind": "agent", "delegatedBy": "alice", "token": TOKENS["agent"]},
+            {"id": "robot", "tenant": "acme", "kind": "agent", "token": TOKENS["robot"]},  # acts for nobody
             {"id": "carol", "tenant": "globex", "token": TOKENS["carol"]},
             {"id": "dave", "tenant": "initech", "token": TOKENS["dave"]},
         ],
@@ -120,6 +122,15 @@ class Api:
         assert status in (200, 202), (status, doc)
         return doc["reservation"] if "reservation" in doc else doc
 
+    async def settle(self, advance_ms: int = 0) -> int:
+        """Move the fake clock, run the reconciler until nothing is due, and let background work finish."""
+        if advance_ms:
+            self.clock.advance(advance_ms)
+        await self.cp.reservations.drain()
+        moved = await self.cp.reconciler.settle()
+        await self.cp.reservations.drain()
+        return moved
+
     async def events(self, who: str = "alice", after: int | None = None) -> list[dict]:
         status, doc = await self.post("/api/compute/events/list", who, {"after": after} if after else {})
         assert status == 200, doc
@@ -143,6 +154,8 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 async def api(aiohttp_client, tmp_path, bootstrap_file, clock) -> Api:
-    config = Config(db=f"sqlite:///{tmp_path / 'cp.db'}", bootstrap=bootstrap_file(), clock=clock, synchronous="NORMAL")
+    # The reconciler's loop is off: tests move the fake clock and then settle() it, deterministically.
+    config = Config(db=f"sqlite:///{tmp_path / 'cp.db'}", bootstrap=bootstrap_file(), clock=clock,
+                    synchronous="NORMAL", reconcile=False)
     client = await aiohttp_client(create_app(config))
     return Api(client, clock)

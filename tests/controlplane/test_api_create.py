@@ -149,11 +149,11 @@ async def test_the_key_is_per_principal(api):
 
 
 async def test_a_refused_key_stays_access_denied(api):
-    status, doc = await api.create("agent", key="big", gpuCount=4)
+    status, doc = await api.create("robot", key="big", gpuCount=4)
     assert (status, doc["error"]["code"]) == (403, "ACCESS_DENIED")
-    status, doc = await api.create("agent", key="big", gpuCount=4)
+    status, doc = await api.create("robot", key="big", gpuCount=4)
     assert (status, doc["error"]["code"]) == (403, "ACCESS_DENIED")
-    status, doc = await api.create("agent", key="small", gpuCount=2)
+    status, doc = await api.create("robot", key="small", gpuCount=2)
     assert status == 202
 
 
@@ -247,9 +247,9 @@ async def test_missing_or_unknown_token_is_401_with_the_envelope(api, header):
 
 async def test_iam_sees_totals_over_a_gang(api):
     # the agent may create at most 2 GPUs in total: a 2-node gang of 1 GPU is 2, of 2 GPUs is 4
-    status, _ = await api.create("agent", key="g1", gpuCount=1, nodeCount=2)
+    status, _ = await api.create("robot", key="g1", gpuCount=1, nodeCount=2)
     assert status == 202
-    status, doc = await api.create("agent", key="g2", gpuCount=2, nodeCount=2)
+    status, doc = await api.create("robot", key="g2", gpuCount=2, nodeCount=2)
     assert (status, doc["error"]["code"]) == (403, "ACCESS_DENIED")
 
 

@@ -16,7 +16,7 @@ async def test_get_is_not_found_for_drafts_and_other_tenants(api):
     rid = (await api.create(key="a"))[1]["reservation"]["id"]
     status, doc = await api.call("get", "carol", {"reservationId": rid})
     assert (status, doc["error"]["code"]) == (404, "NOT_FOUND")
-    _, doc = await api.create("agent", key="refused", gpuCount=4)  # stays a refused draft
+    _, doc = await api.create("robot", key="refused", gpuCount=4)  # stays a refused draft
     draft_id = doc["error"]["details"]["reservationId"]
     status, doc = await api.call("get", "alice", {"reservationId": draft_id})
     assert status == 404
@@ -32,7 +32,7 @@ async def test_list_is_newest_first_pages_with_a_cursor_and_skips_drafts(api):
     ids = []
     for i in range(7):
         ids.append((await api.create(key=f"r{i}", start=T0 + i * HOUR, end=T0 + i * HOUR + HOUR))[1]["reservation"]["id"])
-    await api.create("agent", key="refused", gpuCount=4)  # a draft of alice's agent: never listed
+    await api.create("robot", key="refused", gpuCount=4)  # a draft of alice's agent: never listed
     seen, cursor = [], None
     while True:
         body = {"limit": 3, **({"cursor": cursor} if cursor else {})}
@@ -120,9 +120,9 @@ async def test_release_of_a_terminal_reservation_returns_it_unchanged(api):
 
 
 async def test_release_of_a_draft_is_invalid_state(api):
-    _, doc = await api.create("agent", key="refused", gpuCount=4)
+    _, doc = await api.create("robot", key="refused", gpuCount=4)
     draft_id = doc["error"]["details"]["reservationId"]
-    status, doc = await api.call("release", "agent", {"reservationId": draft_id})
+    status, doc = await api.call("release", "robot", {"reservationId": draft_id})
     assert (status, doc["error"]["code"]) == (409, "INVALID_STATE")
 
 
@@ -150,8 +150,8 @@ async def test_cancel_of_a_released_reservation_is_invalid_state_and_drafts_are_
     await api.ok("release", "alice", {"reservationId": rid})
     status, doc = await api.call("cancel", "alice", {"reservationId": rid})
     assert (status, doc["error"]["code"]) == (409, "INVALID_STATE")
-    _, doc = await api.create("agent", key="refused", gpuCount=4)
-    status, doc = await api.call("cancel", "agent", {"reservationId": doc["error"]["details"]["reservationId"]})
+    _, doc = await api.create("robot", key="refused", gpuCount=4)
+    status, doc = await api.call("cancel", "robot", {"reservationId": doc["error"]["details"]["reservationId"]})
     assert status == 404
 
 

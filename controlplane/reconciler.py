@@ -1,0 +1,151 @@
+"""The capacity.reservations reconciler: makes time move for reservations.
+
+placed -> binding at the window's start; binding/active -> released at its
+end; a lapsed lease releases (reason lease-lapsed); a pending fixed window
+whose end passed is cancelled (reason expired); an awaiting-confirmation
+draft lapses after 30 minutes; a pool's pending reservations are retried
+every 30 seconds (and at once when capacity frees: see ReservationService.wake).
+
+A pass is one store job over the timers that are due (domain/timers.py), so
+its cost follows the number of changes, not the number of live
+reservations; every transition is conditional on the state it leaves, so
+two reconcilers at once never move a reservation twice. The loop wakes on
+the earliest timer, on a tick, and when told (a fake clock moved, a node
+reported).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from controlplane import confirmations
+from controlplane.domain import states
+from controlplane.domain.clock import Clock
+from controlplane.domain.model import Reservation
+from controlplane.domain.timers import CONFIRMATION, CONFIRMATION_WINDOW_MS, END, EXPIRE, LEASE, RETRY, START
+from controlplane.state import WriterState
+from controlplane.store.sqlite import SqliteStore, Tx
+from controlplane.transitions import Transitions
+
+log = structlog.get_logger("berth.reconciler")
+
+BATCH = 5000  # timers handled per pass; a longer backlog continues in the next pass at once
+
+
+class Reconciler:
+    def __init__(self, store: SqliteStore, clock: Clock, state: WriterState, moves: Transitions,
+                 tick_s: float = 1.0, on_freed=None):
+        self.store = store
+        self.clock = clock
+        self.state = state
+        self.moves = moves
+        self.tick_s = tick_s
+        self.on_freed = on_freed  # pool id -> None: freed capacity to offer to pending reservations
+        self._wake = asyncio.Event()
+        self.passes = 0
+        self.transitions = 0
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run_once(self) -> int:
+        """One pass over what is due now; the number of reservations it moved."""
+        moved, freed, more = await self.store.writer.call(self._pass)
+        self.passes += 1
+        self.transitions += moved
+        for pool_id in freed:
+            if self.on_freed is not None:
+                self.on_freed(pool_id)
+        if more:
+            self._wake.set()
+        return moved
+
+    async def settle(self, limit: int = 20) -> int:
+        """Pass until nothing more is due (tests, after moving a fake clock)."""
+        total = 0
+        for _ in range(limit):
+            moved = await self.run_once()
+            total += moved
+            nxt = self.state.timers.next_due()
+            if nxt is None or nxt > self.clock.compute_now():
+                break
+        return total
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.run_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad pass
+                log.exception("reconciler pass failed")
+            nxt = self.state.timers.next_due()
+            delay = self.tick_s
+            if nxt is not None:
+                delay = max(0.0, min(delay, (nxt - self.clock.compute_now()) / 1000))
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    # ---- the pass (a store job) ------------------------------------------------------
+    def _pass(self, tx: Tx) -> tuple[int, set[str], bool]:
+        now = self.clock.compute_now()
+        due = self.state.timers.pop_due(now, BATCH)
+        if due:
+            tx.touch()  # popping timers changes memory
+        moved = 0
+        freed: set[str] = set()
+        retry_pools: list[str] = []
+        for _, kind, ident in due:
+            if kind == RETRY:
+                retry_pools.append(ident)
+                continue
+            res = tx.reservation(ident)
+            if res is None or res.state in states.TERMINAL:
+                continue
+            if self._handle(tx, kind, res, now):
+                moved += 1
+                if res.state in states.TERMINAL:
+                    freed.add(res.pool_id)
+        for pool_id in retry_pools:
+            moved += len(self.moves.place_pending(tx, pool_id))
+        nxt = self.state.timers.next_due()
+        return moved, freed, nxt is not None and nxt <= now
+
+    def _handle(self, tx: Tx, kind: str, res: Reservation, now: int) -> bool:
+        if kind == LEASE:
+            if res.lease_deadline is not None and res.lease_deadline <= now and res.state in states.BOOKED:
+                self.moves.end(tx, res, now, "lease-lapsed", actor="customer")
+                return True
+            return False
+        if kind == START:
+            if res.state == states.PLACED and res.start is not None and res.start <= now:
+                if res.end is not None and res.end <= now:
+                    return self._end_window(tx, res, now)
+                return self.moves.start_binding(tx, res, now)
+            return False
+        if kind == END:
+            if res.state in states.BOOKED and res.end is not None and res.end <= now:
+                return self._end_window(tx, res, now)
+            return False
+        if kind == EXPIRE:
+            if res.state == states.PENDING and not res.asap and res.end is not None and res.end <= now:
+                self.moves.end(tx, res, now, "expired", actor="provider")
+                return True
+            return False
+        if kind == CONFIRMATION:
+            if res.state == states.AWAITING_CONFIRMATION and res.updated_at + CONFIRMATION_WINDOW_MS <= now:
+                confirmations.lapse(tx, self.moves, res, now, "expired")
+                return True
+            return False
+        return False
+
+    def _end_window(self, tx: Tx, res: Reservation, now: int) -> bool:
+        # A window that ends before its devices were reported bound fails the create: the platform's doing.
+        actor = "customer" if res.state == states.ACTIVE else "platform"
+        self.moves.end(tx, res, now, "ended", actor=actor)
+        return True
+

@@ -1,0 +1,303 @@
+"""Transitions: every change of a reservation inside a store job, with all that follows from it.
+
+Placing (with spot preemption or the pool's queue), booking, starting,
+activating and ending a reservation: each moves the state through the state
+machine, writes the reservation conditionally on the state it left (so two
+reconcilers never move one reservation twice), keeps the calendar, the
+quota ledger, the queues and the timers in step, and writes the event and
+the operation, all in the job's transaction. Listeners hear of a change
+only once it is committed. The tenant methods (reservations.py) and the
+reconciler (reconciler.py) both go through here.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import structlog
+
+from controlplane.catalog import Catalog
+from controlplane.domain import states
+from controlplane.domain.calendar import Booking
+from controlplane.domain.clock import Clock
+from controlplane.domain.ids import operation_id
+from controlplane.domain.model import Failure, Operation, Placement, Reservation
+from controlplane.domain.placement import Ask, place
+from controlplane.domain.preemption import preempt_for
+from controlplane.domain.timers import RETRY_MS
+from controlplane.state import WriterState
+from controlplane.store.sqlite import BookingRow, Tx
+
+log = structlog.get_logger("berth.reservations")
+
+WAKE_ATTEMPTS = 64  # pending reservations tried per wake or retry of a pool
+
+
+class CatalogRef:
+    """The current catalog; replaced whole when an operator changes it."""
+
+    def __init__(self, catalog: Catalog):
+        self.current = catalog
+
+
+def ask_of(res: Reservation, start: int, end: int) -> Ask:
+    return Ask(
+        gpu_count=res.gpu_count, node_count=res.node_count, share=res.resources, start=start, end=end,
+        sharing=res.sharing, mig_profile=res.mig_profile, whole_node=res.binding == "node",
+    )
+
+
+class Transitions:
+    def __init__(self, clock: Clock, catalog: CatalogRef, state: WriterState):
+        self.clock = clock
+        self.catalog = catalog
+        self.state = state
+        self.listeners: list[Callable[[Reservation], None]] = []  # called after the commit
+
+    # ---- writing -----------------------------------------------------------------
+    def save(self, tx: Tx, res: Reservation, from_state: str | None = None) -> bool:
+        """Write the reservation (only if it is still in from_state, when given); False if it moved meanwhile."""
+        if from_state is not None and res.seq:
+            if not tx.move_if(res, from_state):
+                return False
+        else:
+            tx.save_reservation(res)
+        tx.touch()
+        self.state.track(res)
+        if self.listeners:
+            snapshot = copy.copy(res)
+            tx.on_commit(lambda: self._notify(snapshot))
+        return True
+
+    def _notify(self, res: Reservation) -> None:
+        for listener in list(self.listeners):
+            listener(res)
+
+    @staticmethod
+    def event(tx: Tx, res: Reservation, type_: str, now: int, **data: Any) -> None:
+        payload = {"state": res.state, "poolId": res.pool_id, **data}
+        if res.reason and res.state in states.TERMINAL:
+            payload.setdefault("reason", res.reason)
+        tx.event(res.tenant_id, res.id, type_, now, payload)
+
+    def placer_of(self, res: Reservation) -> str:
+        pool = self.catalog.current.pools.get(res.pool_id)
+        return pool.policy.placer if pool else "calendar"
+
+    # ---- the calendar ------------------------------------------------------------
+    @staticmethod
+    def window(res: Reservation, now: int) -> tuple[int, int]:
+        if res.asap:
+            return now, now + (res.duration_ms or 0)
+        return max(res.start or now, now), res.end or now
+
+    def try_place(self, tx: Tx, res: Reservation, now: int, may_preempt: bool = False) -> list[str] | None:
+        """Book the reservation in its window if it fits; the spot reservations it preempted, or None."""
+        start, end = self.window(res, now)
+        if end <= start:
+            return None
+        catalog = self.catalog.current
+        ask = ask_of(res, start, end)
+        placements = place(self.state.calendar.pool(res.pool_id), catalog.nodes, ask)
+        victims: list[str] = []
+        if placements is None and may_preempt and not res.spot:
+            tx.touch()  # preemption takes victims out of the calendar
+            found = preempt_for(self.state.calendar, res.pool_id, catalog.nodes, ask,
+                                list(self.state.spot.get(res.pool_id, ())))
+            if found is not None:
+                placements, victims = found
+        if placements is None:
+            return None
+        for victim_id in victims:
+            victim = tx.reservation(victim_id)
+            if victim is not None and victim.state not in states.TERMINAL:
+                self.end(tx, victim, now, "preempted", actor="provider", preempted_by=res.id)
+        self.book(tx, res, placements, start, end, catalog)
+        return victims
+
+    def book(self, tx: Tx, res: Reservation, placements: list[Placement], start: int, end: int, catalog: Catalog) -> None:
+        bookings = []
+        for p in placements:
+            share = catalog.nodes[p.node_id].capacity if res.binding == "node" else res.resources
+            bookings.append(Booking(res.id, res.pool_id, p.node_id, tuple(p.units), start, end, share))
+        tx.insert_bookings(
+            BookingRow(b.reservation_id, b.pool_id, b.node_id, b.units, b.start, b.end,
+                       b.share.vcpu_milli, b.share.memory_mib, b.share.hugepages_1g)
+            for b in bookings
+        )
+        tx.touch()
+        for b in bookings:
+            self.state.calendar.book(b)
+        res.placements = placements
+        if res.binding == "node":
+            res.resources = bookings[0].share
+        if res.asap:
+            res.start, res.end = start, end
+
+    def unbook(self, tx: Tx, res: Reservation, now: int) -> None:
+        tx.end_bookings(res.id, now)
+        tx.touch()
+        self.state.calendar.release(res.id, now)
+
+    # ---- moves ---------------------------------------------------------------------
+    def place_or_queue(self, tx: Tx, res: Reservation, now: int) -> None:
+        """A freshly admitted reservation (charge held): placed, or pending/queued; saved with its event."""
+        old = res.state
+        pool_lease = self.placer_of(res) == "pool-lease"
+        victims = None if pool_lease and self.state.queue(res.pool_id) else self.try_place(tx, res, now, may_preempt=not pool_lease)
+        if victims is not None:
+            states.move(res, states.PLACED, now)
+            self._placed(res, now)
+            self.save(tx, res, old)
+            self.event(tx, res, states.EVENT_OF_STATE[states.PLACED], now, **({"preempted": victims} if victims else {}))
+            return
+        states.move(res, states.PENDING, now)
+        if pool_lease:
+            position = len(self.state.queue(res.pool_id)) + 1
+            res.set_condition("Queued", "True", "WaitingForCapacity",
+                              f"number {position} in pool {res.pool_id}'s queue; placed in order as capacity frees", now)
+            event = "reservation.queued"
+        else:
+            res.set_condition("Unschedulable", "True", "NoFit",
+                              f"no {res.gpu_count} x {res.gpu_model} fit in pool {res.pool_id} for the window; "
+                              "retried every 30 s and when capacity frees", now)
+            event = "reservation.pending"
+        self.save(tx, res, old)
+        self.state.timers.retry_pool(res.pool_id, now + RETRY_MS)
+        self.event(tx, res, event, now)
+
+    def _placed(self, res: Reservation, now: int) -> None:
+        res.clear_condition("Unschedulable")
+        res.clear_condition("Queued")
+        if res.lease_seconds:
+            res.lease_deadline = now + res.lease_seconds * 1000  # the lease runs from placement
+
+    def place_pending(self, tx: Tx, pool_id: str, attempts: int = WAKE_ATTEMPTS) -> list[str]:
+        """Try the pool's pending reservations oldest first; the ids placed.
+
+        The calendar placer backfills (a later request that fits goes ahead);
+        the pool-lease placer keeps its queue's order: nothing passes the head.
+        """
+        queue = self.state.queue(pool_id)
+        now = self.clock.compute_now()
+        placed: list[str] = []
+        strict = False
+        for rid in list(queue)[:attempts]:
+            res = tx.reservation(rid)
+            if res is None or res.state != states.PENDING:
+                tx.touch()
+                queue.pop(rid, None)
+                continue
+            strict = self.placer_of(res) == "pool-lease"
+            victims = self.try_place(tx, res, now, may_preempt=not strict)
+            if victims is None:
+                if strict:
+                    break
+                continue
+            states.move(res, states.PLACED, now)
+            self._placed(res, now)
+            self.save(tx, res, states.PENDING)
+            self.event(tx, res, states.EVENT_OF_STATE[states.PLACED], now, **({"preempted": victims} if victims else {}))
+            placed.append(rid)
+        if strict:
+            self._renumber(tx, queue, now)
+        if queue:
+            self.state.timers.retry_pool(pool_id, now + RETRY_MS)
+        return placed
+
+    def _renumber(self, tx: Tx, queue: dict[str, None], now: int) -> None:
+        for position, rid in enumerate(list(queue)[:WAKE_ATTEMPTS], start=1):
+            res = tx.reservation(rid)
+            if res is None or res.state != states.PENDING:
+                continue
+            message = f"number {position} in pool {res.pool_id}'s queue; placed in order as capacity frees"
+            if any(c.type == "Queued" and c.message == message for c in res.conditions):
+                continue
+            res.set_condition("Queued", "True", "WaitingForCapacity", message, now)
+            self.save(tx, res)
+
+    def start_binding(self, tx: Tx, res: Reservation, now: int) -> bool:
+        """placed -> binding at the window's start; the nodes' agents are to bind the devices."""
+        catalog = self.catalog.current
+        states.move(res, states.BINDING, now)
+        without_agent = [p.node_id for p in res.placements if catalog.nodes.get(p.node_id) and catalog.nodes[p.node_id].declared]
+        if without_agent:
+            res.set_condition("DevicesBound", "False", "NoAgent",
+                              f"node {', '.join(without_agent)} has no agent connected: its devices cannot be bound "
+                              "until its agent registers", now)
+        else:
+            res.set_condition("DevicesBound", "False", "Binding", "waiting for the nodes' agents to bind the devices", now)
+        if not self.save(tx, res, states.PLACED):
+            return False
+        self.event(tx, res, states.EVENT_OF_STATE[states.BINDING], now)
+        return True
+
+    def mark_active(self, tx: Tx, res: Reservation, now: int) -> bool:
+        """binding -> active once every node reported the devices bound; the create operation succeeds."""
+        states.move(res, states.ACTIVE, now)
+        res.set_condition("DevicesBound", "True", "Bound", "every node reported the devices bound", now)
+        if not self.save(tx, res, states.BINDING):
+            return False
+        op = tx.operation(operation_id(res.id, "create"))
+        if op is not None and op.status == "running":
+            op.status, op.updated_at = "succeeded", now
+            tx.put_operation(op)
+        self.event(tx, res, states.EVENT_OF_STATE[states.ACTIVE], now)
+        return True
+
+    def end(self, tx: Tx, res: Reservation, now: int, reason: str, actor: str = "customer",
+            kind: str | None = None, **event_data: Any) -> Operation | None:
+        """End a live reservation now: released, or cancelled if it never started (pending, or a cancel).
+
+        `reason` goes on the reservation and its event; `kind` names the
+        operation recorded for the mutation that ended it (release, cancel).
+        A create operation still running ends cancelled (the customer's
+        doing) or failed (`actor` provider or platform).
+        """
+        old = res.state
+        target = states.CANCELLED if old == states.PENDING or reason in ("cancel", "expired") else states.RELEASED
+        if old in states.BOOKED:
+            self.unbook(tx, res, now)
+        if old in states.CHARGED:
+            tx.touch()
+            self.state.ledger.refund(res.tenant_id, res.charge)
+        states.move(res, target, now, reason)
+        for cond in ("Unschedulable", "Queued"):
+            res.clear_condition(cond)
+        res.pending_change = None
+        create_op = tx.operation(operation_id(res.id, "create"))
+        if create_op is not None and create_op.status == "running":
+            create_op.status = "cancelled" if actor == "customer" else "failed"
+            create_op.updated_at = now
+            create_op.failure = ending_failure(reason, actor)
+            tx.put_operation(create_op)
+        op = None
+        if kind is not None:
+            op = Operation(operation_id(res.id, kind), kind, res.id, res.tenant_id, "succeeded", now, now)
+            tx.put_operation(op)
+            res.operation_id = op.id
+        elif create_op is not None and res.operation_id == create_op.id:
+            op = create_op
+        if not self.save(tx, res, old):
+            return None
+        self.event(tx, res, states.EVENT_OF_STATE[res.state], now, reason=reason, **event_data)
+        return op
+
+
+def ending_failure(reason: str, actor: str) -> Failure:
+    messages = {
+        "release": ("released", "The reservation was released before its devices were ready. Nothing was billed.",
+                    "Create a new reservation when you need the devices."),
+        "cancel": ("cancelled", "The reservation was cancelled before it started. Nothing was billed.",
+                   "Create a new reservation when you need the devices."),
+        "expired": ("expired", "The window passed before the devices could be placed. Nothing was billed.",
+                    "Request a fresh quote, perhaps for another window or pool."),
+        "preempted": ("preempted", "Spot capacity was taken back for a reservation that is not spot.",
+                      "Retry later, or book without spot."),
+        "lease-lapsed": ("lease-lapsed", "The lease was not renewed within leaseSeconds.",
+                         "Renew within leaseSeconds, or create without a lease."),
+        "ended": ("devices-not-bound", "The window ended before the node reported the devices bound. Nothing was billed.",
+                  "Retry later with the same idempotency key, or contact support with the operation id."),
+    }
+    code, message, nxt = messages.get(reason, (reason, f"The reservation ended: {reason}.", "Create a new reservation."))
+    return Failure(code, actor, message, nxt)
