@@ -1,4 +1,10 @@
-"""Property: random create/release/cancel sequences never overlap a device and keep quota equal to live charges."""
+"""Properties of random interleavings of create, extend, release, cancel, renew, lease lapse and clock advances.
+
+Invariants after every step: no device is booked twice at once; quota held
+equals the live reservations' charges; memory equals a rebuild from the
+database; no reservation leaves a terminal state; every state change has
+its event, in an order the state machine allows.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +18,7 @@ from hypothesis import strategies as st
 from controlplane.domain import states
 from controlplane.domain.clock import FakeClock
 from controlplane.domain.errors import DomainError
-from controlplane.schemas import CreateBody, Resources
+from controlplane.schemas import CreateBody, ExtendBody, Resources
 from controlplane.state import WriterState
 from controlplane.store import sqlite as sq
 from controlplane.wiring import Config, ControlPlane
@@ -27,10 +33,13 @@ create_op = st.fixed_dictionaries({
     "hours": st.integers(1, 4),
     "vcpu": st.sampled_from([None, 4, 12, 20]),
     "key": st.integers(0, 12),  # small key space: replays and conflicts happen
+    "spot": st.booleans(),
+    "lease": st.sampled_from([None, None, 60, 600]),
 })
-end_op = st.fixed_dictionaries({"op": st.sampled_from(["release", "cancel"]), "pick": st.integers(0, 1000)})
-tick_op = st.fixed_dictionaries({"op": st.just("tick"), "minutes": st.integers(1, 120)})
-ops = st.lists(st.one_of(create_op, create_op, end_op, tick_op), min_size=1, max_size=40)
+end_op = st.fixed_dictionaries({"op": st.sampled_from(["release", "cancel", "renew"]), "pick": st.integers(0, 1000)})
+extend_op = st.fixed_dictionaries({"op": st.just("extend"), "pick": st.integers(0, 1000), "hours": st.integers(1, 3)})
+tick_op = st.fixed_dictionaries({"op": st.just("tick"), "minutes": st.integers(1, 360)})
+ops = st.lists(st.one_of(create_op, create_op, end_op, extend_op, tick_op, tick_op), min_size=1, max_size=40)
 
 
 def check_invariants(cp: ControlPlane) -> None:
@@ -58,6 +67,19 @@ def check_invariants(cp: ControlPlane) -> None:
         for tenant in ("acme", "initech"):
             assert +cp.state.ledger.usage(tenant) == +expected.get(tenant, Counter())
         # Memory is exactly what a rebuild from the database gives.
+        # Terminal states are never left, and the events of each reservation follow the state machine.
+        path: dict[str, list[str]] = {}
+        for rid, data in conn.execute("SELECT reservation_id, data FROM events WHERE type LIKE 'reservation.%' ORDER BY seq"):
+            state = json.loads(data)["state"]
+            path.setdefault(rid, []).append(state)
+        for rid, seen in path.items():
+            steps = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
+            assert steps[0] in (states.PENDING, states.PLACED, states.AWAITING_CONFIRMATION, states.DRAFT), steps
+            for a, b in zip(steps, steps[1:]):
+                assert a not in states.TERMINAL, (rid, steps)
+                assert states.can_move(a, b) or (a, b) == (states.AWAITING_CONFIRMATION, states.DRAFT), (rid, steps)
+        for rid, state in conn.execute("SELECT id, state FROM reservations WHERE state NOT IN ('draft', 'awaiting-confirmation')"):
+            assert path[rid][-1] == state, (rid, path[rid], state)
         fresh = WriterState()
         fresh.rebuild(cp.catalog.current, sq.live_reservations(conn), sq.live_bookings(conn))
         mine = {k: sorted((b.node_id, b.units, b.start, b.end) for b in v) for k, v in cp.state.calendar.by_reservation.items()}
@@ -82,21 +104,27 @@ async def run(cp: ControlPlane, steps: list[dict]) -> None:
                     end=start + step["hours"] * HOUR if step["offset_h"] else None,
                     durationHours=None if step["offset_h"] else step["hours"],
                     resources=Resources(vcpu=step["vcpu"]) if step["vcpu"] else None,
+                    spot=step["spot"], leaseSeconds=step["lease"],
                 )
                 answer = await svc.create(principals[step["who"]], body, f"k{step['key']}")
                 made.append((step["who"], answer.reservation.id))
-            elif step["op"] in ("release", "cancel") and made:
+            elif step["op"] in ("release", "cancel", "renew") and made:
                 who, rid = made[step["pick"] % len(made)]
                 await getattr(svc, step["op"])(principals[who], rid)
+            elif step["op"] == "extend" and made:
+                who, rid = made[step["pick"] % len(made)]
+                await svc.extend(principals[who], ExtendBody(reservationId=rid, by=step["hours"] * HOUR))
             elif step["op"] == "tick":
                 cp.clock.advance(step["minutes"] * 60_000)
+                await svc.drain()
+                await cp.reconciler.settle()
         except DomainError:
             pass
         await svc.drain()
         check_invariants(cp)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=ops)
 def test_random_sequences_keep_the_calendar_and_quota_consistent(tmp_path_factory, steps):
     path = tmp_path_factory.mktemp("prop")
