@@ -1,0 +1,68 @@
+"""The agent's own errors: NVML's error codes and the kernel files' OSErrors become these at one boundary each.
+
+`agent.nvml` translates `pynvml.NVMLError` (by code) and `agent.sysfs`
+translates `OSError` (with the path); nothing else in the agent catches
+either, so parsers stay plain and every error names what failed.
+"""
+from __future__ import annotations
+
+
+class AgentError(Exception):
+    """Anything the agent reports instead of a traceback."""
+
+
+class HostReadError(AgentError):
+    """A kernel file under /proc or /sys could not be read or parsed; carries the path."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class TopologyError(AgentError):
+    """A --simulate topology file is not valid; the message names the field."""
+
+
+# -- NVML, by return code (nvml.h nvmlReturn_t) --------------------------------
+
+
+class NvmlError(AgentError):
+    """An NVML call failed; `code` is NVML's nvmlReturn_t, `call` the NVML function."""
+
+    code: int = 999
+
+    def __init__(self, message: str, *, code: int | None = None, call: str = "") -> None:
+        super().__init__(f"{call}: {message}" if call else message)
+        if code is not None:
+            self.code = code
+        self.call = call
+
+
+class NotSupported(NvmlError):
+    code = 3
+
+
+class NotFound(NvmlError):
+    code = 6
+
+
+class DriverNotLoaded(NvmlError):
+    code = 9
+
+
+class Timeout(NvmlError):
+    code = 10
+
+
+class LibraryNotFound(NvmlError):
+    code = 12
+
+
+class GpuLost(NvmlError):
+    code = 15
+
+
+NVML_ERRORS_BY_CODE: dict[int, type[NvmlError]] = {
+    cls.code: cls for cls in (NotSupported, NotFound, DriverNotLoaded, Timeout, LibraryNotFound, GpuLost)
+}

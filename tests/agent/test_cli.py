@@ -1,0 +1,93 @@
+"""`berth agent discover`: JSON and table output, --simulate, and this untouched machine without a GPU driver."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent import cli
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "topologies"
+
+
+def _berth(*args, env=None):
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "BERTH_NVML_LIBRARY")}
+    return subprocess.run([sys.executable, "-m", "controlplane.cli", *args], capture_output=True, text=True,
+                          env=env or clean, timeout=60)
+
+
+def test_discover_json_on_this_untouched_machine_exits_0_and_says_no_gpu_driver():
+    out = _berth("agent", "discover", "--json")
+    assert 0 == out.returncode, out.stderr
+    doc = json.loads(out.stdout)
+    assert ("not-found", []) == (doc["driver"]["status"], doc["gpus"])
+    assert "no GPU driver found" in doc["driver"]["message"]
+    assert "no GPU driver found" in out.stderr
+    assert doc["cpus"]["onlineCount"] >= 1 and doc["memory"]["totalMiB"] > 0
+    assert {"1G", "2M"} == set(doc["hugepages"])
+
+
+def test_discover_simulated_h100_host_shows_eight_h100s(capsys):
+    assert 0 == cli.main(["discover", "--simulate", str(EXAMPLES / "h100x8.json"), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert ["H100_80GB"] * 8 == [g["deviceClass"] for g in doc["gpus"]]
+    assert (8, 27.875) == (doc["share"]["bookableGpus"], doc["share"]["perGpu"]["vcpu"])
+
+
+def test_discover_prints_a_table_without_json(capsys):
+    assert 0 == cli.main(["discover", "--simulate", str(EXAMPLES / "a100-mig.json"), "--reserve-vcpu", "2"])
+    out = capsys.readouterr().out
+    assert "Host sim-a100-mig" in out
+    assert 7 == out.count("MIG 1g.10gb")
+    assert "reserved 2 vcpu, allocatable 30 vcpu" in out
+    assert "Per-GPU share: none (no bookable GPU)" in out
+
+
+def test_the_table_on_this_machine_says_no_gpu_driver():
+    out = _berth("agent", "discover")
+    assert 0 == out.returncode
+    assert "GPUs: none (no GPU driver found" in out.stdout
+    assert "CPUs:" in out.stdout and "Memory:" in out.stdout and "Hugepages:" in out.stdout
+
+
+def test_hand_made_roots_are_options(capsys, tree):
+    from tests.agent.trees import two_node_host
+
+    two_node_host(tree)
+    assert 0 == cli.main(["discover", "--json", "--proc-root", str(tree.proc), "--sys-root", str(tree.sys),
+                          "--nvml-library", "/nonexistent/libnvidia-ml.so.1", "--reserve-memory-gib", "0"])
+    doc = json.loads(capsys.readouterr().out)
+    assert ("gpu-host-7", "6-7,15", 60416) == (doc["hostname"], doc["cpus"]["offline"], doc["memory"]["allocatableMiB"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--simulate", "/nonexistent.json"], "/nonexistent.json"),
+    (["--reserve-vcpu", "-1"], "cannot be negative"),
+    (["--device-classes", "/nonexistent-classes.json"], "--device-classes"),
+])
+def test_bad_options_exit_2_with_a_message(capsys, args, message):
+    assert 2 == cli.main(["discover", *args])
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_topology_names_the_field(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"gpus": [{"name": "NVIDIA H100", "memoryMiB": -5}]}))
+    assert 2 == cli.main(["discover", "--simulate", str(bad)])
+    assert "gpus[0].memoryMiB" in capsys.readouterr().err
+
+
+def test_bare_berth_agent_says_the_runtime_is_not_built_yet():
+    out = _berth("agent")
+    assert 2 == out.returncode
+    assert "the runtime (register/watch/bind) is not built yet" in out.stderr
+    assert "`berth agent discover` prints this host's inventory" in out.stderr
+
+
+def test_discover_help_exits_0(capsys):
+    assert 0 == cli.main(["discover", "--help"])
+    assert "--simulate" in capsys.readouterr().out

@@ -1,0 +1,97 @@
+"""--simulate topologies: the shipped examples, host overrides, and validation errors that name the field."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent import simulate
+from agent.discovery import Discovery
+from agent.errors import TopologyError
+from agent.host import KernelHost
+from agent.simulate import SimulatedGpus, SimulatedHost
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "topologies"
+
+
+def _discover(path, **kw):
+    gpus = SimulatedGpus(path)
+    return Discovery(gpus=gpus, host=SimulatedHost(gpus), **kw).discover()
+
+
+def test_the_h100_example_is_eight_bookable_h100s_on_two_nodes():
+    inv = _discover(EXAMPLES / "h100x8.json")
+    assert ["H100_80GB"] * 8 == [g.deviceClass for g in inv.gpus]
+    assert [0, 0, 0, 0, 1, 1, 1, 1] == [g.numaNode for g in inv.gpus]
+    assert (8, 224, 112, 128) == (inv.share.bookableGpus, inv.cpus.onlineCount, inv.cpus.cores,
+                                  inv.hugepages.pages1G.total)
+    assert len({g.uuid for g in inv.gpus}) == 8
+
+
+def test_the_a100_mig_example_has_seven_1g_instances_and_no_whole_gpu():
+    inv = _discover(EXAMPLES / "a100-mig.json")
+    (gpu,) = inv.gpus
+    assert ["1g.10gb"] * 7 == [m.profile for m in gpu.migDevices]
+    assert (False, 0, None) == (gpu.bookable, inv.share.bookableGpus, inv.share.perGpu)
+    assert len({(m.capMinors.gi, m.capMinors.ci) for m in gpu.migDevices}) == 7
+
+
+def test_the_mixed_example():
+    inv = _discover(EXAMPLES / "mixed.json")
+    assert ["H100_80GB", "H100_80GB", "H100_80GB", "A100_80GB", "L40S_48GB", "L40S_48GB"] == \
+        [g.deviceClass for g in inv.gpus]
+    assert [True, True, False, True, True, True] == [g.bookable for g in inv.gpus]
+    assert ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"] == [m.profile for m in inv.gpus[2].migDevices]
+    assert (False, True) == (inv.gpus[3].migMode.current, inv.gpus[3].migMode.pending)
+    assert inv.gpus[4].migMode is None
+    assert ("126-127", 126) == (inv.cpus.offline, inv.cpus.onlineCount)
+    assert [32, 0] == [n.total for n in inv.hugepages.pages1G.numaNodes]
+    assert [0, 1024] == [n.total for n in inv.hugepages.pages2M.numaNodes]
+
+
+def test_without_a_host_section_the_real_host_is_used():
+    top = simulate.parse(json.dumps({"gpus": [{"name": "NVIDIA L4", "memoryMiB": 23034}]}))
+    gpus = SimulatedGpus(top)
+    facts = SimulatedHost(gpus).read()
+    assert KernelHost().read().cpus == facts.cpus
+    assert "simulated-host" == facts.hostname
+
+
+@pytest.mark.parametrize("top, field", [
+    ({"gpus": [{"name": "NVIDIA H100 80GB HBM3"}]}, r"\$.gpus\[0\]"),
+    ({"gpus": [{"name": "X", "memoryMiB": "lots"}]}, r"\$.gpus\[0\].memoryMiB"),
+    ({"gpus": [{"name": "X", "memoryMiB": 1, "colour": "red"}]}, "colour"),
+    ({"gpus": [{"name": "NVIDIA A100", "memoryMiB": 81920, "mig": {"profile": "big"}}]}, r"gpus\[0\].mig.profile"),
+    ({"gpus": [{"name": "NVIDIA H100", "memoryMiB": 1, "count": 2, "numaNodes": [0]}]}, r"gpus\[0\].numaNodes"),
+    ({"gpus": [{"name": "NVIDIA L4", "memoryMiB": 1, "mig": {"profile": "1g.10gb"}}]}, r"gpus\[0\].mig: 'NVIDIA L4'"),
+    ({"gpus": [{"name": "NVIDIA A100", "memoryMiB": 9, "mig": {"profile": "4g.40gb", "count": 2}}]},
+     r"gpus\[0\].mig: the profiles take 8 slices"),
+    ({"gpus": [{"name": "NVIDIA A100", "memoryMiB": 9, "mig": {"profile": "1g.10gb", "count": 2}, "migSlots": [1, 1]}]},
+     r"gpus\[0\].migSlots"),
+    ({"gpus": [], "lostGpus": [0]}, r"lostGpus\[0\]"),
+    ({"host": {"cpus": 7, "threadsPerCore": 2}}, "host.threadsPerCore"),
+    ({"host": {"numaNodes": 2, "hugepages1G": {"2": 4}}}, "host.hugepages1G.2"),
+    ({"host": {"offlineCpus": "1"}}, "host.cpus"),
+    ({"host": {"cpus": 4, "offlineCpus": "0-3"}}, "host.offlineCpus"),
+])
+def test_a_bad_topology_names_the_field(top, field):
+    with pytest.raises(TopologyError, match=field):
+        simulate.parse(json.dumps(top), "top.json")
+
+
+def test_a_missing_or_broken_file_says_so(tmp_path):
+    with pytest.raises(TopologyError, match="nope.json"):
+        simulate.load(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(TopologyError, match="not JSON"):
+        simulate.load(tmp_path / "bad.json")
+
+
+def test_the_file_is_read_again_when_it_changes(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"gpus": [{"name": "NVIDIA L4", "memoryMiB": 23034, "count": 2}]}))
+    gpus = SimulatedGpus(path)
+    assert 2 == len(gpus.discover().gpus)
+    path.write_text(json.dumps({"gpus": [{"name": "NVIDIA L4", "memoryMiB": 23034, "count": 3}]}))
+    assert 3 == len(gpus.discover().gpus)
