@@ -70,7 +70,9 @@ class PoolDoc(Struct, forbid_unknown_fields=True):
     region: Id
     gpuModel: Id
     sharing: Literal["exclusive", "mig", "slots"] = "exclusive"
-    pricePerGpuHourUsd: str | float = "0"
+    pricePerGpuHourUsd: str | float = "0"  # per device-hour: a GPU, a MIG instance or a slot
+    pricePerVcpuHourUsd: str | float = "0"  # host resources above the per-GPU share
+    pricePerGibHourUsd: str | float = "0"
     archived: bool = False
     policy: PolicyDoc = msgspec.field(default_factory=PolicyDoc)
     offers: list[OfferDoc] = []
@@ -220,6 +222,8 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
         pools[p.id] = Pool(
             p.id, p.owner, p.region, p.gpuModel, p.sharing,
             _money(p.pricePerGpuHourUsd, f"pools[{i}].pricePerGpuHourUsd"), p.archived, policy, offers,
+            _money(p.pricePerVcpuHourUsd, f"pools[{i}].pricePerVcpuHourUsd"),
+            _money(p.pricePerGibHourUsd, f"pools[{i}].pricePerGibHourUsd"),
         )
 
     nodes = {}

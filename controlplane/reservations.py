@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+
+import msgspec
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any, Callable
@@ -20,9 +22,10 @@ from controlplane.domain import states
 from controlplane.domain.admission import CreateRequest, Plan, ResourcesAsk, admit, iam_attributes, reservation_attributes
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import (
-    ACCESS_DENIED, CONFIRMATION_REQUIRED, CONFLICT, INVALID_INPUT, INVALID_STATE, SPEND_LIMIT_REACHED, DomainError,
-    invalid, not_found,
+    ACCESS_DENIED, CONFLICT, INSUFFICIENT_FUNDS, INVALID_INPUT, INVALID_STATE, NO_CAPACITY, PROVIDER_UNAVAILABLE,
+    SPEND_LIMIT_REACHED, DomainError, invalid, not_found,
 )
+from controlplane.domain.pricing import exposure, money
 from controlplane.domain.ids import fingerprint, operation_id, reservation_id
 from controlplane.domain.model import Confirmation, Operation, PendingChange, Principal, Reservation, Tenant
 from controlplane.domain.timers import CONFIRMATION_WINDOW_MS
@@ -56,6 +59,13 @@ class Verdict:
     outcome: str
     decision: Decision
     approver: str | None = None
+
+
+def iam_unavailable(decision: Decision) -> DomainError:
+    return DomainError(PROVIDER_UNAVAILABLE, "the IAM decision service could not be reached: nothing was decided; "
+                       "retry later with the same idempotency key",
+                       {"actor": "platform", "reference": f"iam:{abs(hash(decision.errors)) % 10**10}",
+                        "errors": list(decision.errors)})
 
 
 def to_request(body: CreateBody) -> CreateRequest:
@@ -93,7 +103,9 @@ class ReservationService:
         self._background: set[asyncio.Task] = set()
         self._waiters: dict[str, list[asyncio.Future]] = {}
         self.moves.listeners.append(self._wake_waiters)
-        self.spent_usd: Callable[[str], Decimal] = lambda tenant_id: Decimal(0)
+        self.spent_usd: Callable[[str], Decimal] = lambda tenant_id: Decimal(0)  # wiring gives Billing's
+        self.exposure_usd: Callable[[str], Decimal] = lambda tenant_id: Decimal(0)
+        self.quotes = None  # wiring gives Quotes
 
     @property
     def writer(self):
@@ -108,6 +120,8 @@ class ReservationService:
 
     async def _authorize(self, principal: Principal, action: str, resource: Resource) -> Decision:
         decision = await self.authorizer.decide(AuthzRequest(principal, action, resource))
+        if decision.unavailable:
+            raise iam_unavailable(decision)
         if not decision.allowed:
             raise DomainError(
                 ACCESS_DENIED,
@@ -192,7 +206,7 @@ class ReservationService:
         if tenant is None:
             raise not_found("tenant", principal.tenant_id)
         now = self.clock.compute_now()
-        plan = admit(to_request(body), tenant, catalog.pools.get(body.poolId), catalog.profile(body.poolId), now)
+        plan = self._plan(principal, tenant, body, now)
 
         draft = None
         if existing is None:
@@ -203,6 +217,7 @@ class ReservationService:
                 node_count=plan.node_count, created_at=now, updated_at=now, mig_profile=plan.mig_profile,
                 start=plan.start, end=plan.end, duration_ms=plan.duration_ms, spot=plan.spot,
                 lease_seconds=plan.lease_seconds, resources=plan.resources, charge=plan.charge,
+                hourly_usd=plan.hourly_usd,
             )
         attributes = iam_attributes(plan, tenant.id)
         attributes["principal"] = principal
@@ -239,6 +254,35 @@ class ReservationService:
             answer = await self.writer.call(
                 lambda tx: self._admit(tx, tx.reservation(rid), rid, plan, verdict, principal, tenant))
         return await self._wait_while_pending(answer, wait_ms)
+
+    def _plan(self, principal: Principal, tenant: Tenant, body: CreateBody, now: int) -> Plan:
+        """Admission, the platform's own standing, and the price checks: refusals before anything is stored."""
+        catalog = self.catalog.current
+        req = to_request(body)
+        try:
+            plan = admit(req, tenant, catalog.pools.get(body.poolId), catalog.profile(body.poolId), now)
+        except DomainError as err:
+            if err.code == NO_CAPACITY and self.quotes is not None:
+                raise self.quotes.no_capacity(err, tenant, req, now) from None
+            raise
+        nodes = catalog.pool_nodes(plan.pool.id)
+        if nodes and not any(n.schedulable for n in nodes):
+            raise DomainError(PROVIDER_UNAVAILABLE, f"every node of pool {plan.pool.id} is lost: Berth cannot place "
+                              "anything there now; nothing of yours needs to change, retry later with the same key",
+                              {"actor": "platform", "reference": f"pool-lost:{plan.pool.id}:{now}", "poolId": plan.pool.id})
+        if self.quotes is not None:
+            self.quotes.check(principal, body, plan, tenant, req, now)
+        return plan
+
+    async def quote(self, principal: Principal, body: CreateBody) -> dict:
+        """Price a request now: creates and charges nothing, holds no capacity."""
+        catalog = self.catalog.current
+        tenant = catalog.tenants.get(principal.tenant_id)
+        if tenant is None:
+            raise not_found("tenant", principal.tenant_id)
+        now = self.clock.compute_now()
+        plan = self._plan(principal, tenant, msgspec.structs.replace(body, quoteId=None, maxHourlyPrice=None), now)
+        return await self.quotes.quote(principal, body, plan, tenant, to_request(body))
 
     def _replay(self, existing: Reservation, fp: str, operation_of, confirmation_of) -> Answer | None:
         """The answer to a repeated key, or None when its draft is to be decided (or continued) now."""
@@ -308,6 +352,11 @@ class ReservationService:
         if res.decision == "deny":
             raise DomainError(ACCESS_DENIED, "this key's request was refused", {"reservationId": rid, "action": CREATE})
         now = self.clock.compute_now()
+        if verdict.decision.unavailable:  # no decision: the draft stays undecided, a retry decides again
+            if res.seq == 0:
+                self.moves.save(tx, res)
+                return Commit(iam_unavailable(verdict.decision))
+            raise iam_unavailable(verdict.decision)
         if verdict.outcome == "deny":
             res.decision = "deny"
             res.updated_at = now
@@ -351,9 +400,16 @@ class ReservationService:
 
     def _check_spend(self, tenant: Tenant, plan: Plan) -> None:
         pool, offer = plan.pool, plan.offer
-        self.check_spend(tenant, pool.id, pool.policy.budget_check or (offer is not None and offer.budget_check))
+        window = plan.duration_ms if plan.start is None else (plan.end or 0) - plan.start
+        self.check_spend(tenant, pool.id, pool.policy.budget_check or (offer is not None and offer.budget_check),
+                         exposure(plan.hourly_usd, window or 0))
 
-    def check_spend(self, tenant: Tenant, pool_id: str, asked: bool) -> None:
+    def check_spend(self, tenant: Tenant, pool_id: str, asked: bool, new_exposure: Decimal) -> None:
+        """SPEND_LIMIT_REACHED when the budget is spent; INSUFFICIENT_FUNDS when what is left cannot cover the new exposure.
+
+        What is left is the budget less what was billed and less what the
+        tenant's live reservations may still bill.
+        """
         if not asked:
             return
         budget = tenant.budget_usd if tenant.budget_usd is not None else Decimal(0)
@@ -361,8 +417,18 @@ class ReservationService:
         if spent >= budget:
             raise DomainError(
                 SPEND_LIMIT_REACHED,
-                f"tenant {tenant.id} has spent its budget ({spent:.2f} of {budget:.2f} USD); pool {pool_id} checks budgets",
-                {"budgetUsd": f"{budget:.6f}", "spentUsd": f"{spent:.6f}", "poolId": pool_id},
+                f"tenant {tenant.id} has spent its budget ({money(spent)} of {money(budget)} USD); pool {pool_id} checks budgets",
+                {"budgetUsd": money(budget), "spentUsd": money(spent), "poolId": pool_id},
+            )
+        committed = self.exposure_usd(tenant.id)
+        left = budget - spent - committed
+        if new_exposure > left:
+            raise DomainError(
+                INSUFFICIENT_FUNDS,
+                f"tenant {tenant.id} has {money(max(left, Decimal(0)))} USD left of its budget, and this may bill "
+                f"{money(new_exposure)} USD: fund the budget or ask for less",
+                {"budgetUsd": money(budget), "spentUsd": money(spent), "committedUsd": money(committed),
+                 "leftUsd": money(left), "exposureUsd": money(new_exposure), "poolId": pool_id},
             )
 
     def _spend_asked(self, res: Reservation) -> bool:
@@ -401,6 +467,9 @@ class ReservationService:
                 decisions = await self.authorizer.decide_many(
                     [AuthzRequest(principal, READ, self._resource(r, principal)) for r in page]
                 )
+                failed = next((d for d in decisions if d.unavailable), None)
+                if failed is not None:
+                    raise iam_unavailable(failed)
                 chosen.extend(r for r, d in zip(page, decisions) if d.allowed)
             else:
                 chosen.extend(page)
@@ -516,6 +585,9 @@ class ReservationService:
             raise DomainError(CONFLICT, "another extend of this reservation was decided meanwhile",
                               {"reason": "extend-in-flight", "retryAfterSeconds": EXTEND_RETRY_AFTER_S, "reservationId": rid})
         res.pending_change = None
+        if decision.unavailable:
+            self.moves.save(tx, res)
+            return Commit(iam_unavailable(decision))
         if not decision.allowed:
             self.moves.save(tx, res)
             return Commit(DomainError(ACCESS_DENIED, f"{principal.id} may not extend reservation {rid} to {new_end}",
@@ -527,7 +599,8 @@ class ReservationService:
         tenant = self.catalog.current.tenants.get(res.tenant_id)
         try:
             if tenant is not None:
-                self.check_spend(tenant, res.pool_id, self._spend_asked(res))
+                self.check_spend(tenant, res.pool_id, self._spend_asked(res),
+                                 exposure(res.hourly_usd, new_end - (res.end or new_end)))
         except DomainError as err:
             self.moves.save(tx, res)
             return Commit(err)

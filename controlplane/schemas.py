@@ -48,6 +48,8 @@ class CreateBody(Struct, forbid_unknown_fields=True):
     leaseSeconds: Annotated[int, Meta(ge=1, le=604800)] | None = None
     idempotencyKey: Key | None = None
     wait: Wait | None = None
+    quoteId: Id | None = None
+    maxHourlyPrice: Annotated[str, Meta(min_length=1, max_length=32)] | None = None
 
 
 class ReservationRef(Struct, forbid_unknown_fields=True):
@@ -68,6 +70,23 @@ class ConfirmationRef(Struct, forbid_unknown_fields=True):
 class ConfirmationList(Struct, forbid_unknown_fields=True):
     status: Literal["pending", "approved", "denied", "expired"] | None = None
     limit: Annotated[int, Meta(ge=1, le=200)] = 50
+
+
+class OperationRef(Struct, forbid_unknown_fields=True):
+    operationId: Id
+
+
+class OperationWait(Struct, forbid_unknown_fields=True):
+    operationId: Id
+    timeoutMs: Annotated[int, Meta(ge=0, le=60_000)] = 30_000
+
+
+class UsageBody(Struct, forbid_unknown_fields=True):
+    reservationId: Id | None = None
+    since: EpochMs | None = None  # UTC days starting at or after
+    until: EpochMs | None = None  # UTC days starting before
+    limit: Annotated[int, Meta(ge=1, le=500)] = 100
+    cursor: Annotated[str, Meta(min_length=1, max_length=200)] | None = None
 
 
 class ListBody(Struct, forbid_unknown_fields=True):
@@ -135,8 +154,12 @@ def decode(body: bytes, schema: type[Struct]) -> Any:
 
 
 def fingerprint_of(body: CreateBody) -> bytes:
-    """The canonical request an idempotency key is compared on: `wait` and the key itself left out."""
-    return msgspec.json.encode(msgspec.structs.replace(body, wait=None, idempotencyKey=None))
+    """The canonical request an idempotency key is compared on.
+
+    Left out: `wait`, the key itself, and the quote and price ceiling (a
+    retry of one ambiguous launch from a refreshed quote is the same intent).
+    """
+    return msgspec.json.encode(msgspec.structs.replace(body, wait=None, idempotencyKey=None, quoteId=None, maxHourlyPrice=None))
 
 
 # ---- answers -------------------------------------------------------------

@@ -236,6 +236,8 @@ class Transitions:
         """binding -> active once every node reported the devices bound; the create operation succeeds."""
         states.move(res, states.ACTIVE, now)
         res.set_condition("DevicesBound", "True", "Bound", "every node reported the devices bound", now)
+        res.billing_start = now  # confirmed readiness: billing starts
+        tx.bill_from(res, now)
         if not self.save(tx, res, states.BINDING):
             return False
         op = tx.operation(operation_id(res.id, "create"))
@@ -256,6 +258,9 @@ class Transitions:
         """
         old = res.state
         target = states.CANCELLED if old == states.PENDING or reason in ("cancel", "expired") else states.RELEASED
+        if old == states.ACTIVE:  # confirmed release: billing stops
+            res.billing_end = now
+            tx.bill_until(res.id, now)
         if old in states.BOOKED:
             self.unbook(tx, res, now)
         if old in states.CHARGED:

@@ -14,7 +14,10 @@ from controlplane.catalog import Catalog
 from controlplane.domain.clock import Clock
 from controlplane.domain.ids import token_hash
 from controlplane.iam.cedar import CedarAuthorizer, validate
+from controlplane.billing import Billing
 from controlplane.confirmations import ConfirmationService
+from controlplane.operations import OperationService
+from controlplane.quotes import Quotes
 from controlplane.reconciler import Reconciler
 from controlplane.reservations import ReservationService
 from controlplane.transitions import CatalogRef, Transitions
@@ -81,6 +84,11 @@ class ControlPlane:
             self.apply_bootstrap(self.config.bootstrap)
         self._build_iam()
         self.reservations = ReservationService(self.store, self.authorizer, self.clock, self.catalog, self.state, self.moves)
+        self.billing = Billing(self.store, self.clock)
+        self.reservations.spent_usd = self.billing.spent_usd
+        self.reservations.exposure_usd = self.billing.exposure_usd
+        self.reservations.quotes = Quotes(self.store, self.clock, self.catalog, self.state)
+        self.operations = OperationService(self.store, self.moves, self.reservations)
         self.reconciler = Reconciler(self.store, self.clock, self.state, self.moves, on_freed=self.reservations.wake)
         if hasattr(self.clock, "on_advance"):
             self.clock.on_advance(lambda _now: self.reconciler.wake())

@@ -9,6 +9,7 @@ import asyncio
 
 from aiohttp import web
 
+from controlplane.api import billing as billing_api
 from controlplane.api import confirmations as confirmation_api
 from controlplane.api import reservations as reservation_api
 from controlplane.api.auth import principal_of
@@ -40,6 +41,8 @@ def create_app(config: Config, control_plane: ControlPlane | None = None) -> web
         app[CONTROL_PLANE] = cp
         app[reservation_api.SERVICE] = cp.reservations
         app[confirmation_api.SERVICE] = cp.confirmations
+        app[billing_api.OPERATIONS] = cp.operations
+        app[billing_api.BILLING] = cp.billing
         loop_task = asyncio.ensure_future(cp.reconciler.run()) if config.reconcile else None
         yield
         if loop_task is not None:
@@ -55,4 +58,5 @@ def create_app(config: Config, control_plane: ControlPlane | None = None) -> web
     app.router.add_get("/healthz", healthz)
     app.add_routes(reservation_api.routes())
     app.add_routes(confirmation_api.routes())
+    app.add_routes(billing_api.routes())
     return app

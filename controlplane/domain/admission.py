@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Sequence
 
 from controlplane.domain.clock import HOUR_MS, MINUTE_MS
 from controlplane.domain.errors import NO_CAPACITY, UNSUPPORTED, DomainError, invalid, not_found
 from controlplane.domain.model import BINDINGS, Node, Offer, Pool, Reservation, Tenant
 from controlplane.domain.placement import Ask, could_ever_fit, eligible_units
+from controlplane.domain.pricing import hourly
 from controlplane.domain.quota import charge_for, unit_key
 from controlplane.domain.share import NO_SHARE, Share, host_share_per_gpu, pool_share_per_gpu
 
@@ -70,6 +72,8 @@ class Plan:
     resources: Share  # booked per node (for a node binding: each node's whole capacity)
     charge: dict[str, int]
     whole_node: bool
+    excess: Share = NO_SHARE  # booked per node above the per-GPU share
+    hourly_usd: Decimal = Decimal(0)
 
     def ask(self, start: int, end: int) -> Ask:
         return Ask(
@@ -214,6 +218,7 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, profile: PoolPr
         pool=pool, offer=offer, binding=req.binding, gpu_count=gpu_count, node_count=req.node_count,
         mig_profile=req.mig_profile, start=start, end=end, duration_ms=duration_ms, spot=req.spot,
         lease_seconds=req.lease_seconds, resources=resources, charge=charge, whole_node=whole_node,
+        excess=excess, hourly_usd=hourly(pool, gpu_count, req.node_count, excess),
     )
     _check_pool_can_hold(plan, profile.nodes_by_size)
     return plan

@@ -71,6 +71,9 @@ class Pool:
     archived: bool = False
     policy: PoolPolicy = PoolPolicy()
     offers: Mapping[str, Offer] = field(default_factory=dict)
+    # Optional prices of host resources booked above the per-GPU share.
+    price_per_vcpu_hour: Decimal = Decimal(0)
+    price_per_gib_hour: Decimal = Decimal(0)
 
     def offer_for(self, tenant_id: str) -> Offer | None:
         return self.offers.get(tenant_id)
@@ -198,6 +201,9 @@ class Reservation:
     pending_change: PendingChange | None = None  # the reservation's authz row while an extend is decided
     extensions: int = 0
     confirmation_id: str | None = None
+    hourly_usd: Decimal = Decimal(0)  # the price fixed at creation, for every hour billed
+    billing_start: int | None = None  # confirmed readiness (active)
+    billing_end: int | None = None  # confirmed release
     seq: int = 0  # creation order in the store; list pages on it
 
     @property

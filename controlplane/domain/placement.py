@@ -148,3 +148,20 @@ def place(pool: PoolCalendar, nodes: Mapping[str, Node], ask: Ask) -> list[Place
     if len(found) < ask.node_count:
         return None
     return [Placement(node_id, units) for node_id, units in found.items()]
+
+
+def earliest_start(pool: PoolCalendar, nodes: Mapping[str, Node], ask: Ask, now: int, horizon_ms: int,
+                   limit: int = 2000) -> int | None:
+    """The earliest start, from now to now + horizon, at which the ask's window fits; None if none does.
+
+    Starts worth trying are now and the ends of the pool's bookings (only when
+    something ends can a window that did not fit start to fit).
+    """
+    length = ask.end - ask.start
+    ends = sorted({e for cal in pool.nodes.values() for tl in cal.devices.values() for e in tl.ends if now < e <= now + horizon_ms}
+                  | {h.end for cal in pool.nodes.values() for h in cal.host if now < h.end <= now + horizon_ms})
+    for t in [now, *ends][:limit]:
+        candidate = Ask(ask.gpu_count, ask.node_count, ask.share, t, t + length, ask.sharing, ask.mig_profile, ask.whole_node)
+        if place(pool, nodes, candidate) is not None:
+            return t
+    return None

@@ -40,6 +40,7 @@ class Decision:
     reasons: tuple[str, ...] = ()  # the policies that decided
     errors: tuple[str, ...] = ()  # why a decision could not be made (then it is a deny)
     confirm: bool = False  # a deny that the decision service says a person may overturn (remote context)
+    unavailable: bool = False  # no decision could be had (the service unreachable): a deny, and the platform's fault
 
 
 def principal_type(principal: Principal) -> str:

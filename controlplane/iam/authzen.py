@@ -5,7 +5,9 @@
 context}`; batches go to `/access/v1/evaluations`. A decision service may
 say that a person can overturn a deny by answering `context.confirmation:
 {"required": true}`. A timeout, a transport error, a non-2xx answer or a
-malformed body is a deny whose error says what happened.
+malformed body is a deny whose error says what happened, marked unavailable:
+the control plane answers PROVIDER_UNAVAILABLE (the platform's fault,
+retry later with the same key) rather than a refusal of the request.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def evaluation(req: AuthzRequest) -> dict:
 
 def _decision(body: Any) -> Decision:
     if not isinstance(body, dict) or not isinstance(body.get("decision"), bool):
-        return Decision(False, (), ("the decision service answered without a boolean 'decision'",))
+        return Decision(False, (), ("the decision service answered without a boolean 'decision'",), unavailable=True)
     context = body.get("context") if isinstance(body.get("context"), dict) else {}
     confirmation = context.get("confirmation")
     confirm = isinstance(confirmation, dict) and confirmation.get("required") is True
@@ -74,9 +76,10 @@ class AuthZenAuthorizer:
         try:
             return _decision(await self._post("/access/v1/evaluation", evaluation(request)))
         except asyncio.TimeoutError:
-            return Decision(False, (), (f"the decision service at {self.base_url} did not answer within {self.timeout.total} s",))
+            return Decision(False, (), (f"the decision service at {self.base_url} did not answer within {self.timeout.total} s",),
+                            unavailable=True)
         except (aiohttp.ClientError, RuntimeError, ValueError) as exc:
-            return Decision(False, (), (f"the decision service at {self.base_url} failed: {exc}",))
+            return Decision(False, (), (f"the decision service at {self.base_url} failed: {exc}",), unavailable=True)
 
     async def decide_many(self, requests: Sequence[AuthzRequest]) -> list[Decision]:
         if not requests:

@@ -93,6 +93,21 @@ CREATE TABLE IF NOT EXISTS confirmations (
 );
 CREATE INDEX IF NOT EXISTS confirmations_by_user ON confirmations (tenant_id, user_id, created_at);
 CREATE INDEX IF NOT EXISTS confirmations_by_agent ON confirmations (tenant_id, agent_id, created_at);
+CREATE TABLE IF NOT EXISTS billing (
+  reservation_id TEXT PRIMARY KEY,
+  tenant_id TEXT NOT NULL,
+  pool_id TEXT NOT NULL,
+  hourly_usd TEXT NOT NULL,
+  start_ms INTEGER NOT NULL,
+  end_ms INTEGER
+);
+CREATE INDEX IF NOT EXISTS billing_by_tenant ON billing (tenant_id, start_ms);
+CREATE TABLE IF NOT EXISTS quotes (
+  id TEXT PRIMARY KEY,
+  tenant_id TEXT NOT NULL,
+  expires_at INTEGER NOT NULL,
+  doc BLOB NOT NULL
+);
 """
 
 GROUP_MAX = 256
@@ -233,6 +248,22 @@ class Tx:
     def confirmation(self, conf_id: str):
         row = self.conn.execute("SELECT doc FROM confirmations WHERE id = ?", (conf_id,)).fetchone()
         return codec.decode_confirmation(row[0]) if row else None
+
+    # billing and quotes
+    def bill_from(self, res: Reservation, start: int) -> None:
+        self.conn.execute(
+            "INSERT INTO billing (reservation_id, tenant_id, pool_id, hourly_usd, start_ms, end_ms) VALUES (?, ?, ?, ?, ?, NULL)"
+            " ON CONFLICT (reservation_id) DO NOTHING",
+            (res.id, res.tenant_id, res.pool_id, str(res.hourly_usd), start),
+        )
+
+    def bill_until(self, reservation_id: str, end: int) -> None:
+        self.conn.execute("UPDATE billing SET end_ms = ? WHERE reservation_id = ? AND end_ms IS NULL", (end, reservation_id))
+
+    def put_quote(self, quote_id: str, tenant_id: str, expires_at: int, doc: bytes) -> None:
+        self.conn.execute("INSERT INTO quotes (id, tenant_id, expires_at, doc) VALUES (?, ?, ?, ?)",
+                          (quote_id, tenant_id, expires_at, doc))
+        self.conn.execute("DELETE FROM quotes WHERE expires_at < ?", (expires_at - 86_400_000,))
 
     # catalog and tokens
     def put_catalog(self, kind: str, ident: str, doc: bytes) -> None:
@@ -511,6 +542,25 @@ class SqliteStore:
         sql += " ORDER BY created_at DESC LIMIT ?"
         args.append(limit)
         return [codec.decode_confirmation(row[0]) for row in self._read.execute(sql, args)]
+
+    def billing(self, tenant_id: str, reservation_id: str | None = None) -> list[tuple[str, str, str, int, int | None]]:
+        """(reservation, pool, hourly USD, start, end or None) of the tenant's billed reservations."""
+        sql = "SELECT reservation_id, pool_id, hourly_usd, start_ms, end_ms FROM billing WHERE tenant_id = ?"
+        args: list[Any] = [tenant_id]
+        if reservation_id is not None:
+            sql += " AND reservation_id = ?"
+            args.append(reservation_id)
+        return list(self._read.execute(sql + " ORDER BY start_ms, reservation_id", args))
+
+    def live_of_tenant(self, tenant_id: str) -> list[Reservation]:
+        rows = self._read.execute(
+            "SELECT doc FROM reservations WHERE tenant_id = ? AND state IN ('pending', 'placed', 'binding', 'active')",
+            (tenant_id,))
+        return [codec.decode_reservation(r[0]) for r in rows]
+
+    def quote(self, quote_id: str) -> tuple[str, int, bytes] | None:
+        row = self._read.execute("SELECT tenant_id, expires_at, doc FROM quotes WHERE id = ?", (quote_id,)).fetchone()
+        return (row[0], row[1], row[2]) if row else None
 
     def token(self, token_hash: str) -> tuple[str, str] | None:
         row = self._read.execute("SELECT kind, subject FROM tokens WHERE hash = ?", (token_hash,)).fetchone()

@@ -85,7 +85,8 @@ async def test_a_confirmation_answer_in_the_context_opens_a_confirmation(remote)
 
 
 @pytest.mark.parametrize("failure", ["timeout", "500", "malformed", "down"])
-async def test_a_failed_remote_decision_is_a_deny_that_says_why(remote, failure):
+async def test_a_failed_remote_decision_denies_and_answers_provider_unavailable(remote, failure):
+    """Nothing is allowed without a decision; since the fault is the platform's, the answer is 503 with a reference."""
     api, pdp = remote
     if failure == "timeout":
         pdp.delay = 1.0
@@ -96,6 +97,18 @@ async def test_a_failed_remote_decision_is_a_deny_that_says_why(remote, failure)
     else:
         api.cp.authorizer.base_url = "http://127.0.0.1:9"  # nothing listens there
     status, doc = await api.create(key="x")
-    assert (status, doc["error"]["code"]) == (403, "ACCESS_DENIED")
+    assert (status, doc["error"]["code"]) == (503, "PROVIDER_UNAVAILABLE")
+    assert doc["error"]["details"]["actor"] == "platform" and doc["error"]["details"]["reference"]
+    assert api.cp.state.calendar.by_reservation == {}
     text = " ".join(doc["error"]["details"].get("errors", []))
     assert {"timeout": "did not answer", "500": "HTTP 500", "malformed": "boolean", "down": "failed"}[failure] in text
+
+
+async def test_after_the_decision_service_recovers_the_same_key_is_decided_again(remote):
+    api, pdp = remote
+    pdp.status = 500
+    status, _ = await api.create(key="again")
+    assert status == 503
+    pdp.status = 200
+    status, doc = await api.create(key="again")
+    assert status == 202 and doc["reservation"]["state"] == "placed"

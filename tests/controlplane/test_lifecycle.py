@@ -78,11 +78,12 @@ async def test_a_pending_fixed_window_whose_end_passed_is_cancelled_as_expired(a
 async def test_pending_is_retried_every_30_seconds(api):
     cp = api.cp
     catalog = cp.catalog.current
-    lost = {k: dataclasses.replace(v, schedulable=False) if v.pool_id == "h100" else v for k, v in catalog.nodes.items()}
+    lost = {k: dataclasses.replace(v, schedulable=False) if k == "h1" else v for k, v in catalog.nodes.items()}
     cp.catalog.current = catalog.with_changes(nodes=lost)
+    await api.create(key="full", gpuCount=8, durationHours=5)  # h2 is full, h1 is lost
     res = (await api.create(key="r"))[1]["reservation"]
     assert res["state"] == "pending"
-    cp.catalog.current = catalog  # the nodes come back without any event
+    cp.catalog.current = catalog  # h1 comes back without any event
     await api.settle(29_000)
     assert await states_of(api, res["id"]) == "pending"
     await api.settle(1_000)

@@ -1,0 +1,71 @@
+"""Prices and money: what a request costs per hour, and what a span of time bills. Decimal only, never float.
+
+A pool prices each device-hour (a GPU, a MIG instance or a slot) and,
+optionally, each vcpu-hour and GiB-hour of host resources booked above the
+per-GPU share (1 GiB hugepages count as memory). Billing is prorated to the
+second and each line is rounded half-even to a millionth of a dollar, the
+six decimals of the wire; totals are sums of lines, so they add up exactly.
+"""
+from __future__ import annotations
+
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+
+from controlplane.domain.model import Pool
+from controlplane.domain.share import Share
+
+MICRO = Decimal("0.000001")
+SECONDS_PER_HOUR = Decimal(3600)
+DAY_MS = 86_400_000
+
+
+def money(amount: Decimal) -> str:
+    """The wire form: a decimal string with six decimals."""
+    return str(amount.quantize(MICRO, rounding=ROUND_HALF_EVEN))
+
+
+def parse_money(text: str) -> Decimal | None:
+    """A decimal string with at most six decimals, non-negative; None if it is not one."""
+    if not isinstance(text, str) or not text or len(text) > 32:
+        return None
+    try:
+        amount = Decimal(text)
+    except InvalidOperation:
+        return None
+    if not amount.is_finite() or amount < 0 or amount != amount.quantize(MICRO):
+        return None
+    return amount
+
+
+def hourly(pool: Pool, units_per_node: int, node_count: int, excess_per_node: Share) -> Decimal:
+    """The running price per hour of a request in this pool."""
+    devices = pool.price_per_gpu_hour * units_per_node
+    vcpu = pool.price_per_vcpu_hour * Decimal(excess_per_node.vcpu_milli) / 1000
+    gib = pool.price_per_gib_hour * (Decimal(excess_per_node.memory_mib) / 1024 + excess_per_node.hugepages_1g)
+    return ((devices + vcpu + gib) * node_count).quantize(MICRO, rounding=ROUND_HALF_EVEN)
+
+
+def charge(hourly_usd: Decimal, start_ms: int, end_ms: int) -> tuple[int, Decimal]:
+    """(seconds, amount) billed for [start, end): prorated to the second.
+
+    Seconds are counted on the clock's whole-second ticks (end//1000 -
+    start//1000), so cutting a span at any instant never loses or adds one.
+    """
+    seconds = max(0, end_ms // 1000 - start_ms // 1000)
+    return seconds, (hourly_usd * seconds / SECONDS_PER_HOUR).quantize(MICRO, rounding=ROUND_HALF_EVEN)
+
+
+def exposure(hourly_usd: Decimal, ms: int) -> Decimal:
+    """What a window of ms may bill at most."""
+    return charge(hourly_usd, 0, ms)[1]
+
+
+def day_spans(start_ms: int, end_ms: int) -> list[tuple[int, int, int]]:
+    """[start, end) cut at UTC midnights: (day start, span start, span end)."""
+    out = []
+    t = start_ms
+    while t < end_ms:
+        day = t - t % DAY_MS
+        stop = min(end_ms, day + DAY_MS)
+        out.append((day, t, stop))
+        t = stop
+    return out

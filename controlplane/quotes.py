@@ -1,0 +1,157 @@
+"""Quotes and capacity answers: the price of a request now, and what would work when it cannot be had.
+
+A quote records the request's priced fields and its hourly price at that
+moment; it creates and charges nothing, holds no capacity, and expires
+after 120 seconds. A create that names a quote is refused with
+PRICE_CHANGED when the price or a priced field differs, and QUOTE_EXPIRED
+when the quote is expired, unknown or not the tenant's. A refusal for
+capacity (NO_CAPACITY) carries its reason (`price_ceiling`, `no_stock`,
+`exceeds_pool`), the other pools offered to the tenant that could hold the
+request with their running price, cheapest first, and the earliest start
+at which the request fits in the asked pool.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import replace
+from decimal import Decimal
+from typing import Any
+
+import msgspec
+
+from controlplane.domain.admission import MAX_LEAD_MS, CreateRequest, Plan, admit
+from controlplane.domain.clock import Clock
+from controlplane.domain.errors import NO_CAPACITY, PRICE_CHANGED, QUOTE_EXPIRED, DomainError, invalid
+from controlplane.domain.model import Principal, Tenant
+from controlplane.domain.placement import earliest_start
+from controlplane.domain.pricing import exposure, money, parse_money
+from controlplane.schemas import CreateBody
+from controlplane.state import WriterState
+from controlplane.store.sqlite import SqliteStore
+from controlplane.transitions import CatalogRef
+
+QUOTE_TTL_MS = 120_000
+PRICED = ("poolId", "gpuModel", "sharing", "migProfile", "gpuCount", "nodeCount", "binding", "resources", "spot")
+
+
+class QuoteDoc(msgspec.Struct):
+    id: str
+    tenant_id: str
+    principal_id: str
+    created_at: int
+    expires_at: int
+    priced: dict
+    hourly_usd: str
+
+
+def priced_fields(body: CreateBody) -> dict:
+    raw = msgspec.to_builtins(body)
+    return {k: raw.get(k) for k in PRICED}
+
+
+def window_ms(plan: Plan) -> int:
+    return plan.duration_ms if plan.start is None else (plan.end or 0) - plan.start
+
+
+class Quotes:
+    def __init__(self, store: SqliteStore, clock: Clock, catalog: CatalogRef, state: WriterState):
+        self.store = store
+        self.clock = clock
+        self.catalog = catalog
+        self.state = state
+
+    # ---- answers that say what would work -----------------------------------------
+    def alternatives(self, tenant: Tenant, req: CreateRequest, now: int) -> list[dict]:
+        """Other pools offered to the tenant that could hold the request, cheapest first."""
+        catalog = self.catalog.current
+        out = []
+        for pool in catalog.pools.values():
+            if pool.id == req.pool_id or not pool.visible_to(tenant.id) or pool.gpu_model != req.gpu_model:
+                continue
+            try:
+                plan = admit(replace(req, pool_id=pool.id, sharing=None), tenant, pool, catalog.profile(pool.id), now)
+            except DomainError:
+                continue
+            alt: dict[str, Any] = {"poolId": pool.id, "region": pool.region, "totalRunningUsdPerHour": money(plan.hourly_usd)}
+            start = self.earliest(plan, now)
+            if start is not None:
+                alt["earliestStart"] = start
+            out.append((plan.hourly_usd, pool.id, alt))
+        out.sort(key=lambda item: (item[0], item[1]))
+        return [alt for _, _, alt in out]
+
+    def earliest(self, plan: Plan, now: int) -> int | None:
+        """The earliest start, at or after the asked one, at which the request fits in its pool."""
+        s, e = plan.window_for(now)
+        return earliest_start(self.state.calendar.pool(plan.pool.id), self.catalog.current.nodes, plan.ask(s, e),
+                              s, MAX_LEAD_MS)
+
+    def no_capacity(self, err: DomainError, tenant: Tenant, req: CreateRequest, now: int) -> DomainError:
+        """An `exceeds_pool` refusal from admission, with alternatives, or `no_stock` when there are none."""
+        alternatives = self.alternatives(tenant, req, now)
+        details = dict(err.details)
+        details["alternatives"] = alternatives
+        if not alternatives:
+            details["reason"] = "no_stock"
+            return DomainError(NO_CAPACITY, f"no pool offered to tenant {tenant.id} has {req.gpu_model} for this request "
+                               "at all: change the accelerator or the count and quote again", details)
+        return DomainError(NO_CAPACITY, err.message + "; other pools can: see details.alternatives", details)
+
+    # ---- price checks on create ------------------------------------------------------
+    def check(self, principal: Principal, body: CreateBody, plan: Plan, tenant: Tenant, req: CreateRequest, now: int) -> None:
+        ceiling = None
+        if body.maxHourlyPrice is not None:
+            ceiling = parse_money(body.maxHourlyPrice)
+            if ceiling is None:
+                raise invalid("maxHourlyPrice", "must be a decimal string with at most six decimals, e.g. \"3.000000\"")
+        if body.quoteId is not None:
+            self._check_quote(principal, body, plan, now)
+        if ceiling is not None and plan.hourly_usd > ceiling:
+            alternatives = self.alternatives(tenant, req, now)
+            cheapest = min([plan.hourly_usd] + [Decimal(a["totalRunningUsdPerHour"]) for a in alternatives])
+            details: dict[str, Any] = {
+                "reason": "price_ceiling", "cheapestEligibleUsdPerHour": money(cheapest),
+                "totalRunningUsdPerHour": money(plan.hourly_usd), "maxHourlyPrice": money(ceiling),
+                "alternatives": alternatives, "poolId": plan.pool.id,
+            }
+            start = self.earliest(plan, now)
+            if start is not None:
+                details["earliestStart"] = start
+            raise DomainError(NO_CAPACITY, f"No {plan.node_count} x {plan.gpu_count} {plan.pool.gpu_model} capacity in pool "
+                              f"{plan.pool.id} within ${money(ceiling)}/hr: it runs at ${money(plan.hourly_usd)}/hr", details)
+
+    def _check_quote(self, principal: Principal, body: CreateBody, plan: Plan, now: int) -> None:
+        found = self.store.quote(body.quoteId) if body.quoteId else None
+        if found is None or found[0] != principal.tenant_id:
+            raise DomainError(QUOTE_EXPIRED, f"quoteId: {body.quoteId!r} is not a quote of this tenant; request a fresh quote",
+                              {"field": "quoteId", "quoteId": body.quoteId})
+        doc = msgspec.json.decode(found[2], type=QuoteDoc)
+        if doc.expires_at <= now:
+            raise DomainError(QUOTE_EXPIRED, f"quote {doc.id} expired at {doc.expires_at}; request a fresh quote",
+                              {"field": "quoteId", "quoteId": doc.id, "expiresAt": doc.expires_at})
+        changed = [k for k, v in priced_fields(body).items() if doc.priced.get(k) != v]
+        if changed or Decimal(doc.hourly_usd) != plan.hourly_usd:
+            raise DomainError(PRICE_CHANGED, (f"{', '.join(changed)} changed since the quote" if changed else
+                              f"the price changed from ${doc.hourly_usd}/hr to ${money(plan.hourly_usd)}/hr") +
+                              "; request a fresh quote",
+                              {"quoteId": doc.id, "quotedUsdPerHour": doc.hourly_usd,
+                               "totalRunningUsdPerHour": money(plan.hourly_usd), "changed": changed})
+
+    # ---- the quote itself ---------------------------------------------------------------
+    async def quote(self, principal: Principal, body: CreateBody, plan: Plan, tenant: Tenant, req: CreateRequest) -> dict:
+        now = self.clock.compute_now()
+        doc = QuoteDoc("qt_" + secrets.token_hex(12), tenant.id, principal.id, now, now + QUOTE_TTL_MS,
+                       priced_fields(body), money(plan.hourly_usd))
+        await self.store.writer.call(lambda tx: tx.put_quote(doc.id, doc.tenant_id, doc.expires_at, msgspec.json.encode(doc)))
+        start = self.earliest(plan, now)
+        return {
+            "id": doc.id, "createdAt": now, "expiresAt": doc.expires_at, "currency": "USD",
+            "poolId": plan.pool.id, "region": plan.pool.region, "gpuModel": plan.pool.gpu_model,
+            "gpuCount": plan.gpu_count, "nodeCount": plan.node_count, "resources": plan.resources.to_wire(),
+            "totalRunningUsdPerHour": doc.hourly_usd,
+            "windowHours": window_ms(plan) / 3_600_000,
+            "totalUsd": money(exposure(plan.hourly_usd, window_ms(plan))),
+            "earliestStart": start, "fitsNow": start is not None and start <= now,
+            "alternatives": self.alternatives(tenant, req, now),
+            "priced": doc.priced,
+        }
