@@ -8,6 +8,11 @@ USAGE = """usage: berth <command> [args]
 commands:
   controlplane serve   run the control plane (HTTP API, calendar, reconciler)
   agent                run the node agent, or `berth agent discover` to print the host's inventory
+  exec RESERVATION -- COMMAND...
+                       on a node: run a command inside a reservation's cgroup
+  reservations         create|get|list|release|cancel|extend|renew|quote (tenants)
+  operations           get|wait (tenants)
+  usage                charge history (tenants)
 
 Run `berth <command> --help` for the options of one command.
 """
@@ -27,6 +32,14 @@ def main(argv: list[str] | None = None) -> int:
         from agent import cli as agent_cli
 
         return agent_cli.main(rest)
+    if command == "exec":
+        from agent import exec as agent_exec
+
+        return agent_exec.main(rest)
+    if command in ("reservations", "operations", "usage"):
+        from controlplane import tenant_cli
+
+        return tenant_cli.main([command, *rest])
     print(f"berth: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

@@ -221,6 +221,7 @@ def reservation_to_wire(res: Reservation, operation: Operation | None) -> dict:
             }
             for c in res.conditions
         ],
+        "bound": [{"nodeId": b.node_id, "at": b.at, "cgroup": b.cgroup, "devices": list(b.devices)} for b in res.bound],
         "operation": operation_to_wire(operation),
         "createdAt": res.created_at,
         "updatedAt": res.updated_at,
@@ -236,3 +237,61 @@ def check_state_filter(state: str | None) -> None:
             f"state: must be one of {', '.join(PUBLIC_STATES)}",
             {"field": "state", "rule": "must be a public state", "allowed": list(PUBLIC_STATES)},
         )
+
+
+# ---- the node API (docs/node-api.md) ----------------------------------------
+
+class MigDoc(Struct):
+    index: int
+    profile: str | None = None
+    uuid: str | None = None
+    capMinors: dict[str, int | None] = {}
+    health: dict[str, Any] = {}
+
+
+class GpuDoc(Struct):
+    index: Annotated[int, Meta(ge=0, le=1024)]
+    deviceClass: Id
+    uuid: str | None = None
+    minor: int | None = None
+    numaNode: int | None = None
+    migMode: dict[str, Any] | None = None
+    health: dict[str, Any] = {}
+    migDevices: list[MigDoc] = []
+
+
+class InventoryDoc(Struct):
+    """The part of the agent's inventory (docs/inventory.md) that the control plane books against."""
+
+    gpus: list[GpuDoc] = []
+    cpus: dict[str, Any] = {}
+    memory: dict[str, Any] = {}
+    hugepages: dict[str, Any] = {}
+
+
+class RegisterBody(Struct, forbid_unknown_fields=True):
+    hostname: Annotated[str, Meta(min_length=1, max_length=253)]
+    inventory: InventoryDoc
+    agentVersion: Annotated[str, Meta(max_length=64)] | None = None
+
+
+class HeartbeatBody(Struct, forbid_unknown_fields=True):
+    health: dict[str, Any] | None = None
+    inventory: InventoryDoc | None = None
+
+
+class WatchBody(Struct, forbid_unknown_fields=True):
+    resourceVersion: Annotated[int, Meta(ge=0)] | None = None
+    timeoutMs: Annotated[int, Meta(ge=0, le=30_000)] = 25_000
+
+
+class ReportItem(Struct, forbid_unknown_fields=True):
+    reservationId: Id
+    status: Literal["bound", "unbound", "failed"]
+    cgroup: Annotated[str, Meta(max_length=4096)] | None = None
+    devices: Annotated[list[Annotated[str, Meta(max_length=256)]], Meta(max_length=256)] = []
+    message: Annotated[str, Meta(max_length=2000)] | None = None
+
+
+class ReportBody(Struct, forbid_unknown_fields=True):
+    reports: Annotated[list[ReportItem], Meta(max_length=1000)]

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decide with a remote OpenID AuthZEN service at URL instead of the embedded Cedar policies")
     serve.add_argument("--authzen-timeout", type=float, default=2.0, metavar="SECONDS",
                        help="a remote decision slower than this is a deny (default 2)")
+    serve.add_argument("--node-grace", type=float, default=30.0, metavar="SECONDS",
+                       help="a node whose agent is silent for longer is lost (default 30)")
     serve.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--synchronous", choices=("FULL", "NORMAL"), default="FULL",
@@ -65,7 +67,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logs.configure(args.log_format, args.log_level)
     config = Config(db=args.db or default_db_url(), bootstrap=args.bootstrap, synchronous=args.synchronous,
-                    authzen=args.authzen, authzen_timeout_s=args.authzen_timeout)
+                    authzen=args.authzen, authzen_timeout_s=args.authzen_timeout, node_grace_s=args.node_grace)
     try:
         asyncio.run(serve(config, *args.listen))
     except ConfigError as exc:

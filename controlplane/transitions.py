@@ -301,6 +301,8 @@ def ending_failure(reason: str, actor: str) -> Failure:
                       "Retry later, or book without spot."),
         "lease-lapsed": ("lease-lapsed", "The lease was not renewed within leaseSeconds.",
                          "Renew within leaseSeconds, or create without a lease."),
+        "node-lost": ("node-lost", "The node was lost before the devices were ready. Nothing was billed.",
+                      "Retry later, or contact support with the operation id."),
         "ended": ("devices-not-bound", "The window ended before the node reported the devices bound. Nothing was billed.",
                   "Retry later with the same idempotency key, or contact support with the operation id."),
     }

@@ -16,6 +16,7 @@ from controlplane.domain.ids import token_hash
 from controlplane.iam.cedar import CedarAuthorizer, validate
 from controlplane.billing import Billing
 from controlplane.confirmations import ConfirmationService
+from controlplane.nodes import NodeService, live_for_nodes
 from controlplane.operations import OperationService
 from controlplane.quotes import Quotes
 from controlplane.reconciler import Reconciler
@@ -61,6 +62,7 @@ class Config:
     authzen: str | None = None  # base URL of a remote AuthZEN decision service, instead of embedded Cedar
     authzen_timeout_s: float = 2.0
     reconcile: bool = True  # run the reconciler loop (tests of a fake clock may drive passes themselves)
+    node_grace_s: float = 30.0  # a node silent for longer is lost
 
 
 class ControlPlane:
@@ -90,6 +92,9 @@ class ControlPlane:
         self.reservations.quotes = Quotes(self.store, self.clock, self.catalog, self.state)
         self.operations = OperationService(self.store, self.moves, self.reservations)
         self.reconciler = Reconciler(self.store, self.clock, self.state, self.moves, on_freed=self.reservations.wake)
+        self.nodes = NodeService(self.store, self.clock, self.catalog, self.state, self.moves, self.tokens,
+                                 grace_s=self.config.node_grace_s, on_freed=self.reservations.wake)
+        self.nodes.load(self.store.writer.call_sync(lambda tx: live_for_nodes(tx.conn)))
         if hasattr(self.clock, "on_advance"):
             self.clock.on_advance(lambda _now: self.reconciler.wake())
         return self

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from controlplane.api import billing as billing_api
 from controlplane.api import confirmations as confirmation_api
+from controlplane.api import nodes as node_api
 from controlplane.api import reservations as reservation_api
 from controlplane.api.auth import principal_of
 from controlplane.api.errors import error_middleware
@@ -33,6 +34,28 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text: reservations by state, nodes, bindings, heartbeat age, store groups, reconciler passes."""
+    cp = request.app[CONTROL_PLANE]
+    lines = ["# TYPE berth_reservations gauge"]
+    for state, count in cp.store.state_counts():
+        lines.append(f'berth_reservations{{state="{state}"}} {count}')
+    node = cp.nodes.metrics()
+    ages = node["heartbeat_age"]
+    lines += [
+        "# TYPE berth_nodes gauge", f"berth_nodes {node['nodes']}",
+        "# TYPE berth_nodes_lost gauge", f"berth_nodes_lost {node['lost']}",
+        "# TYPE berth_bindings gauge", f"berth_bindings {node['bindings']}",
+        "# TYPE berth_node_heartbeat_age_seconds gauge",
+        *[f'berth_node_heartbeat_age_seconds{{node="{nid}"}} {age:.3f}' for nid, age in sorted(ages.items())],
+        "# TYPE berth_store_groups_total counter", f"berth_store_groups_total {cp.store.writer.groups}",
+        "# TYPE berth_store_jobs_total counter", f"berth_store_jobs_total {cp.store.writer.jobs}",
+        "# TYPE berth_reconciler_passes_total counter", f"berth_reconciler_passes_total {cp.reconciler.passes}",
+        "# TYPE berth_reconciler_transitions_total counter", f"berth_reconciler_transitions_total {cp.reconciler.transitions}",
+    ]
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
 def create_app(config: Config, control_plane: ControlPlane | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=1 << 20)
 
@@ -43,11 +66,13 @@ def create_app(config: Config, control_plane: ControlPlane | None = None) -> web
         app[confirmation_api.SERVICE] = cp.confirmations
         app[billing_api.OPERATIONS] = cp.operations
         app[billing_api.BILLING] = cp.billing
-        loop_task = asyncio.ensure_future(cp.reconciler.run()) if config.reconcile else None
+        app[node_api.NODES] = cp.nodes
+        tasks = [asyncio.ensure_future(cp.reconciler.run()), asyncio.ensure_future(cp.nodes.run_monitor())] \
+            if config.reconcile else []
         yield
-        if loop_task is not None:
-            loop_task.cancel()
-            await asyncio.gather(loop_task, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await cp.reservations.drain()
         if hasattr(cp.authorizer, "close"):
             await cp.authorizer.close()
@@ -59,4 +84,6 @@ def create_app(config: Config, control_plane: ControlPlane | None = None) -> web
     app.add_routes(reservation_api.routes())
     app.add_routes(confirmation_api.routes())
     app.add_routes(billing_api.routes())
+    app.add_routes(node_api.routes())
+    app.router.add_get("/metrics", metrics)
     return app

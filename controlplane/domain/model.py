@@ -91,6 +91,8 @@ class Unit:
     numa_node: int | None = None
     mig_profile: str | None = None
     uuid: str | None = None
+    minor: int | None = None  # /dev/nvidiaN of its GPU, from the agent's inventory
+    cap_minors: tuple[int, ...] = ()  # /dev/nvidia-caps minors of a MIG instance (gpu instance, compute instance)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +122,16 @@ class Placement:
 
     node_id: str
     units: list[str]
+
+
+@dataclass(slots=True)
+class Bound:
+    """What a node's agent reported bound for a reservation."""
+
+    node_id: str
+    at: int
+    cgroup: str | None = None
+    devices: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -202,6 +214,7 @@ class Reservation:
     extensions: int = 0
     confirmation_id: str | None = None
     hourly_usd: Decimal = Decimal(0)  # the price fixed at creation, for every hour billed
+    bound: list[Bound] = field(default_factory=list)  # per node, once its agent reported the devices bound
     billing_start: int | None = None  # confirmed readiness (active)
     billing_end: int | None = None  # confirmed release
     seq: int = 0  # creation order in the store; list pages on it

@@ -552,6 +552,9 @@ class SqliteStore:
             args.append(reservation_id)
         return list(self._read.execute(sql + " ORDER BY start_ms, reservation_id", args))
 
+    def state_counts(self) -> list[tuple[str, int]]:
+        return list(self._read.execute("SELECT state, COUNT(*) FROM reservations GROUP BY state ORDER BY state"))
+
     def live_of_tenant(self, tenant_id: str) -> list[Reservation]:
         rows = self._read.execute(
             "SELECT doc FROM reservations WHERE tenant_id = ? AND state IN ('pending', 'placed', 'binding', 'active')",

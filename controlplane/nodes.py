@@ -1,0 +1,406 @@
+"""Nodes: agents register, heartbeat, watch the bindings wanted on their node, and report what they bound.
+
+The control plane's side of docs/node-api.md. An agent's inventory becomes
+the node's bookable units (whole GPUs, MIG instances or slots, by the
+pool's sharing) and its allocatable host resources; a declared node with the
+same hostname is taken over. The bindings wanted on a node are the
+reservations in `binding` or `active` that hold units there; they are kept
+per node in memory, with a resource version that grows with every change,
+so a long-polling watch answers within milliseconds of a change and a
+reconnect resumes without missing or replaying anything (each answer is the
+whole set). A node silent for longer than the grace is lost.
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, replace
+from typing import Any
+
+import structlog
+
+from controlplane.catalog import Catalog, encode_item
+from controlplane.domain import states
+from controlplane.domain.clock import Clock
+from controlplane.domain.errors import INVALID_INPUT, UNAUTHENTICATED, DomainError, invalid
+from controlplane.domain.ids import operation_id, token_hash
+from controlplane.domain.model import Bound, Node, Pool, Reservation, Unit
+from controlplane.domain.share import Share
+from controlplane.state import WriterState
+from controlplane.store import sqlite as sq
+from controlplane.store.sqlite import SqliteStore, Tx
+from controlplane.transitions import CatalogRef, Transitions, ending_failure
+
+log = structlog.get_logger("berth.nodes")
+
+HEARTBEAT_S = 5
+WATCH_MAX_MS = 30_000
+
+
+def units_of(inventory: dict, pool: Pool) -> tuple[tuple[Unit, ...], int, list[str]]:
+    """(bookable units, whole GPUs counted for the share, notes) of an agent's inventory in this pool."""
+    units: list[Unit] = []
+    notes: list[str] = []
+    gpus = 0
+    for gpu in inventory.get("gpus", []):
+        index, uuid, minor = gpu.get("index"), gpu.get("uuid"), gpu.get("minor")
+        healthy = (gpu.get("health") or {}).get("healthy", True)
+        if gpu.get("deviceClass") != pool.gpu_model:
+            notes.append(f"GPU {index} is {gpu.get('deviceClass')}, not pool {pool.id}'s {pool.gpu_model}: not bookable here")
+            continue
+        if not healthy:
+            notes.append(f"GPU {index} is unhealthy: {(gpu.get('health') or {}).get('reason')}")
+            continue
+        mig_on = bool((gpu.get("migMode") or {}).get("current"))
+        numa = gpu.get("numaNode")
+        if pool.sharing == "mig":
+            if not mig_on:
+                notes.append(f"GPU {index} is not in MIG mode; pool {pool.id} books MIG instances")
+                continue
+            for mig in gpu.get("migDevices", []):
+                if not (mig.get("health") or {}).get("healthy", True) or not mig.get("profile"):
+                    continue
+                caps = mig.get("capMinors") or {}
+                units.append(Unit(f"gpu{index}/mig{mig.get('index')}", index, numa, mig["profile"], mig.get("uuid"), minor,
+                                  tuple(c for c in (caps.get("gi"), caps.get("ci")) if c is not None)))
+            continue
+        if mig_on:
+            notes.append(f"GPU {index} is in MIG mode; pool {pool.id} books whole GPUs")
+            continue
+        gpus += 1
+        if pool.sharing == "slots":
+            units.extend(Unit(f"gpu{index}/slot{j}", index, numa, None, uuid, minor) for j in range(pool.policy.slots_per_gpu))
+        else:
+            units.append(Unit(f"gpu{index}", index, numa, None, uuid, minor))
+    return tuple(units), gpus, notes
+
+
+def capacity_of(inventory: dict) -> Share:
+    cpus = inventory.get("cpus") or {}
+    memory = inventory.get("memory") or {}
+    huge = (inventory.get("hugepages") or {}).get("1G") or {}
+    return Share(int(cpus.get("allocatableVcpuMilli") or 0), int(memory.get("allocatableMiB") or 0), int(huge.get("total") or 0))
+
+
+def binding_doc(res: Reservation, node: Node | None, node_id: str) -> dict:
+    placement = next((p for p in res.placements if p.node_id == node_id), None)
+    by_id = {u.id: u for u in node.units} if node else {}
+    units = []
+    for uid in (placement.units if placement else []):
+        u = by_id.get(uid)
+        units.append({"unit": uid, "gpuIndex": u.gpu_index if u else None, "uuid": u.uuid if u else None,
+                      "minor": u.minor if u else None, "migProfile": u.mig_profile if u else None,
+                      "capMinors": list(u.cap_minors) if u else [], "numaNode": u.numa_node if u else None})
+    share = res.resources
+    return {
+        "reservationId": res.id, "kind": res.binding, "tenantId": res.tenant_id, "principalId": res.principal_id,
+        "start": res.start, "end": res.end, "units": units,
+        "share": {"vcpuMilli": share.vcpu_milli, "memoryMiB": share.memory_mib, "hugepages1g": share.hugepages_1g},
+        "numaNodes": sorted({u["numaNode"] for u in units if u["numaNode"] is not None}),
+    }
+
+
+@dataclass
+class NodeLive:
+    rv: int
+    bindings: dict[str, dict]
+    last_seen: float | None = None  # monotonic seconds of the last heartbeat; None: never (a declared node)
+    lost: bool = False
+    changed: asyncio.Event | None = None
+
+
+class NodeService:
+    def __init__(self, store: SqliteStore, clock: Clock, catalog: CatalogRef, state: WriterState, moves: Transitions,
+                 tokens, grace_s: float = 30.0, on_freed=None):
+        self.store = store
+        self.clock = clock
+        self.catalog = catalog
+        self.state = state
+        self.moves = moves
+        self.tokens = tokens
+        self.grace_s = grace_s
+        self.on_freed = on_freed
+        self.live: dict[str, NodeLive] = {}
+        self._rv = clock.compute_now() * 1000  # grows across restarts too
+        moves.listeners.append(self._reservation_changed)
+
+    # ---- desired bindings -----------------------------------------------------------
+    def load(self, reservations: list[Reservation]) -> None:
+        for res in reservations:
+            self._reservation_changed(res)
+
+    def _node(self, node_id: str) -> NodeLive:
+        live = self.live.get(node_id)
+        if live is None:
+            live = self.live[node_id] = NodeLive(self._next_rv(), {})
+        return live
+
+    def _next_rv(self) -> int:
+        self._rv += 1
+        return self._rv
+
+    def _bump(self, live: NodeLive) -> None:
+        live.rv = self._next_rv()
+        if live.changed is not None:
+            live.changed.set()
+            live.changed = None
+
+    def _reservation_changed(self, res: Reservation) -> None:
+        wanted = res.state in (states.BINDING, states.ACTIVE)
+        nodes = self.catalog.current.nodes
+        on = {p.node_id for p in res.placements} if wanted else set()
+        for node_id in on:
+            live = self._node(node_id)
+            doc = binding_doc(res, nodes.get(node_id), node_id)
+            if live.bindings.get(res.id) != doc:
+                live.bindings[res.id] = doc
+                self._bump(live)
+        for node_id, live in self.live.items():
+            if node_id not in on and res.id in live.bindings:
+                del live.bindings[res.id]
+                self._bump(live)
+
+    # ---- authentication ------------------------------------------------------------
+    def node_of_token(self, token: str) -> Node:
+        found = self.tokens.resolve(token)
+        if found is None or found[0] != "node":
+            raise DomainError(UNAUTHENTICATED, "Authorization: not a node token; register with the pool's bootstrap token",
+                              {"field": "Authorization"})
+        node = self.catalog.current.nodes.get(found[1])
+        if node is None:
+            raise DomainError(UNAUTHENTICATED, "Authorization: the token's node no longer exists", {"field": "Authorization"})
+        return node
+
+    def pool_of_bootstrap(self, token: str) -> Pool:
+        found = self.tokens.resolve(token)
+        if found is None or found[0] != "node-bootstrap":
+            raise DomainError(UNAUTHENTICATED, "Authorization: not a pool bootstrap token (see the bootstrap file's nodeTokens)",
+                              {"field": "Authorization"})
+        pool = self.catalog.current.pools.get(found[1])
+        if pool is None:
+            raise DomainError(UNAUTHENTICATED, "Authorization: the token's pool no longer exists", {"field": "Authorization"})
+        return pool
+
+    # ---- register and inventory ----------------------------------------------------------
+    async def register(self, pool: Pool, hostname: str, inventory: dict) -> dict:
+        if not hostname or len(hostname) > 253:
+            raise invalid("hostname", "1 to 253 characters")
+        token = "nt_" + secrets.token_urlsafe(32)
+
+        def job(tx: Tx) -> Node:
+            catalog = self.catalog.current
+            existing = next((n for n in catalog.nodes.values() if n.hostname == hostname), None)
+            if existing is not None and existing.pool_id != pool.id:
+                raise DomainError(INVALID_INPUT, f"hostname: {hostname} is node {existing.id} of pool {existing.pool_id}, "
+                                  f"not of pool {pool.id}; use that pool's bootstrap token",
+                                  {"field": "hostname", "nodeId": existing.id, "poolId": existing.pool_id})
+            node_id = existing.id if existing else f"{pool.id}-{hostname}"
+            node = self._apply_inventory(tx, catalog, pool, node_id, hostname, inventory)
+            tx.delete_tokens("node", node_id)
+            tx.put_token(token_hash(token), "node", node_id)
+            rows = {h: ks for h, ks in self.tokens.rows.items() if ks != ("node", node_id)}
+            rows[token_hash(token)] = ("node", node_id)
+            self.tokens.rows = rows
+            return node
+
+        node = await self.store.writer.call(job)
+        live = self._node(node.id)
+        live.last_seen = self.clock.monotonic()
+        if live.lost:
+            await self._found(node.id)
+        log.info("node registered", node_id=node.id, pool_id=pool.id, units=len(node.units))
+        return {"nodeId": node.id, "nodeToken": token, "poolId": pool.id, "heartbeatSeconds": HEARTBEAT_S,
+                "graceSeconds": self.grace_s, "resourceVersion": live.rv}
+
+    def _apply_inventory(self, tx: Tx, catalog: Catalog, pool: Pool, node_id: str, hostname: str, inventory: dict) -> Node:
+        units, gpus, notes = units_of(inventory, pool)
+        old = catalog.nodes.get(node_id)
+        node = Node(node_id, pool.id, hostname, units, gpus, capacity_of(inventory), declared=False,
+                    schedulable=old.schedulable if old is not None and not old.declared else True)
+        if old == node:
+            return node
+        tx.put_catalog("node", node_id, encode_item(node))
+        tx.touch()
+        self.catalog.current = catalog.with_changes(nodes={**catalog.nodes, node_id: node})
+        self.state.add_nodes([node])
+        gone = {u.id for u in old.units} - {u.id for u in units} if old is not None else set()
+        if gone:
+            self._devices_lost(tx, node_id, gone)
+        for note in notes:
+            log.info("inventory note", node_id=node_id, note=note)
+        return node
+
+    def _devices_lost(self, tx: Tx, node_id: str, gone: set[str]) -> None:
+        now = self.clock.compute_now()
+        for b in list(self.state.calendar.iter_bookings()):
+            if b.node_id != node_id or not gone.intersection(b.units):
+                continue
+            res = tx.reservation(b.reservation_id)
+            if res is None or res.state in states.TERMINAL:
+                continue
+            missing = sorted(gone.intersection(b.units))
+            res.set_condition("DevicesLost", "True", "InventoryChanged",
+                              f"node {node_id} no longer reports {', '.join(missing)}", now)
+            self.moves.save(tx, res)
+
+    async def update_inventory(self, node: Node, inventory: dict) -> None:
+        pool = self.catalog.current.pools[node.pool_id]
+        await self.store.writer.call(
+            lambda tx: self._apply_inventory(tx, self.catalog.current, pool, node.id, node.hostname, inventory))
+
+    # ---- heartbeats and loss ----------------------------------------------------------------
+    async def heartbeat(self, node: Node, body: dict) -> dict:
+        live = self._node(node.id)
+        live.last_seen = self.clock.monotonic()
+        if isinstance(body.get("inventory"), dict):
+            await self.update_inventory(node, body["inventory"])
+        if live.lost:
+            await self._found(node.id)
+        return {"nodeId": node.id, "resourceVersion": live.rv, "graceSeconds": self.grace_s,
+                "serverTime": self.clock.compute_now()}
+
+    async def check_lost(self) -> list[str]:
+        """Mark nodes silent for longer than the grace as lost; the ids newly lost."""
+        now = self.clock.monotonic()
+        lost = [nid for nid, live in self.live.items()
+                if live.last_seen is not None and not live.lost and now - live.last_seen > self.grace_s]
+        for node_id in lost:
+            await self.store.writer.call(lambda tx, n=node_id: self._lose(tx, n))
+            self.live[node_id].lost = True
+            log.warning("node lost", node_id=node_id, silent_s=round(now - (self.live[node_id].last_seen or now), 1))
+        return lost
+
+    def _set_schedulable(self, tx: Tx, node_id: str, value: bool) -> None:
+        catalog = self.catalog.current
+        node = catalog.nodes.get(node_id)
+        if node is None or node.schedulable == value:
+            return
+        node = replace(node, schedulable=value)
+        tx.put_catalog("node", node_id, encode_item(node))
+        self.catalog.current = catalog.with_changes(nodes={**catalog.nodes, node_id: node})
+
+    def _reservations_on(self, tx: Tx, node_id: str) -> list[Reservation]:
+        out = []
+        for rid in list(self.live.get(node_id, NodeLive(0, {})).bindings):
+            res = tx.reservation(rid)
+            if res is not None and res.state in (states.BINDING, states.ACTIVE):
+                out.append(res)
+        return out
+
+    def _lose(self, tx: Tx, node_id: str) -> None:
+        now = self.clock.compute_now()
+        self._set_schedulable(tx, node_id, False)
+        for res in self._reservations_on(tx, node_id):
+            res.set_condition("NodeLost", "True", "HeartbeatMissed",
+                              f"node {node_id} has not been heard from for more than {self.grace_s:g} s", now)
+            op = tx.operation(operation_id(res.id, "create"))
+            if op is not None and op.status == "running":
+                op.status, op.updated_at = "failed", now
+                op.failure = ending_failure("node-lost", "platform")
+                tx.put_operation(op)
+            self.moves.save(tx, res)
+            self.moves.event(tx, res, "reservation.node-lost", now, nodeId=node_id)
+
+    async def _found(self, node_id: str) -> None:
+        def job(tx: Tx) -> None:
+            now = self.clock.compute_now()
+            self._set_schedulable(tx, node_id, True)
+            for res in self._reservations_on(tx, node_id):
+                if any(c.type == "NodeLost" for c in res.conditions):
+                    res.clear_condition("NodeLost")
+                    self.moves.save(tx, res)
+                    self.moves.event(tx, res, "reservation.node-found", now, nodeId=node_id)
+
+        await self.store.writer.call(job)
+        self.live[node_id].lost = False
+        log.info("node back", node_id=node_id)
+        if self.on_freed is not None:
+            self.on_freed(self.catalog.current.nodes[node_id].pool_id)
+
+    async def run_monitor(self, interval_s: float = 1.0) -> None:
+        while True:
+            try:
+                await self.check_lost()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001
+                log.exception("node monitor pass failed")
+            await asyncio.sleep(interval_s)
+
+    # ---- watch ----------------------------------------------------------------------------------
+    async def watch(self, node: Node, rv: int | None, timeout_ms: int) -> dict:
+        live = self._node(node.id)
+        if rv is None or rv != live.rv or timeout_ms <= 0:
+            return self._watch_answer(live, changed=rv != live.rv)
+        if live.changed is None:
+            live.changed = asyncio.Event()
+        event = live.changed
+        try:
+            await asyncio.wait_for(event.wait(), timeout_ms / 1000)
+        except asyncio.TimeoutError:
+            return self._watch_answer(live, changed=False)
+        return self._watch_answer(live, changed=True)
+
+    @staticmethod
+    def _watch_answer(live: NodeLive, changed: bool) -> dict:
+        return {"resourceVersion": live.rv, "changed": changed,
+                "bindings": sorted(live.bindings.values(), key=lambda b: b["reservationId"])}
+
+    # ---- reports ----------------------------------------------------------------------------------
+    async def report(self, node: Node, reports: list[dict]) -> dict:
+        def job(tx: Tx) -> dict:
+            now = self.clock.compute_now()
+            accepted, ignored = [], []
+            for rep in reports:
+                rid, status = rep.get("reservationId"), rep.get("status")
+                res = tx.reservation(rid) if isinstance(rid, str) else None
+                if res is None or not any(p.node_id == node.id for p in res.placements):
+                    ignored.append({"reservationId": rid, "reason": "not a reservation of this node"})
+                    continue
+                if status == "bound":
+                    if res.state not in (states.BINDING, states.ACTIVE):
+                        ignored.append({"reservationId": rid, "reason": f"the reservation is {res.state}"})
+                        continue
+                    self._bound(tx, res, node.id, rep, now)
+                elif status == "unbound":
+                    res.bound = [b for b in res.bound if b.node_id != node.id]
+                    self.moves.save(tx, res)
+                elif status == "failed":
+                    if res.state not in (states.BINDING, states.ACTIVE):
+                        ignored.append({"reservationId": rid, "reason": f"the reservation is {res.state}"})
+                        continue
+                    res.set_condition("DevicesBound", "False", "BindFailed",
+                                      f"node {node.id}: {str(rep.get('message') or 'binding failed')[:500]}", now)
+                    self.moves.save(tx, res)
+                else:
+                    ignored.append({"reservationId": rid, "reason": "status must be bound, unbound or failed"})
+                    continue
+                accepted.append(rid)
+            return {"accepted": accepted, "ignored": ignored}
+
+        return await self.store.writer.call(job)
+
+    def _bound(self, tx: Tx, res: Reservation, node_id: str, rep: dict, now: int) -> None:
+        devices = [str(d) for d in rep.get("devices") or []][:256]
+        cgroup = str(rep["cgroup"])[:4096] if rep.get("cgroup") else None
+        mine = next((b for b in res.bound if b.node_id == node_id), None)
+        if mine is not None and mine.cgroup == cgroup and mine.devices == devices:
+            return  # a repeated report changes nothing
+        res.bound = [b for b in res.bound if b.node_id != node_id] + [Bound(node_id, now, cgroup, devices)]
+        if res.state == states.BINDING and {p.node_id for p in res.placements} <= {b.node_id for b in res.bound}:
+            self.moves.mark_active(tx, res, now)
+        else:
+            self.moves.save(tx, res)
+
+    def metrics(self) -> dict[str, Any]:
+        now = self.clock.monotonic()
+        return {
+            "nodes": len(self.live),
+            "lost": sum(1 for n in self.live.values() if n.lost),
+            "bindings": sum(len(n.bindings) for n in self.live.values()),
+            "heartbeat_age": {nid: now - n.last_seen for nid, n in self.live.items() if n.last_seen is not None},
+        }
+
+
+def live_for_nodes(conn) -> list[Reservation]:
+    return [r for r in sq.live_reservations(conn) if r.state in (states.BINDING, states.ACTIVE)]

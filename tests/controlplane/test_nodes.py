@@ -1,0 +1,187 @@
+"""The node API through real HTTP: register, take-over, tokens, watch, report, loss, inventory changes."""
+from __future__ import annotations
+
+import asyncio
+import copy
+from pathlib import Path
+
+import pytest
+
+from agent.discovery import Discovery
+from agent.host import KernelHost
+from agent.simulate import SimulatedGpus, SimulatedHost
+from tests.controlplane.conftest import HOUR, T0
+
+ROOT = Path(__file__).resolve().parents[2]
+BOOT = "node-token-h100-000001"
+
+
+def inventory(hostname: str, topology: str = "h100x8.json") -> dict:
+    gpus = SimulatedGpus(ROOT / "examples" / "topologies" / topology)
+    doc = Discovery(gpus=gpus, host=SimulatedHost(gpus, fallback=KernelHost())).discover().to_wire()
+    doc["hostname"] = hostname
+    return doc
+
+
+async def node_call(api, method: str, token: str, body: dict):
+    return await api.post(f"/api/nodes/{method}", token, body)
+
+
+async def register(api, hostname: str = "h1.test", inv: dict | None = None) -> dict:
+    status, doc = await node_call(api, "register", BOOT, {"hostname": hostname, "inventory": inv or inventory(hostname)})
+    assert status == 200, doc
+    return doc
+
+
+async def test_an_agent_takes_over_the_declared_node_with_its_hostname(api):
+    doc = await register(api, "h1.test")
+    assert doc["nodeId"] == "h1" and doc["poolId"] == "h100"
+    node = api.cp.catalog.current.nodes["h1"]
+    assert not node.declared and len(node.units) == 8 and node.units[0].uuid.startswith("GPU-")
+    assert node.capacity.vcpu_milli == 223_000  # 224 CPUs less the 1 reserved
+    fresh = await register(api, "gpu-new.test")
+    assert fresh["nodeId"] == "h100-gpu-new.test"
+
+
+async def test_tokens_speak_only_for_their_side(api):
+    doc = await register(api)
+    status, _ = await node_call(api, "heartbeat", "alice", {})  # a tenant token
+    assert status == 401
+    status, _ = await node_call(api, "heartbeat", BOOT, {})  # a bootstrap token cannot heartbeat
+    assert status == 401
+    status, _ = await api.call("list", doc["nodeToken"], {})  # a node token on the tenant API
+    assert status == 401
+    status, _ = await node_call(api, "register", "alice", {"hostname": "x", "inventory": {}})
+    assert status == 401
+    again = await register(api)  # registering again issues a new token; the old one stops working
+    status, _ = await node_call(api, "heartbeat", doc["nodeToken"], {})
+    assert status == 401
+    status, _ = await node_call(api, "heartbeat", again["nodeToken"], {})
+    assert status == 200
+
+
+async def test_watch_answers_the_whole_set_at_once_and_within_100_ms_of_a_change(api):
+    node = await register(api)
+    token = node["nodeToken"]
+    status, first = await node_call(api, "watch", token, {"timeoutMs": 0})
+    assert first["bindings"] == []
+    rv = first["resourceVersion"]
+
+    async def book():
+        await asyncio.sleep(0.2)
+        await api.create(key="n", gpuCount=8)  # fills a node: h1 or h2
+        await api.create(key="n2", gpuCount=8)
+        await api.settle()
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(book())
+    t = loop.time()
+    status, changed = await node_call(api, "watch", token, {"resourceVersion": rv, "timeoutMs": 5000})
+    await task
+    assert changed["changed"] and changed["resourceVersion"] > rv
+    assert loop.time() - t < 0.2 + 0.5
+    status, now = await node_call(api, "watch", token, {"resourceVersion": rv, "timeoutMs": 5000})
+    [binding] = now["bindings"]
+    assert binding["kind"] == "hold" and len(binding["units"]) == 8
+    assert binding["units"][0]["uuid"].startswith("GPU-") and binding["units"][0]["minor"] is not None
+    assert binding["share"]["vcpuMilli"] > 0
+    t = loop.time()
+    status, idle = await node_call(api, "watch", token, {"resourceVersion": now["resourceVersion"], "timeoutMs": 150})
+    assert idle["changed"] is False and loop.time() - t >= 0.14
+
+
+async def test_bound_reports_from_every_node_make_it_active_and_get_shows_them(api):
+    nodes = [await register(api, "h1.test"), await register(api, "h2.test")]
+    res = (await api.create(key="g", gpuCount=4, nodeCount=2))[1]["reservation"]
+    await api.settle()
+    for i, node in enumerate(nodes):
+        status, doc = await node_call(api, "report", node["nodeToken"], {"reports": [
+            {"reservationId": res["id"], "status": "bound", "cgroup": f"/sys/fs/cgroup/berth/rsv-{i}", "devices": ["/dev/nvidia0"]}]})
+        assert doc["accepted"] == [res["id"]]
+        state = (await api.ok("get", "alice", {"reservationId": res["id"]}))["state"]
+        assert state == ("binding" if i == 0 else "active")
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert sorted(b["nodeId"] for b in got["bound"]) == ["h1", "h2"]
+    op = api.cp.store.operation(res["operation"]["id"])
+    assert op.status == "succeeded"
+    assert api.cp.store.billing("acme")[0][0] == res["id"]  # billing started at confirmed readiness
+
+
+async def test_failed_and_foreign_reports(api):
+    n1, n2 = await register(api, "h1.test"), await register(api, "h2.test")
+    res = (await api.create(key="a", gpuCount=8))[1]["reservation"]
+    await api.settle()
+    holder = res["placements"][0]["nodeId"]
+    mine, other = (n1, n2) if holder == "h1" else (n2, n1)
+    status, doc = await node_call(api, "report", other["nodeToken"], {"reports": [{"reservationId": res["id"], "status": "bound"}]})
+    assert doc["accepted"] == [] and doc["ignored"][0]["reason"] == "not a reservation of this node"
+    await node_call(api, "report", mine["nodeToken"], {"reports": [{"reservationId": res["id"], "status": "failed", "message": "no hugetlb"}]})
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    cond = next(c for c in got["conditions"] if c["type"] == "DevicesBound")
+    assert cond["reason"] == "BindFailed" and "no hugetlb" in cond["message"]
+
+
+async def test_a_silent_node_is_lost_after_the_grace_and_back_on_its_heartbeat(api):
+    n1 = await register(api, "h1.test")
+    n2 = await register(api, "h2.test")
+    res = (await api.create(key="a", gpuCount=8))[1]["reservation"]
+    await api.settle()
+    holder = next(n for n in (n1, n2) if n["nodeId"] == res["placements"][0]["nodeId"])
+    other = n2 if holder is n1 else n1
+    api.clock.advance(20_000)
+    await node_call(api, "heartbeat", other["nodeToken"], {})
+    api.clock.advance(15_000)  # the holder has been silent 35 s > 30 s
+    assert await api.cp.nodes.check_lost() == [holder["nodeId"]]
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert any(c["type"] == "NodeLost" for c in got["conditions"])
+    assert api.cp.store.operation(res["operation"]["id"]).failure.actor == "platform"
+    fill = (await api.create(key="b", gpuCount=8))[1]["reservation"]
+    assert fill["placements"][0]["nodeId"] == other["nodeId"]  # the lost node takes no new bookings
+    late = (await api.create(key="c", gpuCount=8))[1]["reservation"]
+    assert late["state"] == "pending"
+    await node_call(api, "heartbeat", holder["nodeToken"], {})
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert not any(c["type"] == "NodeLost" for c in got["conditions"])
+    assert api.cp.catalog.current.nodes[holder["nodeId"]].schedulable
+
+
+async def test_a_pool_whose_every_node_is_lost_refuses_with_provider_unavailable(api):
+    n1, n2 = await register(api, "h1.test"), await register(api, "h2.test")
+    api.clock.advance(31_000)
+    await api.cp.nodes.check_lost()
+    status, doc = await api.create(key="x")
+    assert (status, doc["error"]["code"], doc["error"]["details"]["actor"]) == (503, "PROVIDER_UNAVAILABLE", "platform")
+
+
+async def test_a_gpu_that_disappears_is_not_bookable_and_its_reservation_says_so(api):
+    inv = inventory("h1.test")
+    node = await register(api, "h1.test", inv)
+    await register(api, "h2.test")
+    res = (await api.create(key="a", gpuCount=8))[1]["reservation"]
+    if res["placements"][0]["nodeId"] != "h1":
+        pytest.skip("placement chose h2")
+    smaller = copy.deepcopy(inv)
+    smaller["gpus"] = smaller["gpus"][:7]
+    status, _ = await node_call(api, "heartbeat", node["nodeToken"], {"inventory": smaller})
+    assert status == 200
+    assert len(api.cp.catalog.current.nodes["h1"].units) == 7
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert any(c["type"] == "DevicesLost" and "gpu7" in c["message"] for c in got["conditions"])
+
+
+async def test_node_api_bodies_are_validated_naming_the_field(api):
+    status, doc = await node_call(api, "register", BOOT, {"hostname": "x"})
+    assert (status, doc["error"]["details"]["field"]) == (400, "inventory")
+    node = await register(api)
+    status, doc = await node_call(api, "watch", node["nodeToken"], {"timeoutMs": 40_000})
+    assert (status, doc["error"]["details"]["field"]) == (400, "timeoutMs")
+    status, doc = await node_call(api, "report", node["nodeToken"], {"reports": [{"reservationId": "x", "status": "done"}]})
+    assert (status, doc["error"]["details"]["field"]) == (400, "reports[0].status")
+
+
+async def test_metrics_are_prometheus_text(api):
+    await register(api)
+    await api.create(key="a")
+    resp = await api.client.get("/metrics")
+    text = await resp.text()
+    assert 'berth_reservations{state="placed"} 1' in text and "berth_nodes 1" in text
