@@ -1,0 +1,191 @@
+"""Operations, quotes, prices, budgets and billing through real HTTP, with the fake clock."""
+from __future__ import annotations
+
+import asyncio
+from decimal import Decimal
+
+from tests.controlplane.conftest import HOUR, T0
+from tests.controlplane.test_nodes import node_call, register
+
+
+async def make_active(api, **fields) -> dict:
+    """Create a reservation starting now and have its nodes' agents report it bound."""
+    nodes = {n["nodeId"]: n for n in [await register(api, "h1.test"), await register(api, "h2.test")]}
+    res = (await api.create(**fields))[1]["reservation"]
+    await api.settle()
+    for p in res["placements"]:
+        await node_call(api, "report", nodes[p["nodeId"]]["nodeToken"],
+                        {"reports": [{"reservationId": res["id"], "status": "bound"}]})
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert got["state"] == "active"
+    return got
+
+
+async def usage(api, who="alice", **body) -> dict:
+    status, doc = await api.post("/api/compute/usage/list", who, body)
+    assert status == 200, doc
+    return doc
+
+
+# ---- operations -----------------------------------------------------------------------
+
+async def test_operation_get_and_wait_follow_the_create_to_active(api):
+    nodes = {n["nodeId"]: n for n in [await register(api, "h1.test"), await register(api, "h2.test")]}
+    res = (await api.create(key="op", gpuCount=2))[1]["reservation"]
+    op_id = res["operation"]["id"]
+    status, doc = await api.post("/api/compute/operations/get", "alice", {"operationId": op_id})
+    assert doc["operation"]["status"] == "running" and doc["operation"]["kind"] == "create"
+    status, doc = await api.post("/api/compute/operations/wait", "alice", {"operationId": op_id, "timeoutMs": 100})
+    assert status == 200 and doc["done"] is False  # a bounded wait returns it unfinished
+
+    async def bind_soon():
+        await asyncio.sleep(0.1)
+        await api.settle()
+        node = nodes[res["placements"][0]["nodeId"]]
+        await node_call(api, "report", node["nodeToken"], {"reports": [{"reservationId": res["id"], "status": "bound"}]})
+
+    task = asyncio.ensure_future(bind_soon())
+    status, doc = await api.post("/api/compute/operations/wait", "alice", {"operationId": op_id, "timeoutMs": 5000})
+    await task
+    assert doc["done"] is True and doc["operation"]["status"] == "succeeded"
+    status, doc = await api.post("/api/compute/operations/get", "carol", {"operationId": op_id})
+    assert status == 404  # another tenant's
+
+
+async def test_a_refused_create_has_no_operation_and_a_cancelled_one_says_who(api):
+    status, doc = await api.create(key="huge", gpuCount=9)
+    assert status == 409 and "reservationId" not in doc["error"]["details"]
+    res = (await api.create(key="c", start=T0 + HOUR, end=T0 + 2 * HOUR))[1]["reservation"]
+    await api.ok("cancel", "alice", {"reservationId": res["id"]})
+    status, doc = await api.post("/api/compute/operations/get", "alice", {"operationId": res["operation"]["id"]})
+    assert doc["operation"]["status"] == "cancelled" and doc["operation"]["failure"]["actor"] == "customer"
+
+
+# ---- quotes and prices ------------------------------------------------------------------
+
+async def quote(api, who="alice", **fields):
+    body = {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 2, "durationHours": 3, **fields}
+    return await api.call("quote", who, body)
+
+
+async def test_a_quote_prices_the_request_and_holds_nothing(api):
+    status, doc = await quote(api)
+    q = doc["quote"]
+    assert q["totalRunningUsdPerHour"] == "5.000000" and q["totalUsd"] == "15.000000"
+    assert q["expiresAt"] == T0 + 120_000 and q["fitsNow"] is True and q["earliestStart"] == T0
+    assert api.cp.state.calendar.by_reservation == {} and api.cp.state.ledger.usage("acme") == {}
+    status, doc = await api.create(key="q", gpuCount=2, durationHours=3, quoteId=q["id"])
+    assert status == 202
+
+
+async def test_a_changed_priced_field_or_price_is_price_changed(api):
+    q = (await quote(api))[1]["quote"]
+    status, doc = await api.create(key="a", gpuCount=3, durationHours=3, quoteId=q["id"])
+    assert (status, doc["error"]["code"]) == (409, "PRICE_CHANGED") and doc["error"]["details"]["changed"] == ["gpuCount"]
+    import dataclasses
+    cp = api.cp
+    pool = cp.catalog.current.pools["h100"]
+    cp.catalog.current = cp.catalog.current.with_changes(
+        pools={**cp.catalog.current.pools, "h100": dataclasses.replace(pool, price_per_gpu_hour=Decimal("2.75"))})
+    status, doc = await api.create(key="b", gpuCount=2, durationHours=3, quoteId=q["id"])
+    assert doc["error"]["code"] == "PRICE_CHANGED" and doc["error"]["details"]["totalRunningUsdPerHour"] == "5.500000"
+
+
+async def test_an_expired_or_unknown_quote_is_quote_expired(api):
+    q = (await quote(api))[1]["quote"]
+    api.clock.advance(120_001)
+    status, doc = await api.create(key="a", gpuCount=2, durationHours=3, quoteId=q["id"])
+    assert (status, doc["error"]["code"]) == (410, "QUOTE_EXPIRED")
+    status, doc = await api.create(key="b", gpuCount=2, durationHours=3, quoteId="qt_nope")
+    assert doc["error"]["code"] == "QUOTE_EXPIRED"
+    status, doc = await api.create("carol", key="c", gpuCount=2, durationHours=3, quoteId=q["id"])
+    assert doc["error"]["code"] == "QUOTE_EXPIRED"  # another tenant's quote
+
+
+async def test_a_price_ceiling_below_the_price_is_no_capacity_with_the_cheapest_eligible_rate(api):
+    status, doc = await api.create(key="a", gpuCount=2, maxHourlyPrice="4.000000")
+    err = doc["error"]
+    assert (status, err["code"], err["details"]["reason"]) == (409, "NO_CAPACITY", "price_ceiling")
+    assert err["details"]["cheapestEligibleUsdPerHour"] == "0.000000"  # the budget pool is free
+    alts = err["details"]["alternatives"]
+    assert [a["poolId"] for a in alts] == ["budget", "k8s"]  # cheapest first
+    assert alts[0]["region"] == "eu" and "totalRunningUsdPerHour" in alts[0]
+    assert err["details"]["earliestStart"] == T0
+    status, doc = await api.create(key="b", gpuCount=2, maxHourlyPrice="5.000000")
+    assert status == 202
+    status, doc = await api.create(key="c", gpuCount=2, maxHourlyPrice="5.0000001")
+    assert (status, doc["error"]["details"]["field"]) == (400, "maxHourlyPrice")
+
+
+async def test_no_capacity_says_the_earliest_start_in_the_asked_pool(api):
+    await api.create(key="full", gpuCount=8, nodeCount=2, durationHours=2)
+    status, doc = await api.create(key="a", gpuCount=2, maxHourlyPrice="1.000000")
+    assert doc["error"]["details"]["earliestStart"] == T0 + 2 * HOUR
+    q = (await quote(api))[1]["quote"]
+    assert (q["fitsNow"], q["earliestStart"]) == (False, T0 + 2 * HOUR)
+
+
+# ---- billing ---------------------------------------------------------------------------------
+
+async def test_billing_runs_from_active_to_release_prorated_to_the_second(api):
+    res = await make_active(api, key="b", gpuCount=2)  # 2 x 2.5 USD/h
+    api.clock.advance(90 * 60_000 + 1_500)  # 1.5 h and 1.5 s
+    await api.ok("release", "alice", {"reservationId": res["id"]})
+    api.clock.advance(HOUR)  # nothing accrues after the release
+    doc = await usage(api)
+    [line] = doc["lines"]
+    assert line["seconds"] == 5401 and line["amountUsd"] == "7.501389" and doc["totalUsd"] == "7.501389"
+
+
+async def test_a_create_that_never_became_active_bills_nothing(api):
+    res = (await api.create(key="n", start=T0 + HOUR, end=T0 + 2 * HOUR))[1]["reservation"]
+    await api.settle(3 * HOUR)  # declared nodes: bound never, released at the end
+    assert (await api.ok("get", "alice", {"reservationId": res["id"]}))["state"] == "released"
+    doc = await usage(api)
+    assert doc["lines"] == [] and doc["totalUsd"] == "0.000000"
+
+
+async def test_usage_lines_per_reservation_and_day_add_up_to_the_cent_and_page(api):
+    start = T0 - T0 % 86_400_000 + 86_400_000 - 30 * 60_000  # 23:30 UTC
+    api.clock.now_ms = start
+    a = await make_active(api, key="a", gpuCount=1, durationHours=3)
+    b = (await api.create(key="b", gpuCount=3, durationHours=3))[1]["reservation"]
+    await api.settle()
+    node = await register(api, "h1.test") if b["placements"][0]["nodeId"] == "h1" else await register(api, "h2.test")
+    await node_call(api, "report", node["nodeToken"], {"reports": [{"reservationId": b["id"], "status": "bound"}]})
+    api.clock.advance(2 * HOUR + 17_000)
+    doc = await usage(api)
+    assert len(doc["lines"]) == 4  # two reservations over two UTC days
+    assert Decimal(doc["totalUsd"]) == sum(Decimal(line["amountUsd"]) for line in doc["lines"])
+    assert sum(Decimal(r["totalUsd"]) for r in doc["byReservation"]) == Decimal(doc["totalUsd"])
+    pages, cursor = [], None
+    while True:
+        page = await usage(api, limit=1, **({"cursor": cursor} if cursor else {}))
+        pages += page["lines"]
+        cursor = page["nextCursor"]
+        if cursor is None:
+            break
+    assert pages == doc["lines"]
+    only_a = await usage(api, reservationId=a["id"])
+    assert {line["reservationId"] for line in only_a["lines"]} == {a["id"]}
+
+
+# ---- budgets --------------------------------------------------------------------------------------
+
+async def test_spent_budget_is_spend_limit_reached_and_an_uncoverable_exposure_insufficient_funds(api):
+    # the budget pool checks budgets; acme has 100 USD. It is free, so price it at 10 USD per GPU-hour.
+    import dataclasses
+    cp = api.cp
+    pool = cp.catalog.current.pools["budget"]
+    cp.catalog.current = cp.catalog.current.with_changes(
+        pools={**cp.catalog.current.pools, "budget": dataclasses.replace(pool, price_per_gpu_hour=Decimal("10"))})
+    status, doc = await api.create(key="big", poolId="budget", gpuCount=2, durationHours=6)  # 120 USD > 100 left
+    assert (status, doc["error"]["code"]) == (402, "INSUFFICIENT_FUNDS")
+    assert doc["error"]["details"]["exposureUsd"] == "120.000000"
+    status, doc = await api.create(key="ok", poolId="budget", gpuCount=1, durationHours=6)  # 60 USD
+    assert status == 202
+    status, doc = await api.create(key="more", poolId="budget", gpuCount=1, durationHours=5)  # 50 > 40 left
+    assert doc["error"]["code"] == "INSUFFICIENT_FUNDS" and doc["error"]["details"]["committedUsd"] == "60.000000"
+    cp.reservations.spent_usd = lambda tenant: Decimal("100")
+    status, doc = await api.create(key="any", poolId="budget", gpuCount=1, durationHours=1)
+    assert (status, doc["error"]["code"]) == (402, "SPEND_LIMIT_REACHED")
