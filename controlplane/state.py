@@ -13,9 +13,7 @@ from controlplane.domain import states
 from controlplane.domain.calendar import Booking, Calendar
 from controlplane.domain.model import Node, Reservation
 from controlplane.domain.quota import QuotaLedger
-from controlplane.domain.share import Share
 from controlplane.domain.timers import RETRY_MS, Timers
-from controlplane.store.sqlite import BookingRow
 
 
 class WriterState:
@@ -30,7 +28,7 @@ class WriterState:
         for node in nodes:
             self.calendar.add_node(node.pool_id, node.id, (u.id for u in node.units))
 
-    def rebuild(self, catalog: Catalog, reservations: Iterable[Reservation], bookings: Iterable[BookingRow],
+    def rebuild(self, catalog: Catalog, reservations: Iterable[Reservation], bookings: Iterable[Booking],
                 now: int = 0) -> None:
         self.calendar = Calendar()
         self.ledger = QuotaLedger()
@@ -38,12 +36,9 @@ class WriterState:
         self.spot = {}
         self.timers = Timers()
         self.add_nodes(catalog.nodes.values())
-        for row in bookings:
-            self.calendar.add_node(row.pool_id, row.node_id, row.units)
-            self.calendar.book(
-                Booking(row.reservation_id, row.pool_id, row.node_id, row.units, row.start, row.end,
-                        Share(row.vcpu_milli, row.memory_mib, row.hugepages_1g))
-            )
+        for booking in bookings:
+            self.calendar.add_node(booking.pool_id, booking.node_id, booking.units)
+            self.calendar.book(booking)
         for res in reservations:
             self.track(res)
             if res.state in states.CHARGED:

@@ -26,7 +26,7 @@ from controlplane.domain.placement import Ask, place
 from controlplane.domain.preemption import preempt_for
 from controlplane.domain.timers import RETRY_MS
 from controlplane.state import WriterState
-from controlplane.store.sqlite import BookingRow, Tx
+from controlplane.store.sqlite import Tx
 
 log = structlog.get_logger("berth.reservations")
 
@@ -120,11 +120,7 @@ class Transitions:
         for p in placements:
             share = catalog.nodes[p.node_id].capacity if res.binding == "node" else res.resources
             bookings.append(Booking(res.id, res.pool_id, p.node_id, tuple(p.units), start, end, share))
-        tx.insert_bookings(
-            BookingRow(b.reservation_id, b.pool_id, b.node_id, b.units, b.start, b.end,
-                       b.share.vcpu_milli, b.share.memory_mib, b.share.hugepages_1g)
-            for b in bookings
-        )
+        tx.insert_bookings(bookings)
         tx.touch()
         for b in bookings:
             self.state.calendar.book(b)

@@ -23,7 +23,9 @@ from typing import Any, Callable, Iterable
 
 import structlog
 
+from controlplane.domain.calendar import Booking
 from controlplane.domain.errors import PROVIDER_UNAVAILABLE, DomainError
+from controlplane.domain.share import Share
 from controlplane.domain.model import Operation, Reservation
 from controlplane.domain.states import TERMINAL
 from controlplane.store import codec
@@ -122,19 +124,6 @@ def connect(path: str, synchronous: str = "FULL") -> sqlite3.Connection:
     return conn
 
 
-@dataclass(slots=True)
-class BookingRow:
-    reservation_id: str
-    pool_id: str
-    node_id: str
-    units: tuple[str, ...]
-    start: int
-    end: int
-    vcpu_milli: int
-    memory_mib: int
-    hugepages_1g: int
-
-
 class Commit:
     """A job's answer that keeps its writes and still reports a refusal (a draft that stays)."""
 
@@ -144,7 +133,29 @@ class Commit:
         self.error = error
 
 
-class Tx:
+class Reads:
+    """Reads by key, shared by the writer's transaction (sees its own writes) and the store (committed data)."""
+
+    conn: sqlite3.Connection
+
+    def reservation(self, reservation_id: str) -> Reservation | None:
+        row = self.conn.execute("SELECT doc, seq FROM reservations WHERE id = ?", (reservation_id,)).fetchone()
+        if row is None:
+            return None
+        res = codec.decode_reservation(row[0])
+        res.seq = row[1]
+        return res
+
+    def operation(self, op_id: str) -> Operation | None:
+        row = self.conn.execute("SELECT doc FROM operations WHERE id = ?", (op_id,)).fetchone()
+        return codec.decode_operation(row[0]) if row else None
+
+    def confirmation(self, conf_id: str):
+        row = self.conn.execute("SELECT doc FROM confirmations WHERE id = ?", (conf_id,)).fetchone()
+        return codec.decode_confirmation(row[0]) if row else None
+
+
+class Tx(Reads):
     """The writer's view of the open transaction: the domain's writes, as small methods."""
 
     __slots__ = ("conn", "dirty", "committed")
@@ -163,14 +174,6 @@ class Tx:
         self.dirty = True
 
     # reservations
-    def reservation(self, reservation_id: str) -> Reservation | None:
-        row = self.conn.execute("SELECT doc, seq FROM reservations WHERE id = ?", (reservation_id,)).fetchone()
-        if row is None:
-            return None
-        res = codec.decode_reservation(row[0])
-        res.seq = row[1]
-        return res
-
     def insert_reservation(self, res: Reservation) -> None:
         cur = self.conn.execute(
             "INSERT INTO reservations (id, tenant_id, principal_id, pool_id, state, doc) VALUES (?, ?, ?, ?, ?, ?)",
@@ -199,13 +202,14 @@ class Tx:
         return cur.rowcount == 1
 
     # bookings
-    def insert_bookings(self, rows: Iterable[BookingRow]) -> None:
+    def insert_bookings(self, bookings: Iterable[Booking]) -> None:
         self.conn.executemany(
             "INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli, memory_mib, hugepages_1g)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
-                (b.reservation_id, b.pool_id, b.node_id, ",".join(b.units), b.start, b.end, b.vcpu_milli, b.memory_mib, b.hugepages_1g)
-                for b in rows
+                (b.reservation_id, b.pool_id, b.node_id, ",".join(b.units), b.start, b.end,
+                 b.share.vcpu_milli, b.share.memory_mib, b.share.hugepages_1g)
+                for b in bookings
             ],
         )
 
@@ -226,10 +230,6 @@ class Tx:
             (op.id, op.reservation_id, op.tenant_id, op.status, op.updated_at, codec.encode(op)),
         )
 
-    def operation(self, op_id: str) -> Operation | None:
-        row = self.conn.execute("SELECT doc FROM operations WHERE id = ?", (op_id,)).fetchone()
-        return codec.decode_operation(row[0]) if row else None
-
     def event(self, tenant_id: str, reservation_id: str | None, type_: str, at: int, data: dict[str, Any]) -> None:
         self.conn.execute(
             "INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES (?, ?, ?, ?, ?)",
@@ -244,10 +244,6 @@ class Tx:
             (conf.id, conf.tenant_id, conf.reservation_id, conf.agent_id, conf.user_id, conf.status, conf.created_at,
              codec.encode(conf)),
         )
-
-    def confirmation(self, conf_id: str):
-        row = self.conn.execute("SELECT doc FROM confirmations WHERE id = ?", (conf_id,)).fetchone()
-        return codec.decode_confirmation(row[0]) if row else None
 
     # billing and quotes
     def bill_from(self, res: Reservation, start: int) -> None:
@@ -444,7 +440,7 @@ def _unavailable(message: str) -> DomainError:
     return DomainError(PROVIDER_UNAVAILABLE, message, {"actor": "platform", "reference": _reference()})
 
 
-class SqliteStore:
+class SqliteStore(Reads):
     """Reads on the caller's thread (a connection that sees committed data only) and the writer."""
 
     def __init__(self, path: str, synchronous: str = "FULL"):
@@ -457,7 +453,7 @@ class SqliteStore:
             init.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         init.close()
         self._synchronous = synchronous
-        self._read = connect(path, synchronous)
+        self.conn = connect(path, synchronous)
         self.writer: Writer | None = None
 
     def start_writer(self, on_reset: Callable[[Tx], None]) -> Writer:
@@ -467,17 +463,9 @@ class SqliteStore:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-        self._read.close()
+        self.conn.close()
 
     # ---- reads (committed data) --------------------------------------------
-    def reservation(self, reservation_id: str) -> Reservation | None:
-        row = self._read.execute("SELECT doc, seq FROM reservations WHERE id = ?", (reservation_id,)).fetchone()
-        if row is None:
-            return None
-        res = codec.decode_reservation(row[0])
-        res.seq = row[1]
-        return res
-
     def reservations_page(
         self, tenant_id: str, principal_id: str | None, state: str | None, pool_id: str | None,
         before_seq: int | None, limit: int,
@@ -499,25 +487,21 @@ class SqliteStore:
         sql.append("ORDER BY seq DESC LIMIT ?")
         args.append(limit)
         out = []
-        for doc, seq in self._read.execute(" ".join(sql), args):
+        for doc, seq in self.conn.execute(" ".join(sql), args):
             res = codec.decode_reservation(doc)
             res.seq = seq
             out.append(res)
         return out
 
-    def operation(self, op_id: str) -> Operation | None:
-        row = self._read.execute("SELECT doc FROM operations WHERE id = ?", (op_id,)).fetchone()
-        return codec.decode_operation(row[0]) if row else None
-
     def operations(self, op_ids: list[str]) -> dict[str, Operation]:
         if not op_ids:
             return {}
         marks = ",".join("?" * len(op_ids))
-        rows = self._read.execute(f"SELECT id, doc FROM operations WHERE id IN ({marks})", op_ids)
+        rows = self.conn.execute(f"SELECT id, doc FROM operations WHERE id IN ({marks})", op_ids)
         return {i: codec.decode_operation(d) for i, d in rows}
 
     def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]:
-        rows = self._read.execute(
+        rows = self.conn.execute(
             "SELECT seq, reservation_id, type, at, data FROM events WHERE tenant_id = ? AND seq > ? ORDER BY seq LIMIT ?",
             (tenant_id, after or 0, limit),
         )
@@ -525,10 +509,6 @@ class SqliteStore:
             {"seq": seq, "reservationId": rid, "type": type_, "at": at, "data": codec.decode_as(data, dict)}
             for seq, rid, type_, at, data in rows
         ]
-
-    def confirmation(self, conf_id: str):
-        row = self._read.execute("SELECT doc FROM confirmations WHERE id = ?", (conf_id,)).fetchone()
-        return codec.decode_confirmation(row[0]) if row else None
 
     def confirmations(self, tenant_id: str, user_id: str | None, agent_id: str | None, status: str | None, limit: int):
         sql = "SELECT doc FROM confirmations WHERE tenant_id = ?"
@@ -541,7 +521,7 @@ class SqliteStore:
             args.append(status)
         sql += " ORDER BY created_at DESC LIMIT ?"
         args.append(limit)
-        return [codec.decode_confirmation(row[0]) for row in self._read.execute(sql, args)]
+        return [codec.decode_confirmation(row[0]) for row in self.conn.execute(sql, args)]
 
     def billing(self, tenant_id: str, reservation_id: str | None = None) -> list[tuple[str, str, str, int, int | None]]:
         """(reservation, pool, hourly USD, start, end or None) of the tenant's billed reservations."""
@@ -550,23 +530,23 @@ class SqliteStore:
         if reservation_id is not None:
             sql += " AND reservation_id = ?"
             args.append(reservation_id)
-        return list(self._read.execute(sql + " ORDER BY start_ms, reservation_id", args))
+        return list(self.conn.execute(sql + " ORDER BY start_ms, reservation_id", args))
 
     def state_counts(self) -> list[tuple[str, int]]:
-        return list(self._read.execute("SELECT state, COUNT(*) FROM reservations GROUP BY state ORDER BY state"))
+        return list(self.conn.execute("SELECT state, COUNT(*) FROM reservations GROUP BY state ORDER BY state"))
 
     def live_of_tenant(self, tenant_id: str) -> list[Reservation]:
-        rows = self._read.execute(
+        rows = self.conn.execute(
             "SELECT doc FROM reservations WHERE tenant_id = ? AND state IN ('pending', 'placed', 'binding', 'active')",
             (tenant_id,))
         return [codec.decode_reservation(r[0]) for r in rows]
 
     def quote(self, quote_id: str) -> tuple[str, int, bytes] | None:
-        row = self._read.execute("SELECT tenant_id, expires_at, doc FROM quotes WHERE id = ?", (quote_id,)).fetchone()
+        row = self.conn.execute("SELECT tenant_id, expires_at, doc FROM quotes WHERE id = ?", (quote_id,)).fetchone()
         return (row[0], row[1], row[2]) if row else None
 
     def token(self, token_hash: str) -> tuple[str, str] | None:
-        row = self._read.execute("SELECT kind, subject FROM tokens WHERE hash = ?", (token_hash,)).fetchone()
+        row = self.conn.execute("SELECT kind, subject FROM tokens WHERE hash = ?", (token_hash,)).fetchone()
         return (row[0], row[1]) if row else None
 
 
@@ -584,13 +564,14 @@ def live_reservations(conn: sqlite3.Connection) -> list[Reservation]:
     return out
 
 
-def live_bookings(conn: sqlite3.Connection) -> list[BookingRow]:
+def live_bookings(conn: sqlite3.Connection) -> list[Booking]:
     rows = conn.execute(
         "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib, b.hugepages_1g"
         " FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
         " WHERE r.state IN ('placed', 'binding', 'active') AND b.end_ms > b.start_ms"
     )
-    return [BookingRow(r[0], r[1], r[2], tuple(r[3].split(",")) if r[3] else (), r[4], r[5], r[6], r[7], r[8]) for r in rows]
+    return [Booking(r[0], r[1], r[2], tuple(r[3].split(",")) if r[3] else (), r[4], r[5], Share(r[6], r[7], r[8]))
+            for r in rows]
 
 
 def catalog_docs(conn: sqlite3.Connection, kind: str) -> list[bytes]:
