@@ -1,6 +1,7 @@
 """The control plane assembled: store, catalog, IAM, writer state and services, opened and closed together."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,7 @@ from controlplane import catalog as catalog_mod
 from controlplane.api.auth import Tokens
 from controlplane.catalog import Catalog
 from controlplane.domain.clock import Clock
+from controlplane.domain.errors import INVALID_INPUT, DomainError, not_found
 from controlplane.domain.ids import token_hash
 from controlplane.iam.cedar import CedarAuthorizer, validate
 from controlplane.billing import Billing
@@ -115,16 +117,58 @@ class ControlPlane:
                            self.clock.compute_now())
 
     def apply_bootstrap(self, path: str) -> None:
+        """Apply the bootstrap file at start (no event loop yet)."""
         try:
             declared, tokens, admin = bootstrap_file.read(path)
-        except bootstrap_file.BootstrapError as exc:
+            self._check_policies(declared)
+        except (bootstrap_file.BootstrapError, ValueError) as exc:
             raise ConfigError(f"--bootstrap {exc}") from None
+        self.store.writer.call_sync(self._bootstrap_job(declared, tokens, admin))
+        self._log_applied(str(path))
+
+    async def apply_bootstrap_doc(self, raw: bytes) -> dict:
+        """Apply a bootstrap document at run time (the admin API); policies take effect at once."""
+        try:
+            declared, tokens, admin = bootstrap_file.parse(raw)
+            self._check_policies(declared)
+        except (bootstrap_file.BootstrapError, ValueError) as exc:
+            raise DomainError(INVALID_INPUT, f"bootstrap: {exc}", {"field": "body", "rule": str(exc)}) from None
+        before = self.catalog.current.policies
+        await self.store.writer.call(self._bootstrap_job(declared, tokens, admin))
+        if self.catalog.current.policies != before and not self.config.authzen:
+            self._build_iam()
+            self.reservations.authorizer = self.authorizer
+        self._log_applied("admin API")
+        c = self.catalog.current
+        return {"tenants": len(c.tenants), "principals": len(c.principals), "pools": len(c.pools), "nodes": len(c.nodes)}
+
+    async def set_budget(self, tenant_id: str, budget) -> None:
+        def job(tx: sq.Tx) -> None:
+            catalog = self.catalog.current
+            tenant = catalog.tenants.get(tenant_id)
+            if tenant is None:
+                raise not_found("tenant", tenant_id, field="tenantId")
+            tenant = dataclasses.replace(tenant, budget_usd=budget)
+            tx.put_catalog("tenant", tenant_id, catalog_mod.encode_item(tenant))
+            self.catalog.current = catalog.with_changes(tenants={**catalog.tenants, tenant_id: tenant})
+
+        await self.store.writer.call(job)
+        log.info("budget set", tenant_id=tenant_id, budget_usd=str(budget))
+
+    @staticmethod
+    def _check_policies(declared: Catalog) -> None:
         if declared.policies.strip():
             try:
                 validate(declared.policies)
             except ValueError as exc:
-                raise ConfigError(f"--bootstrap {path}: policies: {exc}") from None
+                raise ValueError(f"policies: {exc}") from None
 
+    def _log_applied(self, source: str) -> None:
+        c = self.catalog.current
+        log.info("bootstrap applied", file=source, tenants=len(c.tenants), principals=len(c.principals),
+                 pools=len(c.pools), nodes=len(c.nodes))
+
+    def _bootstrap_job(self, declared: Catalog, tokens: dict, admin: str | None):
         def job(tx: sq.Tx) -> None:
             merged = bootstrap_file.merge(self.catalog.current, declared)
             for kind, items in (("tenant", merged.tenants), ("principal", merged.principals),
@@ -133,31 +177,24 @@ class ControlPlane:
                     tx.put_catalog(kind, ident, catalog_mod.encode_item(item))
             tx.put_catalog("policies", "default", merged.policies.encode())
             rows = dict(self.tokens.rows)
-            for kind, pairs in tokens.items():
-                for token, subject in pairs:
-                    for h in [h for h, (k, s) in rows.items() if k == kind and s == subject]:
-                        del rows[h]
-                    tx.delete_tokens(kind, subject)
+            named = {(kind, subject) for kind, pairs in tokens.items() for _, subject in pairs}
             if admin:
-                for h in [h for h, (k, _) in rows.items() if k == "admin"]:
-                    del rows[h]
-                tx.delete_tokens("admin", "admin")
-            for kind, pairs in tokens.items():
-                for token, subject in pairs:
-                    tx.put_token(token_hash(token), kind, subject)
-                    rows[token_hash(token)] = (kind, subject)
+                named.add(("admin", "admin"))
+            for kind, subject in named:  # a named subject's tokens are replaced by the declared ones
+                rows = {h: ks for h, ks in rows.items() if ks != (kind, subject)}
+                tx.delete_tokens(kind, subject)
+            declared_tokens = [(t, k, s) for k, pairs in tokens.items() for t, s in pairs]
             if admin:
-                tx.put_token(token_hash(admin), "admin", "admin")
-                rows[token_hash(admin)] = ("admin", "admin")
+                declared_tokens.append((admin, "admin", "admin"))
+            for token, kind, subject in declared_tokens:
+                tx.put_token(token_hash(token), kind, subject)
+                rows[token_hash(token)] = (kind, subject)
             tx.touch()
             self.catalog.current = merged
             self.tokens.rows = rows
             self.state.add_nodes(merged.nodes.values())
 
-        self.store.writer.call_sync(job)
-        c = self.catalog.current
-        log.info("bootstrap applied", file=str(path), tenants=len(c.tenants), principals=len(c.principals),
-                 pools=len(c.pools), nodes=len(c.nodes))
+        return job
 
     def _build_iam(self) -> None:
         if self.config.authzen:

@@ -9,6 +9,7 @@ import asyncio
 
 from aiohttp import web
 
+from controlplane.api import admin as admin_api
 from controlplane.api import billing as billing_api
 from controlplane.api import confirmations as confirmation_api
 from controlplane.api import nodes as node_api
@@ -85,5 +86,6 @@ def create_app(config: Config, control_plane: ControlPlane | None = None) -> web
     app.add_routes(confirmation_api.routes())
     app.add_routes(billing_api.routes())
     app.add_routes(node_api.routes())
+    app.add_routes(admin_api.routes())
     app.router.add_get("/metrics", metrics)
     return app

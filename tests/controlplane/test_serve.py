@@ -60,3 +60,25 @@ def test_an_unsupported_database_url_says_what_to_use(tmp_path):
         capture_output=True, text=True, timeout=30,
     )
     assert out.returncode == 2 and "sqlite:///PATH" in out.stderr
+
+
+async def test_admin_sets_a_budget_and_applies_a_bootstrap_at_run_time(api):
+    admin = "admin-token-for-tests-0001"
+    status, doc = await api.post("/api/admin/tenants/budget", admin, {"tenantId": "globex", "budgetUsd": "50.000000"})
+    assert (status, doc["budgetUsd"]) == (200, "50.000000")
+    status, doc = await api.create("carol", key="g")  # globex's offer checks budgets; it now has 50 USD
+    assert status == 202
+    status, doc = await api.post("/api/admin/tenants/budget", "alice", {"tenantId": "globex", "budgetUsd": "1"})
+    assert status == 401
+    status, doc = await api.post("/api/admin/tenants/budget", admin, {"tenantId": "nope", "budgetUsd": "1"})
+    assert status == 404
+    status, doc = await api.post("/api/admin/tenants/budget", admin, {"tenantId": "globex", "budgetUsd": "-1"})
+    assert (status, doc["error"]["details"]["field"]) == (400, "budgetUsd")
+    boot = bootstrap_doc()
+    boot["policies"] = 'permit (principal, action, resource) when { principal.tenant == resource.tenant && resource.tenant != "acme" };'
+    status, doc = await api.post("/api/admin/bootstrap", admin, boot)
+    assert status == 200 and doc["applied"]["pools"] == 7
+    status, doc = await api.create("alice", key="now-refused")  # the new policy took effect at once
+    assert (status, doc["error"]["code"]) == (403, "ACCESS_DENIED")
+    status, doc = await api.post("/api/admin/bootstrap", admin, {"pools": [{"id": "x"}]})
+    assert status == 400 and doc["error"]["code"] == "INVALID_INPUT"
