@@ -13,6 +13,7 @@ commands:
   reservations         create|get|list|release|cancel|extend|renew|quote (tenants)
   operations           get|wait (tenants)
   usage                charge history (tenants)
+  confirmations        list|get|approve|deny what delegated agents ask (tenants)
 
 Run `berth <command> --help` for the options of one command.
 """
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         from agent import exec as agent_exec
 
         return agent_exec.main(rest)
-    if command in ("reservations", "operations", "usage"):
+    if command in ("reservations", "operations", "usage", "confirmations"):
         from controlplane import tenant_cli
 
         return tenant_cli.main([command, *rest])

@@ -13,6 +13,7 @@ from msgspec import Meta, Struct
 
 from controlplane.domain.errors import DomainError, INVALID_INPUT
 from controlplane.domain.model import Operation, Reservation
+from controlplane.domain.pricing import money
 from controlplane.domain.share import Share
 from controlplane.domain.states import PUBLIC_STATES
 
@@ -210,6 +211,8 @@ def reservation_to_wire(res: Reservation, operation: Operation | None) -> dict:
         "leaseSeconds": res.lease_seconds,
         "leaseDeadline": res.lease_deadline,
         "resources": res.resources.to_wire(),
+        "hourlyUsd": money(res.hourly_usd),
+        "idempotencyKey": res.idempotency_key,
         "placements": [{"nodeId": p.node_id, "devices": list(p.units)} for p in res.placements],
         "conditions": [
             {

@@ -28,7 +28,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Awaitable, Callable, Sequence, TextIO
 
@@ -254,7 +254,6 @@ class Context:
     json: bool
     progress: bool
     key: str | None = None  # the create's idempotency key (given or derived)
-    notes: list[str] = field(default_factory=list)
 
     def emit(self, doc: dict, text: str) -> None:
         if self.json:
@@ -305,21 +304,23 @@ def request_command(ctx: Context, command: str, overrides: dict[str, Any] | None
     return shlex.join(words + connection_flags(ctx))
 
 
-def same_command(ctx: Context, argv: Sequence[str]) -> str:
-    """This invocation again, without the token (the other flags as typed)."""
-    words: list[str] = []
+def _without(words: Sequence[str], flag: str) -> list[str]:
+    """words less `flag VALUE` and `flag=VALUE`."""
+    out: list[str] = []
     skip = False
-    for word in argv:
+    for w in words:
         if skip:
             skip = False
-            continue
-        if word == "--token":
+        elif w == flag:
             skip = True
-            continue
-        if word.startswith("--token="):
-            continue
-        words.append(word)
-    return shlex.join(["berth", *words])
+        elif not w.startswith(flag + "="):
+            out.append(w)
+    return out
+
+
+def same_command(ctx: Context, argv: Sequence[str]) -> str:
+    """This invocation again, as typed, without the token."""
+    return shlex.join(["berth", *_without(argv, "--token")])
 
 
 # ---- what to do next -----------------------------------------------------------------------
@@ -517,19 +518,6 @@ def render_list(page: api.ReservationPage, ctx: Context, argv: Sequence[str]) ->
     if page.next_cursor:
         text += f"\nmore: {same_command(ctx, [*_without(argv, '--cursor'), '--cursor', page.next_cursor])}"
     return text
-
-
-def _without(words: Sequence[str], flag: str) -> list[str]:
-    out: list[str] = []
-    skip = False
-    for w in words:
-        if skip:
-            skip = False
-        elif w == flag:
-            skip = True
-        elif not w.startswith(flag + "="):
-            out.append(w)
-    return out
 
 
 def render_quote(q: api.Quote, ctx: Context) -> str:

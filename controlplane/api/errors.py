@@ -43,11 +43,18 @@ def json_response(body: dict, status: int = 200) -> web.Response:
     return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
 
 
+RETRY_AFTER_S = 5  # what a PROVIDER_UNAVAILABLE answer suggests, unless it says otherwise
+
+
 def error_response(err: e.DomainError, status: int | None = None) -> web.Response:
-    return json_response(
-        {"error": {"code": err.code, "message": err.message, "details": err.details}},
-        status or STATUS[err.code],
-    )
+    details = err.details
+    if err.code == e.PROVIDER_UNAVAILABLE and "retryAfterSeconds" not in details:
+        details = {**details, "retryAfterSeconds": RETRY_AFTER_S}
+    resp = json_response({"error": {"code": err.code, "message": err.message, "details": details}},
+                         status or STATUS[err.code])
+    if "retryAfterSeconds" in details:
+        resp.headers["Retry-After"] = str(details["retryAfterSeconds"])
+    return resp
 
 
 _HTTP_CODES = {404: e.NOT_FOUND, 405: e.INVALID_INPUT, 413: e.INVALID_INPUT, 415: e.INVALID_INPUT}

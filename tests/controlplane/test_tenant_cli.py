@@ -1,0 +1,381 @@
+"""The real `berth reservations|operations|usage` command against a `berth controlplane serve` process.
+
+One server for the module; each test books what it needs and ends it. A
+refusal must print the next command and exit with the documented code
+(docs/cli.md), and the printed command must work when run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pty
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from controlplane import client as c
+from controlplane import tenant_cli
+from tests.controlplane.conftest import TOKENS, bootstrap_doc
+from tests.serverproc import ServerProcess, wait_until
+
+ONE = ["--pool", "h100", "--gpu-model", "H100_80GB", "--gpu-count", "1", "--hours", "1"]
+DAY_MS = 86_400_000
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def json(self) -> dict:
+        return json.loads(self.out)
+
+    def line(self, prefix: str) -> str:
+        """The text after the first stderr line starting with prefix (a suggested command)."""
+        found = [line[len(prefix):].strip() for line in self.err.splitlines() if line.strip().startswith(prefix)]
+        assert found, self.err
+        return found[0]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    doc = bootstrap_doc()
+    doc["pools"].append({"id": "solo", "owner": "acme", "region": "eu", "gpuModel": "H100_80GB",
+                         "pricePerGpuHourUsd": "1"})
+    doc["nodes"].append({"id": "solo1", "pool": "solo", "hostname": "solo1.test", "vcpu": 8, "memoryGiB": 64, "gpus": 1})
+    # A pool of its own model, whose node's agent registers in the usage test.
+    doc["pools"].append({"id": "metered", "owner": "acme", "region": "eu", "gpuModel": "L40S_48GB", "pricePerGpuHourUsd": "4"})
+    doc["nodes"].append({"id": "metered1", "pool": "metered", "hostname": "metered1.test", "gpus": 2})
+    doc["nodeTokens"].append({"pool": "metered", "token": "node-token-metered-0001"})
+    doc["tenants"][0]["quota"]["gpu:L40S_48GB"] = 4
+    d = tmp_path_factory.mktemp("cli")
+    (d / "b.json").write_text(json.dumps(doc))
+    proc = ServerProcess(d / "cp.db", d / "b.json").start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def config_home(tmp_path_factory) -> Path:
+    """An empty XDG_CONFIG_HOME, so no developer's own config leaks in."""
+    return tmp_path_factory.mktemp("xdg")
+
+
+@pytest.fixture
+def berth(server, config_home):
+    def run(*argv: str, token: str | None = "alice", env: dict | None = None, url: str | None = None) -> Run:
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
+        environ.update({"XDG_CONFIG_HOME": str(config_home), "BERTH_URL": url or server.url})
+        if token:
+            environ["BERTH_TOKEN"] = TOKENS.get(token, token)
+        environ.update(env or {})
+        environ = {k: v for k, v in environ.items() if v is not None}
+        out = subprocess.run([sys.executable, "-m", "controlplane.cli", *argv], capture_output=True, text=True,
+                             env=environ, timeout=60)
+        return Run(out.returncode, out.stdout, out.stderr)
+
+    return run
+
+
+@pytest.fixture
+def alice(server):
+    with c.Client(server.url, TOKENS["alice"]) as client:
+        yield client
+
+
+def release_all(server) -> None:
+    for who in ("alice", "bob", "agent", "dave"):
+        with c.Client(server.url, TOKENS[who]) as client:
+            for r in client.list(limit=200).reservations:
+                if r.state not in ("released", "cancelled"):
+                    client.release(r.id)
+
+
+@pytest.fixture(autouse=True)
+def clean(server):
+    yield
+    release_all(server)
+
+
+# ---- output modes -------------------------------------------------------------------------
+
+def test_create_prints_the_api_json_and_each_invocation_gets_its_own_key(berth):
+    first, second = berth("reservations", "create", *ONE, "--json"), berth("reservations", "create", *ONE)
+    assert (0, 0) == (first.code, second.code), first.err + second.err
+    a, b = first.json["reservation"], second.json["reservation"]  # piped: JSON without --json too
+    assert ("placed", "alice", "H100_80GB") == (a["state"], a["principalId"], a["gpuModel"])
+    assert a["id"] != b["id"]  # no --idempotency-key: a new key per invocation, a new intent
+
+
+def test_a_given_idempotency_key_returns_the_same_reservation(berth):
+    runs = [berth("reservations", "create", *ONE, "--idempotency-key", "cli-same", "--json") for _ in range(2)]
+    assert [0, 0] == [r.code for r in runs]
+    assert runs[0].json["reservation"]["id"] == runs[1].json["reservation"]["id"]
+
+
+def test_terminal_mode_prints_tables_and_the_next_command(berth):
+    created = berth("reservations", "create", *ONE, env={"BERTH_FORCE_TTY": "1"})
+    assert 0 == created.code, created.err
+    assert "state        placed" in created.out and "gpus         1 H100_80GB" in created.out
+    op = created.out.split("next: berth operations wait ")[1].split()[0]
+    assert op.startswith("op_")
+    listed = berth("reservations", "list", "--table")
+    assert listed.out.splitlines()[0].split() == ["ID", "STATE", "POOL", "GPUS", "START", "END", "OPERATION"]
+    assert op in listed.out
+
+
+def test_start_and_end_accept_iso_8601_and_epoch_ms(berth):
+    start = (int(time.time() * 1000) // DAY_MS + 2) * DAY_MS
+    iso = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start / 1000))
+    run = berth("reservations", "create", "--pool", "h100", "--gpu-model", "H100_80GB", "--gpu-count", "1",
+                "--start", iso, "--end", str(start + 3_600_000), "--json")
+    assert 0 == run.code, run.err
+    assert (start, start + 3_600_000) == (run.json["reservation"]["start"], run.json["reservation"]["end"])
+
+
+def test_extend_renew_cancel_and_release(berth, alice):
+    res = berth("reservations", "create", *ONE, "--lease-seconds", "600", "--json").json["reservation"]
+    extended = berth("reservations", "extend", res["id"], "--by", "30m", "--json")
+    assert (True, res["end"] + 1_800_000) == (extended.json["extended"], extended.json["reservation"]["end"])
+    renewed = berth("reservations", "renew", res["id"], "--json")
+    assert renewed.json["reservation"]["leaseDeadline"] >= res["leaseDeadline"]
+    assert wait_until(lambda: alice.get(res["id"]).state == "binding")  # the reconciler started the window
+    refused = berth("reservations", "cancel", res["id"])  # too late to cancel: the refusal names release
+    assert 3 == refused.code
+    assert f"berth reservations release {res['id']}" == refused.line("next:")
+    released = berth("reservations", "release", res["id"], "--table")
+    assert 0 == released.code and "released (release)" in released.out
+    future = alice.create("h100", "H100_80GB", gpu_count=1, start=res["end"] + 3_600_000, end=res["end"] + 7_200_000)
+    cancelled = berth("reservations", "cancel", future.id, "--json")
+    assert (0, "cancelled") == (cancelled.code, cancelled.json["reservation"]["state"])
+
+
+# ---- refusals: the next command and the exit code ----------------------------------------------
+
+REFUSALS = [
+    ("price ceiling", [*ONE, "--max-hourly-price", "1"], "alice", 4,
+     ["reason: price_ceiling", "cheapest eligible rate: $0.000000/hr",
+      "next: berth reservations create --pool budget --gpu-model H100_80GB --gpu-count 1 --hours 1 --max-hourly-price 0.000000"]),
+    ("exceeds the pool", ["--pool", "k8s", "--gpu-model", "H100_80GB", "--gpu-count", "8", "--node-count", "2",
+                          "--hours", "1"], "alice", 4,
+     ["reason: exceeds_pool", "alternative: pool h100 (eu) at $40.000000/hr",
+      "next: berth reservations create --pool h100 --gpu-model H100_80GB --gpu-count 8 --node-count 2 --hours 1"]),
+    ("no stock", ["--pool", "h100", "--gpu-model", "H100_80GB", "--gpu-count", "9", "--hours", "1"], "alice", 4,
+     ["reason: no_stock", "berth reservations quote --pool h100 --gpu-model H100_80GB --gpu-count 9 --hours 1"]),
+    ("quota", [*ONE, "--vcpu", "64"], "alice", 3,
+     ["quota vcpu: requested 56.0, used 0.0 of 32.0", "ask an admin to raise the tenant's vcpu quota",
+      "--vcpu 64 --idempotency-key cli-"]),
+    ("confirmation", [*ONE[:4], "--gpu-count", "4", "--hours", "1"], "agent", 3,
+     ["alice must approve confirmation cnf_", "then retry with the same key: berth reservations create --pool h100",
+      "--idempotency-key cli-"]),
+    ("quote expired", [*ONE, "--quote", "qt_missing"], "alice", 3,
+     ["next: berth reservations quote --pool h100 --gpu-model H100_80GB --gpu-count 1 --hours 1",
+      "then: berth reservations create --pool h100 --gpu-model H100_80GB --gpu-count 1 --hours 1 --quote QUOTE_ID"]),
+    ("invalid input", [*ONE[:4], "--gpu-count", "0", "--hours", "1"], "alice", 3,
+     ["INVALID_INPUT (HTTP 400): gpuCount: must be an integer >= 1", "next: fix --gpu-count"]),
+    ("unknown token", ONE, "not-a-token-of-anyone", 3, ["UNAUTHENTICATED (HTTP 401)", "from env BERTH_TOKEN"]),
+]
+
+
+@pytest.mark.parametrize("args, token, code, said", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_a_refused_create_says_what_to_do_next_and_exits_by_whose_move_it_is(berth, args, token, code, said):
+    run = berth("reservations", "create", *args, token=token, env={"BERTH_FORCE_TTY": "1"})
+    assert code == run.code, run.err
+    for text in said:
+        assert text in run.err
+    assert "" == run.out
+
+
+def test_a_refusal_in_json_mode_prints_the_envelope(berth):
+    run = berth("reservations", "create", *ONE, "--max-hourly-price", "1", "--json")
+    assert 4 == run.code
+    error = run.json["error"]
+    assert ("NO_CAPACITY", "price_ceiling", "0.000000") == (
+        error["code"], error["details"]["reason"], error["details"]["cheapestEligibleUsdPerHour"])
+    assert "next: berth reservations create" in run.err
+
+
+def test_the_suggested_command_works(berth):
+    refused = berth("reservations", "create", *ONE, "--max-hourly-price", "1")
+    suggested = shlex.split(refused.line("next:"))
+    assert suggested[:3] == ["berth", "reservations", "create"]
+    run = berth(*suggested[1:], "--json")
+    assert 0 == run.code, run.err
+    assert ("budget", "placed") == (run.json["reservation"]["poolId"], run.json["reservation"]["state"])
+
+
+def test_after_approval_the_printed_retry_continues_the_same_request(berth, server, alice):
+    asked = berth("reservations", "create", "--pool", "h100", "--gpu-model", "H100_80GB", "--gpu-count", "4",
+                  "--hours", "1", "--json", token="agent")
+    assert 3 == asked.code
+    details = asked.json["error"]["details"]
+    assert "approved" == alice.approve_confirmation(details["confirmationId"]).status
+    retry = shlex.split(asked.line("then retry with the same key:"))
+    run = berth(*retry[1:], "--json", token="agent")
+    assert 0 == run.code, run.err
+    assert details["reservationId"] == run.json["reservation"]["id"]
+
+
+def test_an_unreachable_server_is_retried_then_exits_5_with_the_key_to_retry(berth, unused_tcp_port):
+    run = berth("reservations", "create", *ONE, "--retries", "1", url=f"http://127.0.0.1:{unused_tcp_port}")
+    assert 5 == run.code
+    assert "retrying in" in run.err and "with the same idempotency key (attempt 2 of 2)" in run.err
+    assert "--idempotency-key cli-" in run.line("next: retry with the same key:")
+
+
+def test_provider_unavailable_advice_keeps_the_key_and_the_reference():
+    args = tenant_cli.build_parser().parse_args(["reservations", "create", *ONE, "--idempotency-key", "k-1"])
+    ctx = tenant_cli.Context(args, c.Settings("http://x", "t", {"url": "env BERTH_URL"}), None, sys.stdout,  # type: ignore[arg-type]
+                             sys.stderr, json=False, progress=False, key="k-1")
+    err = c.ProviderUnavailable("PROVIDER_UNAVAILABLE", "pool lost", {"actor": "platform", "reference": "pool-lost:h100:1"}, 503)
+    said = tenant_cli.advice(ctx, err, [])
+    assert 5 == tenant_cli.exit_code_of(err)
+    assert "reference: pool-lost:h100:1 (quote it to support if this persists)" in said
+    assert ("next: retry later with the same key: berth reservations create " + " ".join(ONE)
+            + " --idempotency-key k-1") in said
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["reservations", "create", "--pool", "h100"], "the following arguments are required: --gpu-model"),
+    (["reservations", "create", *ONE, "--start", "yesterday"], "give epoch milliseconds or ISO 8601"),
+    (["reservations", "extend", "rsv_x", "--by", "10"], "give a duration with a unit"),
+    (["reservations", "create", *ONE, "--max-hourly-price", "cheap"], "give a decimal price"),
+])
+def test_bad_arguments_exit_2_before_anything_is_sent(berth, argv, said):
+    run = berth(*argv)
+    assert 2 == run.code and said in run.err
+
+
+def test_no_token_anywhere_exits_2_and_says_where_to_put_one(berth):
+    run = berth("reservations", "list", token=None)
+    assert 2 == run.code and "no token: give --token, set BERTH_TOKEN" in run.err
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag, env, file, expected", [
+    (None, None, "bob", "bob"),
+    (None, "dave", "bob", "dave"),
+    ("alice", "dave", "bob", "alice"),
+    ("alice", None, None, "alice"),
+])
+def test_the_token_comes_from_the_flag_then_the_environment_then_the_file(berth, server, tmp_path, flag, env, file,
+                                                                          expected):
+    xdg = tmp_path / "xdg"
+    if file:
+        (xdg / "berth").mkdir(parents=True)
+        (xdg / "berth" / "config.json").write_text(json.dumps({"url": server.url, "token": TOKENS[file]}))
+    argv = ["reservations", "create", *ONE, "--json"] + (["--token", TOKENS[flag]] if flag else [])
+    run = berth(*argv, token=env, env={"XDG_CONFIG_HOME": str(xdg)})
+    assert 0 == run.code, run.err
+    assert expected == run.json["reservation"]["principalId"]
+
+
+def test_the_url_comes_from_the_flag_then_the_environment_then_the_file(berth, server, tmp_path, unused_tcp_port):
+    nowhere = f"http://127.0.0.1:{unused_tcp_port}"
+    config = tmp_path / "berth.json"
+    config.write_text(json.dumps({"url": nowhere, "token": TOKENS["bob"]}))
+    fast = ["--json", "--retries", "0", "--config", str(config)]
+    assert 0 == berth("reservations", "list", *fast, token=None, env={"BERTH_URL": server.url}).code  # env > file
+    assert 5 == berth("reservations", "list", *fast, token=None, env={"BERTH_URL": None}).code  # the file's
+    assert 0 == berth("reservations", "list", *fast, "--url", server.url, token=None, url=nowhere).code  # flag > env
+
+
+def test_a_missing_config_file_named_by_flag_exits_2(berth, tmp_path):
+    run = berth("reservations", "list", "--config", str(tmp_path / "nope.json"))
+    assert 2 == run.code and "no such file" in run.err
+
+
+# ---- operations wait -------------------------------------------------------------------------------
+
+def test_operations_wait_times_out_with_6_then_exits_by_the_failure_actor(berth):
+    created = berth("reservations", "create", *ONE, "--json").json["reservation"]
+    op = created["operation"]["id"]
+    waited = berth("operations", "wait", op, "--timeout-sec", "1", "--json")
+    assert (6, False, "running") == (waited.code, waited.json["done"], waited.json["operation"]["status"])
+    berth("reservations", "release", created["id"])
+    ended = berth("operations", "wait", op, "--timeout-sec", "10", "--table")
+    assert 3 == ended.code  # cancelled by the customer's release
+    assert "failure      released (actor customer)" in ended.out
+    shown = berth("operations", "get", op, "--json")
+    assert (0, "cancelled") == (shown.code, shown.json["operation"]["status"])
+
+
+def test_operations_wait_exits_4_when_the_provider_could_not_place_it(berth):
+    blocker = berth("reservations", "create", "--pool", "solo", "--gpu-model", "H100_80GB", "--gpu-count", "1",
+                    "--hours", "1", "--json", token="bob")
+    assert 0 == blocker.code, blocker.err
+    now = int(time.time() * 1000)
+    pending = berth("reservations", "create", "--pool", "solo", "--gpu-model", "H100_80GB", "--gpu-count", "1",
+                    "--start", str(now), "--end", str(now + 2000), "--json").json["reservation"]
+    assert "pending" == pending["state"]
+    waited = berth("operations", "wait", pending["operation"]["id"], "--timeout-sec", "20", "--json")
+    assert (4, "failed", "provider") == (waited.code, waited.json["operation"]["status"],
+                                         waited.json["operation"]["failure"]["actor"])
+
+
+def test_operations_wait_on_a_terminal_shows_a_spinner_and_a_table(server, config_home, alice):
+    """Under a real pty: no env var, no flag; stdout and stderr are the terminal."""
+    res = alice.create("h100", "H100_80GB", gpu_count=1, duration_hours=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
+    env.update({"BERTH_URL": server.url, "BERTH_TOKEN": TOKENS["alice"], "XDG_CONFIG_HOME": str(config_home)})
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "operations", "wait", res.operation.id,
+                             "--timeout-sec", "1"], stdin=follower, stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert 6 == proc.wait(30)
+    screen = b"".join(chunks).decode()
+    assert f"\r\033[K| {res.operation.id} " in screen and f"{res.operation.id} running  0s of 1s" in screen  # the spinner
+    assert "status       running" in screen and "wait again: berth operations wait" in screen
+
+
+# ---- usage --------------------------------------------------------------------------------------------
+
+def test_usage_prints_lines_and_totals(berth, server, alice):
+    from decimal import Decimal
+
+    from tests.controlplane.test_nodes import inventory
+
+    hostname = "metered1.test"  # the declared node: its agent takes it over
+    status, node = server.post("/api/nodes/register", "node-token-metered-0001",
+                               {"hostname": hostname, "inventory": inventory(hostname, "mixed.json")})
+    assert status == 200, node
+    res = alice.create("metered", "L40S_48GB", gpu_count=2, duration_hours=1)
+    assert wait_until(lambda: alice.get(res.id).state == "binding", timeout=5)
+    status, doc = server.post("/api/nodes/report", node["nodeToken"],
+                              {"reports": [{"reservationId": res.id, "status": "bound"}]})
+    assert doc["accepted"] == [res.id]
+    assert alice.get(res.id).state == "active"
+    time.sleep(1.1)
+    alice.release(res.id)
+    as_json = berth("usage", "--json")
+    assert 0 == as_json.code, as_json.err
+    [line] = [x for x in as_json.json["lines"] if x["reservationId"] == res.id]
+    assert line["hourlyUsd"] == "8.000000" and line["seconds"] >= 1
+    assert Decimal(line["amountUsd"]) == (Decimal(8) * line["seconds"] / 3600).quantize(Decimal("0.000001"))
+    assert Decimal(as_json.json["totalUsd"]) == sum(Decimal(x["amountUsd"]) for x in as_json.json["lines"])
+    shown = berth("usage", "--reservation", res.id, "--table")
+    assert 0 == shown.code, shown.err
+    assert shown.out.splitlines()[0].split() == ["DAY", "RESERVATION", "POOL", "SECONDS", "RATE", "AMOUNT", "RUNNING"]
+    assert f"{res.id}  metered" in shown.out and "$8.000000/hr" in shown.out
+    assert f"total       ${line['amountUsd']}" in shown.out
+    tomorrow = time.strftime("%Y-%m-%d", time.gmtime(time.time() + 86_400))
+    assert [] == berth("usage", "--since", tomorrow, "--json").json["lines"]
+
