@@ -1,7 +1,10 @@
-"""`berth agent ...`: for now the `discover` subcommand, which prints this host's inventory.
+"""`berth agent ...`: the node agent's runtime, and `berth agent discover`, which prints this host's inventory.
 
 `main(argv)` is called by controlplane/cli.py with the arguments after
-`berth agent`. The runtime (register, watch, bind) is a later issue.
+`berth agent`. `berth agent discover ...` prints the inventory and exits;
+anything else runs the runtime (agent/runtime.py) until SIGTERM or SIGINT:
+`berth agent --control-plane URL --bootstrap-token TOKEN [--simulate
+TOPOLOGY.json] [--cgroup-root PATH] [--state-dir DIR] ...` (docs/agent.md).
 """
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ import sys
 
 from agent.errors import AgentError, TopologyError
 
-NOT_BUILT = ("berth agent: the runtime (register/watch/bind) is not built yet; "
-             "`berth agent discover` prints this host's inventory")
+RUNTIME_USAGE = ("berth agent --control-plane URL --bootstrap-token TOKEN [--simulate TOPOLOGY.json] "
+                 "[--cgroup-root PATH] [--state-dir DIR] [options]; `berth agent discover` prints this host's inventory")
 
 
 class _Stderr:
@@ -95,6 +98,114 @@ def discover_main(argv: list[str]) -> int:
     return 0
 
 
+def _runtime_parser() -> argparse.ArgumentParser:
+    from agent.checkpoint import DEFAULT_STATE_DIR
+
+    env = os.environ.get
+    p = argparse.ArgumentParser(
+        prog="berth agent", usage=RUNTIME_USAGE.split(";")[0],
+        description="Run the node agent: discover this host, register with the control plane, heartbeat, watch the "
+                    "bindings wanted here and make each real as a cgroup v2 with its share and device allow-list. "
+                    "`berth agent discover` prints the inventory instead.")
+    p.add_argument("--control-plane", metavar="URL", default=env("BERTH_CONTROL_PLANE"),
+                   help="the control plane's base URL, e.g. http://cp.example.net:8080 (env BERTH_CONTROL_PLANE)")
+    p.add_argument("--bootstrap-token", metavar="TOKEN", default=env("BERTH_BOOTSTRAP_TOKEN"),
+                   help="the pool's node bootstrap token, for register (env BERTH_BOOTSTRAP_TOKEN)")
+    p.add_argument("--simulate", metavar="TOPOLOGY.json",
+                   help="replace NVML (and, where the file says so, CPUs, memory, hugepages) by a described topology")
+    p.add_argument("--cgroup-root", metavar="PATH",
+                   help="the cgroup v2 directory holding the reservations' cgroups (rsv-*). Default: under systemd "
+                        "the delegated scope berth.slice/berth-workloads.scope/workloads; otherwise <own cgroup>/"
+                        "workloads")
+    p.add_argument("--cgroup-enable-from", metavar="PATH",
+                   help="the highest cgroup whose cgroup.subtree_control the agent may write to switch controllers on "
+                        "down to the root (for hugetlb, which systemd does not delegate), e.g. the cgroup2 mount")
+    p.add_argument("--state-dir", metavar="DIR", default=env("BERTH_AGENT_STATE_DIR", DEFAULT_STATE_DIR),
+                   help=f"node identity, checkpoint, lock and exec socket (default {DEFAULT_STATE_DIR})")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve /metrics and /status here")
+    p.add_argument("--exec-allow-uid", action="append", metavar="UID", default=[],
+                   help="a uid (or user name) that may `berth exec` into any reservation bound here (repeatable)")
+    p.add_argument("--exec-allow-group", action="append", metavar="GROUP", default=[],
+                   help="members of this group (name or gid) may `berth exec` into any reservation (repeatable)")
+    p.add_argument("--exec-tenant-uid", action="append", metavar="TENANT=UID", default=[],
+                   help="this uid may `berth exec` into the reservations of this tenant only (repeatable)")
+    p.add_argument("--nvml-library", metavar="PATH", default=env("BERTH_NVML_LIBRARY"),
+                   help="load NVML from this file instead of libnvidia-ml.so.1 (env BERTH_NVML_LIBRARY)")
+    p.add_argument("--reserve-vcpu", type=float, default=1.0, metavar="N", help="CPUs kept for the system (default 1)")
+    p.add_argument("--reserve-memory-gib", type=float, default=4.0, metavar="GIB",
+                   help="memory kept for the system (default 4)")
+    p.add_argument("--device-classes", metavar="FILE", help="operator device class rules (JSON)")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--watch-timeout-ms", type=int, default=25_000, help=argparse.SUPPRESS)
+    p.add_argument("--heartbeat-seconds", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reconcile-seconds", type=float, default=30.0, help=argparse.SUPPRESS)
+    p.add_argument("--rediscover-seconds", type=float, default=60.0, help=argparse.SUPPRESS)
+    p.add_argument("--backoff-max-seconds", type=float, default=10.0, help=argparse.SUPPRESS)
+    p.add_argument("--request-timeout-seconds", type=float, default=10.0, help=argparse.SUPPRESS)
+    p.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
+    p.add_argument("--sys-root", default="/sys", help=argparse.SUPPRESS)
+    return p
+
+
+def runtime_main(argv: list[str]) -> int:
+    import asyncio
+    import signal
+    from pathlib import Path
+
+    from controlplane import logs
+    from controlplane.domain.device_classes import DeviceClasses
+
+    from agent.discovery import Reserve
+    from agent.execgate import ExecPolicy
+    from agent.runtime import Agent, AgentConfig, describe_error
+
+    parser = _runtime_parser()
+    args = parser.parse_args(argv)
+    missing = [f for f, v in (("--control-plane", args.control_plane), ("--bootstrap-token", args.bootstrap_token))
+               if not v]
+    if missing:
+        parser.error(f"{' and '.join(missing)} required (or env BERTH_CONTROL_PLANE / BERTH_BOOTSTRAP_TOKEN); "
+                     "`berth agent discover` prints this host's inventory")
+    if args.metrics_listen and ":" not in args.metrics_listen:
+        parser.error(f"--metrics-listen {args.metrics_listen!r}: expected HOST:PORT")
+    try:
+        reserve = Reserve.of(args.reserve_vcpu, args.reserve_memory_gib)
+        policy = ExecPolicy.from_options(args.exec_allow_uid, args.exec_allow_group, args.exec_tenant_uid)
+        classes = DeviceClasses.from_file(args.device_classes) if args.device_classes else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.simulate:
+        from agent.simulate import load
+
+        try:
+            load(args.simulate)
+        except TopologyError as exc:
+            parser.error(f"--simulate {exc}")
+    logs.configure(fmt=args.log_format, level=args.log_level, stream=_Stderr())
+    config = AgentConfig(
+        control_plane=args.control_plane, bootstrap_token=args.bootstrap_token, state_dir=Path(args.state_dir),
+        cgroup_root=args.cgroup_root, cgroup_enable_from=args.cgroup_enable_from, simulate=args.simulate,
+        metrics_listen=args.metrics_listen, nvml_library=args.nvml_library, reserve=reserve, device_classes=classes,
+        exec_policy=policy, watch_timeout_ms=args.watch_timeout_ms, heartbeat_s=args.heartbeat_seconds,
+        reconcile_s=args.reconcile_seconds, rediscover_s=args.rediscover_seconds,
+        backoff_max_s=args.backoff_max_seconds, request_timeout_s=args.request_timeout_seconds, proc=Path(args.proc_root), sys=Path(args.sys_root))
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await Agent(config).run(stop)
+
+    try:
+        asyncio.run(run())
+    except Exception as exc:  # one line for the operator, not a traceback
+        print(f"berth agent: {describe_error(exc)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "discover":
@@ -102,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             return discover_main(argv[1:])
         except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
             return int(exc.code or 0)
-    print(NOT_BUILT, file=sys.stderr)
-    return 2
+    try:
+        return runtime_main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

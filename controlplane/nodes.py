@@ -121,6 +121,8 @@ class NodeService:
         self.grace_s = grace_s
         self.on_freed = on_freed
         self.live: dict[str, NodeLive] = {}
+        self.heartbeat_s = min(HEARTBEAT_S, max(0.2, grace_s / 3))  # three heartbeats fit in the grace
+        self.closing = False
         self._rv = clock.compute_now() * 1000  # grows across restarts too
         moves.listeners.append(self._reservation_changed)
 
@@ -209,7 +211,7 @@ class NodeService:
         if live.lost:
             await self._found(node.id)
         log.info("node registered", node_id=node.id, pool_id=pool.id, units=len(node.units))
-        return {"nodeId": node.id, "nodeToken": token, "poolId": pool.id, "heartbeatSeconds": HEARTBEAT_S,
+        return {"nodeId": node.id, "nodeToken": token, "poolId": pool.id, "heartbeatSeconds": self.heartbeat_s,
                 "graceSeconds": self.grace_s, "resourceVersion": live.rv}
 
     def _apply_inventory(self, tx: Tx, catalog: Catalog, pool: Pool, node_id: str, hostname: str, inventory: dict) -> Node:
@@ -330,7 +332,7 @@ class NodeService:
     # ---- watch ----------------------------------------------------------------------------------
     async def watch(self, node: Node, rv: int | None, timeout_ms: int) -> dict:
         live = self._node(node.id)
-        if rv is None or rv != live.rv or timeout_ms <= 0:
+        if rv is None or rv != live.rv or timeout_ms <= 0 or self.closing:
             return self._watch_answer(live, changed=rv != live.rv)
         if live.changed is None:
             live.changed = asyncio.Event()
@@ -340,6 +342,14 @@ class NodeService:
         except asyncio.TimeoutError:
             return self._watch_answer(live, changed=False)
         return self._watch_answer(live, changed=True)
+
+    def close(self) -> None:
+        """Answer every long poll now (the control plane is stopping)."""
+        self.closing = True
+        for live in self.live.values():
+            if live.changed is not None:
+                live.changed.set()
+                live.changed = None
 
     @staticmethod
     def _watch_answer(live: NodeLive, changed: bool) -> dict:
@@ -387,6 +397,8 @@ class NodeService:
         if mine is not None and mine.cgroup == cgroup and mine.devices == devices:
             return  # a repeated report changes nothing
         res.bound = [b for b in res.bound if b.node_id != node_id] + [Bound(node_id, now, cgroup, devices)]
+        if rep.get("message"):  # bound, but the host could not enforce all of the share
+            res.set_condition("Enforced", "False", "PartialEnforcement", f"node {node_id}: {str(rep['message'])[:500]}", now)
         if res.state == states.BINDING and {p.node_id for p in res.placements} <= {b.node_id for b in res.bound}:
             self.moves.mark_active(tx, res, now)
         else:

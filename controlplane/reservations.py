@@ -106,6 +106,7 @@ class ReservationService:
         self.spent_usd: Callable[[str], Decimal] = lambda tenant_id: Decimal(0)  # wiring gives Billing's
         self.exposure_usd: Callable[[str], Decimal] = lambda tenant_id: Decimal(0)
         self.quotes = None  # wiring gives Quotes
+        self.on_due: Callable[[], None] = lambda: None  # a reservation whose window already started: wake the reconciler
 
     @property
     def writer(self):

@@ -94,6 +94,7 @@ class ControlPlane:
         self.reservations.quotes = Quotes(self.store, self.clock, self.catalog, self.state)
         self.operations = OperationService(self.store, self.moves, self.reservations)
         self.reconciler = Reconciler(self.store, self.clock, self.state, self.moves, on_freed=self.reservations.wake)
+        self.reservations.on_due = self.reconciler.wake
         self.nodes = NodeService(self.store, self.clock, self.catalog, self.state, self.moves, self.tokens,
                                  grace_s=self.config.node_grace_s, on_freed=self.reservations.wake)
         self.nodes.load(self.store.writer.call_sync(lambda tx: live_for_nodes(tx.conn)))

@@ -81,6 +81,12 @@ def create_app(config: Config, control_plane: ControlPlane | None = None) -> web
             await asyncio.to_thread(cp.close)
 
     app.cleanup_ctx.append(lifecycle)
+
+    async def stop_long_polls(app: web.Application) -> None:
+        if CONTROL_PLANE in app:
+            app[CONTROL_PLANE].nodes.close()
+
+    app.on_shutdown.append(stop_long_polls)
     app.router.add_get("/healthz", healthz)
     app.add_routes(reservation_api.routes())
     app.add_routes(confirmation_api.routes())

@@ -81,13 +81,6 @@ def test_a_bad_topology_names_the_field(capsys, tmp_path):
     assert "gpus[0].memoryMiB" in capsys.readouterr().err
 
 
-def test_bare_berth_agent_says_the_runtime_is_not_built_yet():
-    out = _berth("agent")
-    assert 2 == out.returncode
-    assert "the runtime (register/watch/bind) is not built yet" in out.stderr
-    assert "`berth agent discover` prints this host's inventory" in out.stderr
-
-
 def test_discover_help_exits_0(capsys):
     assert 0 == cli.main(["discover", "--help"])
     assert "--simulate" in capsys.readouterr().out

@@ -1,0 +1,104 @@
+"""The agent's side of the node API: register, heartbeat, watch, report over HTTP (docs/node-api.md).
+
+One `NodeClient` per agent holds the node token once registered. Errors come
+back as one of three: `Unauthorized` (401: the token is no longer valid,
+register again), `NodeApiError` (any other error envelope, with its code), and
+`Unreachable` (no answer: connection refused, reset, timed out), which the
+runtime answers with backoff. The session may be shared (the fleet bench
+runs a thousand clients on one).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TypeVar
+
+import aiohttp
+import msgspec
+
+from agent.errors import AgentError
+from agent.nodewire import (ErrorEnvelope, Health, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer,
+                            RegisterRequest, Report, ReportAnswer, ReportRequest, WatchAnswer, WatchRequest, encode)
+
+T = TypeVar("T")
+MAX_WATCH_MS = 30_000
+
+
+class NodeApiError(AgentError):
+    def __init__(self, method: str, status: int, code: str, message: str) -> None:
+        super().__init__(f"node API {method}: HTTP {status} {code}: {message}")
+        self.method = method
+        self.status = status
+        self.code = code
+
+
+class Unauthorized(NodeApiError):
+    """The token was refused: the node token was replaced (another register) or the bootstrap token is wrong."""
+
+
+class Unreachable(AgentError):
+    """The control plane did not answer."""
+
+
+class NodeClient:
+    def __init__(self, base_url: str, *, session: aiohttp.ClientSession | None = None,
+                 timeout_s: float = 10.0, token: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._session = session
+        self._own_session = session is None
+        self.timeout_s = timeout_s
+        self.token = token
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=8))
+        return self._session
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(self, method: str, body: msgspec.Struct, answer: type[T], *, token: str | None,
+                    timeout_s: float | None = None) -> T:
+        url = f"{self.base_url}/api/nodes/{method}"
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        try:
+            async with self.session.post(url, data=encode(body), headers=headers, timeout=timeout) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise Unreachable(f"node API {method} at {url}: {type(exc).__name__}: {exc}") from None
+        if status >= 400:
+            try:
+                err = msgspec.json.decode(raw, type=ErrorEnvelope).error
+                code, message = err.code, err.message
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                code, message = "UNKNOWN", raw[:200].decode(errors="replace")
+            cls = Unauthorized if status == 401 else NodeApiError
+            raise cls(method, status, code, message)
+        try:
+            return msgspec.json.decode(raw, type=answer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise NodeApiError(method, status, "BAD_ANSWER", f"{exc}: {raw[:200]!r}") from None
+
+    async def register(self, bootstrap_token: str, hostname: str, inventory: dict, agent_version: str) -> RegisterAnswer:
+        ans = await self._call("register", RegisterRequest(hostname, inventory, agent_version), RegisterAnswer,
+                               token=bootstrap_token)
+        self.token = ans.nodeToken
+        return ans
+
+    async def heartbeat(self, health: Health, inventory: dict | None = None) -> HeartbeatAnswer:
+        return await self._call("heartbeat", HeartbeatRequest(health, inventory), HeartbeatAnswer, token=self.token)
+
+    async def watch(self, resource_version: int, timeout_ms: int = 25_000) -> WatchAnswer:
+        timeout_ms = max(0, min(timeout_ms, MAX_WATCH_MS))
+        return await self._call("watch", WatchRequest(resource_version, timeout_ms), WatchAnswer, token=self.token,
+                                timeout_s=timeout_ms / 1000 + self.timeout_s)
+
+    async def report(self, reports: list[Report]) -> ReportAnswer:
+        return await self._call("report", ReportRequest(reports), ReportAnswer, token=self.token)
+

@@ -1,0 +1,156 @@
+"""The agent's state directory: checkpoint (atomic, checksummed, versioned, void after a reboot), node identity
+(mode 0600) and the lock that keeps a second agent off the same directory."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from agent.checkpoint import (CHECKPOINT_VERSION, BindingEntry, Checkpoint, CheckpointError, Identity, PendingReport,
+                              StateDir, StateLocked, read_boot_id, write_atomic)
+
+BOOT = "6f1c2a3e-0000-4000-8000-000000000001"
+ROOT = "/sys/fs/cgroup/berth.slice/berth-workloads.scope/workloads"
+
+
+def entry(rid: str, state: str = "completed") -> BindingEntry:
+    return BindingEntry(reservationId=rid, state=state, spec="abc", cgroup=f"{ROOT}/rsv-{rid}", tenantId="acme",
+                        principalId="alice", devices=["/dev/nvidia0"], updatedAtMs=1)
+
+
+def saved(tmp_path: Path, **kw) -> Checkpoint:
+    cp = Checkpoint.load(tmp_path / "checkpoint.json", boot_id=BOOT, cgroup_root=ROOT)
+    for rid, state in kw.items():
+        cp.set(entry(rid, state))
+    cp.set_version(42)
+    cp.queue_report(PendingReport("r9", "unbound"))
+    cp.save()
+    return cp
+
+
+def test_a_missing_checkpoint_is_a_fresh_start(tmp_path):
+    cp = Checkpoint.load(tmp_path / "checkpoint.json", boot_id=BOOT, cgroup_root=ROOT)
+    assert ({}, 0, []) == (cp.bindings, cp.data.resourceVersion, cp.data.pendingReports)
+    assert "fresh start" in cp.note
+
+
+def test_what_is_saved_loads_back_equal_and_the_file_is_private(tmp_path):
+    cp = saved(tmp_path, r1="completed", r2="started")
+    again = Checkpoint.load(tmp_path / "checkpoint.json", boot_id=BOOT, cgroup_root=ROOT)
+    assert cp.data == again.data
+    assert 0o600 == stat.S_IMODE((tmp_path / "checkpoint.json").stat().st_mode)
+    doc = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert CHECKPOINT_VERSION == doc["version"] and doc["checksum"].startswith("sha256:")
+
+
+def test_a_checkpoint_from_another_boot_is_void_but_keeps_the_node_id(tmp_path):
+    cp = saved(tmp_path, r1="completed")
+    cp.set_node("n1")
+    cp.save()
+    after = Checkpoint.load(tmp_path / "checkpoint.json", boot_id="another-boot", cgroup_root=ROOT)
+    assert ({}, [], 0, "n1") == (after.bindings, after.data.pendingReports, after.data.resourceVersion,
+                                 after.data.nodeId)
+    assert "died with that boot" in after.note
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: d["data"]["bindings"]["r1"].update(state="started"), "fails its checksum"),
+    (lambda d: d.update(version=99), "checkpoint version 99"),
+    (lambda d: d["data"].update(bindings="nonsense"), "Expected `object`"),
+])
+def test_a_damaged_checkpoint_fails_loudly_and_says_what_to_do(tmp_path, damage, message):
+    saved(tmp_path, r1="completed")
+    path = tmp_path / "checkpoint.json"
+    doc = json.loads(path.read_text())
+    damage(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint.load(path, boot_id=BOOT, cgroup_root=ROOT)
+    assert message in str(err.value) and "move" in str(err.value)
+
+
+def test_a_truncated_checkpoint_fails_loudly(tmp_path):
+    saved(tmp_path, r1="completed")
+    path = tmp_path / "checkpoint.json"
+    path.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(CheckpointError, match="is not a checkpoint"):
+        Checkpoint.load(path, boot_id=BOOT, cgroup_root=ROOT)
+
+
+def test_a_checkpoint_for_another_cgroup_root_contradicts_the_configuration(tmp_path):
+    saved(tmp_path, r1="completed")
+    with pytest.raises(CheckpointError, match=f"written for cgroup root {ROOT}"):
+        Checkpoint.load(tmp_path / "checkpoint.json", boot_id=BOOT, cgroup_root="/sys/fs/cgroup/other")
+
+
+def test_an_atomic_write_leaves_the_old_file_whole_when_it_fails(tmp_path, monkeypatch):
+    path = tmp_path / "f.json"
+    write_atomic(path, b"old")
+
+    def boom(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(OSError):
+        write_atomic(path, b"new")
+    assert b"old" == path.read_bytes()
+    assert ["f.json"] == sorted(p.name for p in tmp_path.iterdir()), "no temporary file left behind"
+
+
+def test_reports_are_kept_latest_per_reservation_until_done(tmp_path):
+    cp = Checkpoint.load(tmp_path / "c.json", boot_id=BOOT, cgroup_root=ROOT)
+    cp.queue_report(PendingReport("r1", "bound", cgroup="/x"))
+    cp.queue_report(PendingReport("r2", "failed", message="no"))
+    cp.queue_report(PendingReport("r1", "unbound"))
+    assert [("r2", "failed"), ("r1", "unbound")] == [(r.reservationId, r.status) for r in cp.data.pendingReports]
+    cp.reports_done({"r1"})
+    assert ["r2"] == [r.reservationId for r in cp.data.pendingReports]
+
+
+def test_the_boot_id_is_this_kernels():
+    assert read_boot_id() == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def test_the_node_identity_is_kept_with_mode_0600(tmp_path):
+    with StateDir(tmp_path / "state") as sd:
+        assert sd.read_identity() is None
+        ident = Identity(nodeId="h100-n1", nodeToken="nt_secret", controlPlane="http://cp:8080", poolId="h100")
+        sd.write_identity(ident)
+        assert ident == sd.read_identity()
+        assert 0o600 == stat.S_IMODE(sd.identity_path.stat().st_mode)
+        assert 0o711 == stat.S_IMODE(sd.path.stat().st_mode)
+
+
+HOLD = """
+import sys, time
+from agent.checkpoint import StateDir
+sd = StateDir(sys.argv[1]).open()
+print("held", flush=True)
+time.sleep(30)
+"""
+
+
+def test_a_second_agent_on_the_same_state_dir_fails_clearly_naming_the_holder(tmp_path):
+    state = tmp_path / "state"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(state)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "held" == holder.stdout.readline().strip()
+        with pytest.raises(StateLocked) as err:
+            StateDir(state).open()
+        assert f"in use by another agent (pid {holder.pid})" in str(err.value)
+    finally:
+        holder.kill()
+        holder.wait(5)
+    with StateDir(state):  # once the holder is gone the lock is free again (flock dies with the process)
+        pass
+
+
+def test_entries_decode_strictly(tmp_path):
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"reservationId": "r", "state": "halfway", "spec": "", "cgroup": ""}, BindingEntry)

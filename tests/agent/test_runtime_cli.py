@@ -1,0 +1,64 @@
+"""`berth agent` runs the runtime (and `berth agent discover` is unchanged): usage errors name what is missing and
+exit 2, a bad topology names the field, an unusable layout is one line and exit 1."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def berth(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "controlplane.cli", *args], capture_output=True, text=True,
+                          timeout=60, cwd=str(REPO), env=env)
+
+
+def test_bare_berth_agent_asks_for_the_control_plane_and_token_and_points_at_discover():
+    out = berth("agent", env={"PATH": "/usr/bin:/bin"})
+    assert 2 == out.returncode
+    assert "--control-plane and --bootstrap-token required" in out.stderr
+    assert "`berth agent discover` prints this host's inventory" in out.stderr
+
+
+def test_help_lists_the_pinned_flags(capsys):
+    assert 0 == cli.main(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--control-plane", "--bootstrap-token", "--simulate", "--cgroup-root", "--state-dir",
+                 "--metrics-listen", "--exec-allow-uid", "--cgroup-enable-from"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--metrics-listen", "9100"], "expected HOST:PORT"),
+    (["--exec-tenant-uid", "acme"], "expected TENANT=UID"),
+    (["--exec-allow-group", "x-no-such-group-x"], "no such group"),
+])
+def test_bad_options_exit_2_naming_the_option(capsys, args, message):
+    assert 2 == cli.main(["--control-plane", "http://127.0.0.1:1", "--bootstrap-token", "t", *args])
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_topology_names_the_field(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"gpus": [{"name": "NVIDIA H100", "memoryMiB": "lots"}]}))
+    assert 2 == cli.main(["--control-plane", "http://127.0.0.1:1", "--bootstrap-token", "t", "--simulate", str(bad)])
+    assert "gpus[0].memoryMiB" in capsys.readouterr().err
+
+
+def test_a_cgroup_root_outside_cgroupfs_is_one_line_and_exit_1(tmp_path):
+    out = berth("agent", "--control-plane", "http://127.0.0.1:1", "--bootstrap-token", "t", "--cgroup-root",
+                str(tmp_path / "cg"), "--state-dir", str(tmp_path / "state"), "--log-format", "json")
+    assert 1 == out.returncode
+    assert out.stderr.strip().splitlines()[-1].startswith("berth agent: ")
+    assert "not below the cgroup2 mount" in out.stderr or "cgroup2 is not mounted" in out.stderr
+
+
+def test_discover_is_unchanged(capsys):
+    assert 0 == cli.main(["discover", "--simulate", str(REPO / "examples/topologies/h100x8.json"), "--json"])
+    assert 8 == len(json.loads(capsys.readouterr().out)["gpus"])

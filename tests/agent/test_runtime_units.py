@@ -1,0 +1,408 @@
+"""Unit tests of the agent runtime's pieces: binder decisions, share translation and device rules per binding,
+sd_notify over a real datagram socket, the exec policy, the controller probe, the cgroup layout, metrics text."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from agent import controllers, delegation
+from agent.binder import Action, Have, Refused, plan
+from agent.bindspec import BindError, HostView, refusal, simulated_devices_proc, want_of
+from agent.discovery import Discovery
+from agent.execgate import ExecPolicy
+from agent.metrics import AgentMetrics
+from agent.nodewire import Binding, BindingShare, BindingUnit, WatchAnswer
+from agent.runtime import Backoff, heartbeat_interval
+from agent.sdnotify import Notifier
+from agent.simulate import SimulatedGpus, SimulatedHost
+from cgroups import CgroupShare
+from tests.cgroups.conftest import FakeCgroupfs
+
+TOPOLOGY = {"hostname": "unit", "gpus": [
+    {"name": "NVIDIA A100-SXM4-80GB", "memoryMiB": 81920, "count": 2, "numaNodes": [0, 0],
+     "mig": {"profile": "1g.10gb", "count": 2}},
+    {"name": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559, "count": 2, "numaNodes": [0, 0]}]}
+ALL = frozenset({"cpu", "cpuset", "memory", "hugetlb"})
+
+
+@pytest.fixture(scope="module")
+def inventory(tmp_path_factory):
+    path = tmp_path_factory.mktemp("top") / "t.json"
+    path.write_text(json.dumps(TOPOLOGY))
+    gpus = SimulatedGpus(path)
+    return Discovery(gpus=gpus, host=SimulatedHost(gpus)).discover()
+
+
+@pytest.fixture(scope="module")
+def devices_proc(tmp_path_factory):
+    """A /proc/devices with the nvidia-uvm and nvidia-caps majors, as a host with the driver has them."""
+    d = tmp_path_factory.mktemp("proc")
+    (d / "devices").write_text("Character devices:\n  1 mem\n195 nvidia-frontend\n236 nvidia-uvm\n"
+                               "237 nvidia-caps\n\nBlock devices:\n  7 loop\n")
+    return d
+
+
+def view(inventory, devices_proc, enforced=ALL, **kw) -> HostView:
+    return HostView(inventory=inventory, enforced=frozenset(enforced), devices_proc=devices_proc, **kw)
+
+
+def hold(rid="r1", units=(), vcpu=8000, memory=65536, huge=0, numa=(), kind="hold") -> Binding:
+    return Binding(reservationId=rid, kind=kind, tenantId="acme", principalId="alice", units=list(units),
+                   share=BindingShare(vcpuMilli=vcpu, memoryMiB=memory, hugepages1g=huge), numaNodes=list(numa))
+
+
+def gpu_unit(inv, index):
+    g = inv.gpus[index]
+    return BindingUnit(unit=f"gpu{index}", gpuIndex=index, uuid=g.uuid)
+
+
+# -- share translation ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("enforced, expect_share, expect_unenforced", [
+    (ALL, CgroupShare(vcpu_milli=8000, memory_bytes=64 << 30, hugepages_1g=2, cpus="0-1", mems="0"), []),
+    ({"hugetlb"}, CgroupShare(hugepages_1g=2),
+     ["cpu (vcpuMilli 8000)", "memory (memoryMiB 65536)", "cpuset (numaNodes [0])"]),
+    ((), CgroupShare(), ["cpu (vcpuMilli 8000)", "memory (memoryMiB 65536)", "hugetlb (hugepages1g 2)",
+                         "cpuset (numaNodes [0])"]),
+])
+def test_the_share_becomes_what_the_host_enforces_and_the_rest_is_named(inventory, devices_proc, enforced,
+                                                                         expect_share, expect_unenforced):
+    want = want_of(hold(units=[gpu_unit(inventory, 2)], huge=2, numa=[0]), view(inventory, devices_proc, enforced))
+    assert (expect_share, expect_unenforced) == (want.share, list(want.unenforced))
+
+
+def test_under_simulate_cpus_and_memory_are_capped_at_the_real_host_and_cpuset_is_not_pinned(inventory,
+                                                                                              devices_proc):
+    v = view(inventory, devices_proc, simulated_cpus=True, simulated_memory=True, real_cpus=2,
+             real_memory_bytes=8 << 30)
+    want = want_of(hold(units=[gpu_unit(inventory, 2)], vcpu=16000, memory=131072, numa=[0]), v)
+    assert CgroupShare(vcpu_milli=2000, memory_bytes=8 << 30) == want.share
+    assert 3 == len(want.notes) and not want.unenforced
+
+
+# -- device rules ------------------------------------------------------------------------------------------------
+
+
+def test_a_whole_gpu_gets_its_node_nvidiactl_and_uvm_and_the_harmless_nodes(inventory, devices_proc):
+    want = want_of(hold(units=[gpu_unit(inventory, 2), gpu_unit(inventory, 3)]), view(inventory, devices_proc))
+    rules = {str(r) for r in want.rules}
+    assert {"c 195:2 rw", "c 195:3 rw", "c 195:255 rw", "c 236:0 rw", "c 236:1 rw", "c 1:3 rw", "c 136:* rw"} <= rules
+    assert not {"c 195:0 rw", "c 195:1 rw"} & rules
+    assert ("/dev/nvidia2", "/dev/nvidia3", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools") == \
+        want.devices
+
+
+def test_a_mig_unit_gets_its_parent_gpu_and_its_gi_and_ci_cap_minors(inventory, devices_proc):
+    gpu = inventory.gpus[1]
+    mig = gpu.migDevices[0]
+    unit = BindingUnit(unit="gpu1/mig0", gpuIndex=1, uuid=mig.uuid, migProfile="1g.10gb")
+    want = want_of(hold(units=[unit]), view(inventory, devices_proc))
+    rules = {str(r) for r in want.rules}
+    assert {f"c 195:{gpu.minor} rw", f"c 237:{mig.capMinors.gi} r", f"c 237:{mig.capMinors.ci} r"} <= rules
+    assert f"/dev/nvidia-caps/nvidia-cap{mig.capMinors.ci}" in want.devices
+    assert not [r for r in rules if r.startswith("c 237:") and r not in
+                {f"c 237:{mig.capMinors.gi} r", f"c 237:{mig.capMinors.ci} r"}]
+
+
+@pytest.mark.parametrize("units, message", [
+    ([BindingUnit(unit="gpu9", gpuIndex=9, uuid="GPU-gone")], "GPU GPU-gone is not in this host's inventory"),
+    ([BindingUnit(unit="gpu0/mig0", gpuIndex=0, uuid=None, migProfile="1g.10gb")], "must name its MIG device"),
+    ([], "names no units"),
+])
+def test_a_binding_that_cannot_be_made_here_says_why(inventory, devices_proc, units, message):
+    with pytest.raises(BindError, match=message):
+        want_of(hold(units=units), view(inventory, devices_proc))
+
+
+def test_without_the_driver_the_uvm_major_is_missing_and_the_binding_fails_with_the_fix(inventory, tmp_path):
+    (tmp_path / "devices").write_text("Character devices:\n  1 mem\n\nBlock devices:\n")
+    with pytest.raises(BindError, match="nvidia-uvm is not in"):
+        want_of(hold(units=[gpu_unit(inventory, 2)]), view(inventory, tmp_path))
+
+
+def test_simulate_adds_the_driver_majors_without_clashing_with_the_hosts(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "devices").write_text("Character devices:\n  1 mem\n511 taken\n\nBlock devices:\n  7 loop\n")
+    from cgroups import read_proc_devices
+
+    majors = read_proc_devices(simulated_devices_proc(real, tmp_path / "sim"))
+    assert (1, 511, 510, 509) == (majors["mem"], majors["taken"], majors["nvidia-uvm"], majors["nvidia-caps"])
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("node", "binding kind node is not supported by this agent yet"),
+    ("kubernetes", "binding kind kubernetes is not supported by this agent yet"),
+    ("teleport", "unknown to this agent"),
+    ("hold", None),
+])
+def test_binding_kinds_other_than_hold_are_refused_clearly(kind, message):
+    why = refusal(hold(kind=kind))
+    assert (why is None) if message is None else (message in why)
+
+
+def test_the_fingerprint_follows_share_and_rules(inventory, devices_proc):
+    v = view(inventory, devices_proc)
+    a = want_of(hold(units=[gpu_unit(inventory, 2)]), v)
+    assert a.fingerprint == want_of(hold(units=[gpu_unit(inventory, 2)]), v).fingerprint
+    assert a.fingerprint != want_of(hold(units=[gpu_unit(inventory, 3)]), v).fingerprint
+    assert a.fingerprint != want_of(hold(units=[gpu_unit(inventory, 2)], vcpu=4000), v).fingerprint
+
+
+# -- binder decisions --------------------------------------------------------------------------------------------
+
+
+def _want(inventory, devices_proc, rid, index=2, vcpu=8000):
+    return want_of(hold(rid, units=[gpu_unit(inventory, index)], vcpu=vcpu), view(inventory, devices_proc))
+
+
+def test_plan_creates_keeps_updates_removes_fails_and_refuses(inventory, devices_proc):
+    w = {rid: _want(inventory, devices_proc, rid) for rid in ("new", "same", "changed", "norecord")}
+    same, changed = w["same"], _want(inventory, devices_proc, "changed", vcpu=4000)
+    actual = {
+        "same": Have("same", Path("/x/rsv-same"), same.share, same.rules),
+        "changed": Have("changed", Path("/x/rsv-changed"), changed.share, changed.rules),
+        "norecord": Have("norecord", Path("/x/rsv-norecord"), None, None, problem="no record"),
+        "gone": Have("gone", Path("/x/rsv-gone"), same.share, same.rules),
+        "broken": Have("broken", Path("/x/rsv-broken"), same.share, same.rules),
+    }
+    desired = {**w, "broken": BindError("GPU lost"), "metal": Refused("binding kind node is not supported")}
+    got = {(a.kind, a.reservation_id) for a in plan(desired, actual)}
+    assert {("create", "new"), ("keep", "same"), ("update", "changed"), ("update", "norecord"),
+            ("remove", "gone"), ("fail", "broken"), ("refuse", "metal")} == got
+
+
+def test_plan_removes_first_and_is_stable(inventory, devices_proc):
+    w = _want(inventory, devices_proc, "b")
+    actions = plan({"b": w, "a": w}, {"z": Have("z", Path("/x/rsv-z"))})
+    assert ["remove:z", "create:a", "create:b"] == [f"{a.kind}:{a.reservation_id}" for a in actions]
+
+
+def test_plan_with_nothing_wanted_removes_everything_and_with_nothing_found_creates_everything(inventory,
+                                                                                               devices_proc):
+    w = _want(inventory, devices_proc, "r")
+    assert [Action("remove", "r", have=Have("r", Path("/x")), reason="not wanted by the control plane")] == \
+        plan({}, {"r": Have("r", Path("/x"))})
+    assert ["create"] == [a.kind for a in plan({"r": w}, {})]
+
+
+# -- sd_notify -----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def notify_socket(tmp_path):
+    path = tmp_path / "notify.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(path))
+    s.settimeout(2)
+    yield path, s
+    s.close()
+
+
+def test_sd_notify_sends_ready_status_and_watchdog_datagrams(notify_socket):
+    path, sock = notify_socket
+    n = Notifier.from_env({"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "3000000", "WATCHDOG_PID": str(os.getpid())})
+    assert 1.5 == n.watchdog_interval_s
+    assert n.ready(status="enforcing hugetlb")
+    assert b"READY=1\nSTATUS=enforcing hugetlb" == sock.recv(4096)
+    assert n.watchdog()
+    assert b"WATCHDOG=1" == sock.recv(4096)
+    assert n.stopping()
+    assert b"STOPPING=1" == sock.recv(4096)
+
+
+def test_sd_notify_reaches_an_abstract_socket():
+    name = f"berth-test-notify-{os.getpid()}"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind("\0" + name)
+    s.settimeout(2)
+    try:
+        assert Notifier.from_env({"NOTIFY_SOCKET": "@" + name}).ready()
+        assert b"READY=1" == s.recv(4096)
+    finally:
+        s.close()
+
+
+def test_sd_notify_is_a_no_op_outside_systemd_and_ignores_another_processs_watchdog(tmp_path):
+    assert not Notifier.from_env({}).ready()
+    assert None is Notifier.from_env({"NOTIFY_SOCKET": "/x", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"}) \
+        .watchdog_interval_s
+    gone = Notifier.from_env({"NOTIFY_SOCKET": str(tmp_path / "nobody-listens")})
+    assert not gone.ready() and "nobody-listens" in gone.last_error
+
+
+# -- the exec policy -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("uid, gids, tenant, allowed", [
+    (0, set(), "acme", True),
+    (1000, set(), "acme", True),  # --exec-allow-uid 1000
+    (1001, {50, 2000}, "globex", True),  # member of group 2000
+    (1002, set(), "acme", True),  # --exec-tenant-uid acme=1002
+    (1002, set(), "globex", False),
+    (1003, {50}, "acme", False),
+])
+def test_who_may_exec(uid, gids, tenant, allowed):
+    policy = ExecPolicy.from_options(["1000"], ["2000"], ["acme=1002"])
+    why = policy.refusal(uid, gids, tenant)
+    assert allowed == (why is None), why
+    if not allowed:
+        assert f"uid {uid} may not run work in reservations of tenant '{tenant}'" in why
+
+
+@pytest.mark.parametrize("args, message", [
+    ((["x-no-such-user-x"], [], []), "no such user"),
+    (([], ["x-no-such-group-x"], []), "no such group"),
+    (([], [], ["acme"]), "expected TENANT=UID"),
+])
+def test_a_bad_exec_option_names_itself(args, message):
+    with pytest.raises(ValueError, match=message):
+        ExecPolicy.from_options(*args)
+
+
+# -- controllers and layout -------------------------------------------------------------------------------------
+
+
+def test_the_probe_enforces_what_is_offered_and_names_the_rest(tmp_path):
+    fs = FakeCgroupfs(tmp_path, controllers=("cpu", "hugetlb", "pids"))
+    found = controllers.probe(fs.mount, fake=True)
+    assert ("cpu", "hugetlb") == found.enforced
+    assert {"cpuset", "memory"} == set(found.missing)
+    assert "missing cpuset, memory" in found.summary()
+
+
+def test_the_probe_of_a_root_not_made_yet_reads_what_its_parent_passes_down(tmp_path):
+    fs = FakeCgroupfs(tmp_path, controllers=("cpu", "memory", "hugetlb"))
+    (fs.mount / "cgroup.subtree_control").write_text("memory\n")
+    assert ("memory",) == controllers.probe(fs.mount / "later" / "workloads", fake=True).enforced
+
+
+def test_the_hint_for_hugetlb_says_systemd_does_not_delegate_it_and_what_to_write(tmp_path):
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    mount = tmp_path / "cg"
+    mount.mkdir()
+    (mount / "cgroup.controllers").write_text("cpu memory hugetlb\n")
+    (proc / "self/mountinfo").write_text(f"41 31 0:38 / {mount} rw,relatime - cgroup2 cgroup2 rw\n")
+    hint = controllers.hint("hugetlb", mount / "berth.slice" / "scope", proc=proc)
+    assert "systemd does not delegate hugetlb" in hint
+    assert f"{mount}/cgroup.subtree_control and {mount}/berth.slice/cgroup.subtree_control" in hint
+    assert f"--cgroup-enable-from {mount}" in hint
+    (proc / "self/mountinfo").write_text(f"41 31 0:38 / {mount} rw - cgroup2 cgroup2 rw\n"
+                                         "42 31 0:39 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n")
+    assert "systemd.unified_cgroup_hierarchy=1" in controllers.hint("cpu", mount / "x", proc=proc)
+
+
+def fake_proc(tmp_path: Path, own: str) -> Path:
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True, exist_ok=True)
+    (proc / "self/mountinfo").write_text("41 31 0:38 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw\n")
+    (proc / "self/cgroup").write_text(f"0::{own}\n")
+    return proc
+
+
+@pytest.mark.parametrize("own, root, systemd, expect", [
+    ("/berth.slice/berth-agent.service", "/sys/fs/cgroup/berth.slice/berth-agent.service/workloads", False,
+     ("/sys/fs/cgroup/berth.slice/berth-agent.service/workloads", "/sys/fs/cgroup/berth.slice/berth-agent.service",
+      "/sys/fs/cgroup/berth.slice/berth-agent.service/agent", None)),
+    ("/berth.slice/berth-agent.service", None, True,
+     ("/sys/fs/cgroup/berth.slice/berth-workloads.scope/workloads", "/sys/fs/cgroup/berth.slice/berth-workloads.scope",
+      "/sys/fs/cgroup/berth.slice/berth-agent.service/agent", "/sys/fs/cgroup/berth.slice/berth-workloads.scope")),
+    ("/user.slice/session-1.scope", None, False,
+     ("/sys/fs/cgroup/user.slice/session-1.scope/workloads", "/sys/fs/cgroup/user.slice/session-1.scope",
+      "/sys/fs/cgroup/user.slice/session-1.scope/agent", None)),
+    ("/", "/sys/fs/cgroup/berth", False, ("/sys/fs/cgroup/berth", None, None, None)),
+])
+def test_the_layout_keeps_workloads_where_restarting_the_agent_cannot_reach_them(tmp_path, own, root, systemd,
+                                                                                 expect):
+    lay = delegation.resolve(root, proc=fake_proc(tmp_path, own), systemd=systemd)
+    got = tuple(None if p is None else str(p) for p in (lay.root, lay.enable_from, lay.leaf, lay.scope))
+    assert expect == got
+
+
+@pytest.mark.parametrize("own, root, enable_from, message", [
+    ("/", None, None, "give --cgroup-root"),
+    ("/x", "/tmp/elsewhere", None, "is not below the cgroup2 mount"),
+    ("/x", "/sys/fs/cgroup/a/w", "/sys/fs/cgroup/b", "is not an ancestor"),
+])
+def test_a_layout_that_cannot_work_says_which_option_to_change(tmp_path, own, root, enable_from, message):
+    with pytest.raises(delegation.LayoutError, match=message):
+        delegation.resolve(root, enable_from, proc=fake_proc(tmp_path, own), systemd=False)
+
+
+def test_the_workloads_scope_is_a_delegated_scope_around_a_keeper_in_a_leaf():
+    cmd = delegation.scope_command(Path("/sys/fs/cgroup"))
+    assert cmd[:2] == ["systemd-run", "--scope"]
+    assert {"--unit=berth-workloads.scope", "--slice=berth.slice", "--property=Delegate=yes"} <= set(cmd)
+    assert "keeper" in cmd[cmd.index("-c") + 1] and cmd[-1] == "/sys/fs/cgroup"
+
+
+# -- timing -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hb, grace, expect", [(5, 30, 5), (5, 3, 1.0), (None, None, 5), (5, 0.03, 0.05)])
+def test_at_least_three_heartbeats_fit_in_the_grace(hb, grace, expect):
+    assert expect == pytest.approx(heartbeat_interval(hb, grace))
+
+
+def test_backoff_grows_to_its_bound_with_jitter_and_resets():
+    b = Backoff(0.2, 2.0)
+    delays = [b.next() for _ in range(8)]
+    assert 0.1 <= delays[0] < 0.2 and all(1.0 <= d < 2.0 for d in delays[4:])
+    b.reset()
+    assert b.next() < 0.2
+
+
+# -- wire and metrics ------------------------------------------------------------------------------------------------
+
+
+def test_watch_answers_are_read_leniently_about_new_fields_and_strictly_about_types():
+    import msgspec
+
+    raw = {"resourceVersion": 7, "changed": True, "future": 1, "bindings": [
+        {"reservationId": "r", "kind": "hold", "units": [{"unit": "gpu0", "gpuIndex": 0, "minor": 0}],
+         "share": {"vcpuMilli": 1000, "memoryMiB": 1, "hugepages1g": 0}, "numaNodes": [0]}]}
+    ans = msgspec.convert(raw, WatchAnswer)
+    assert (7, "gpu0") == (ans.resourceVersion, ans.bindings[0].units[0].unit)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({**raw, "resourceVersion": "7"}, WatchAnswer)
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_render_in_the_prometheus_text_format():
+    now = [100.0]
+    m = AgentMetrics(clock=lambda: now[0])
+    m.bindings = {"bound": 3, "failed": 1}
+    for v in (0.002, 0.004, 0.3):
+        m.bind_latency.observe(v)
+    m.watch_reconnects = 2
+    m.controllers_enforced, m.controllers_missing = ("hugetlb",), ("cpu", "memory")
+    text = m.render()
+    s = _samples(text)
+    assert math.isnan(s["berth_agent_heartbeat_age_seconds"])
+    m.last_heartbeat = 98.5
+    s = _samples(m.render())
+    assert 1.5 == s["berth_agent_heartbeat_age_seconds"]
+    assert (3, 1, 0) == (s['berth_agent_bindings{state="bound"}'], s['berth_agent_bindings{state="failed"}'],
+                         s['berth_agent_bindings{state="removing"}'])
+    assert (0, 1, 2, 3, 3) == tuple(s[f'berth_agent_bind_latency_seconds_bucket{{le="{b}"}}']
+                                    for b in ("0.001", "0.0025", "0.005", "0.5", "+Inf"))
+    assert 3 == s["berth_agent_bind_latency_seconds_count"]
+    assert 2 == s["berth_agent_watch_reconnects_total"]
+    assert (1, 0) == (s['berth_agent_controller_enforced{controller="hugetlb"}'],
+                      s['berth_agent_controller_enforced{controller="cpu"}'])
+    assert "# TYPE berth_agent_bind_latency_seconds histogram" in text

@@ -1,0 +1,507 @@
+"""End-to-end harness: the real control plane (in this process, on its own event loop thread), real `berth agent`
+processes in cgroups below the test's own, network namespaces joined by veth pairs, and a tenant over HTTP.
+
+Everything made here is removed in the fixtures' teardown, also on failure: agents (by pid), the test cgroup
+tree (`own_cgroup2` kills and removes what is below it), namespaces (their veths go with them).
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.cgroups.conftest import (bpf_works, hugetlb_for_own_cgroup, own_cgroup2,  # noqa: F401 (fixtures)
+                                    reserved_1g_hugepages)
+
+REPO = Path(__file__).resolve().parents[2]
+TOPOLOGIES = REPO / "examples" / "topologies"
+ALICE = "acme-alice-token-0001"
+BOB = "acme-bob-token-000001"
+H100_TOKEN = "node-bootstrap-h100-0001"
+MIG_TOKEN = "node-bootstrap-mig-00001"
+NODE_TOKEN = "node-bootstrap-node-001"
+CLONE_NEWNET = 0x40000000
+
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def bootstrap_doc() -> dict:
+    return {
+        "adminToken": "admin-token-e2e-00000001",
+        "tenants": [{"id": "acme", "budgetUsd": "100000", "quota": {
+            "gpu:H100_80GB": 64, "gpu:A100_80GB:1g.10gb": 112, "vcpu": 4096, "memoryGiB": 65536}}],
+        "principals": [{"id": "alice", "tenant": "acme", "token": ALICE},
+                       {"id": "bob", "tenant": "acme", "token": BOB}],
+        "pools": [
+            {"id": "h100", "owner": "acme", "region": "eu", "gpuModel": "H100_80GB", "pricePerGpuHourUsd": "1"},
+            {"id": "mig", "owner": "acme", "region": "eu", "gpuModel": "A100_80GB", "sharing": "mig",
+             "pricePerGpuHourUsd": "0.1"},
+            {"id": "metal", "owner": "acme", "region": "eu", "gpuModel": "H100_80GB", "pricePerGpuHourUsd": "1",
+             "policy": {"tenantRoot": True}},
+        ],
+        "nodeTokens": [{"pool": "h100", "token": H100_TOKEN}, {"pool": "mig", "token": MIG_TOKEN},
+                       {"pool": "metal", "token": NODE_TOKEN}],
+        "policies": "permit (principal, action, resource) when { principal.tenant == resource.tenant };",
+    }
+
+
+def topology(kind: str, hostname: str, into: Path) -> Path:
+    """An 8-GPU simulated host: 'h100' (8 x H100 on 2 NUMA nodes) or 'mig' (8 x A100, 7 x 1g.10gb each)."""
+    if kind == "h100":
+        doc = json.loads((TOPOLOGIES / "h100x8.json").read_text())
+    else:
+        doc = {"driver": {"version": "535.161.08", "cuda": 12020},
+               "gpus": [{"name": "NVIDIA A100-SXM4-80GB", "memoryMiB": 81920, "count": 8,
+                         "numaNodes": [0, 0, 0, 0, 1, 1, 1, 1], "mig": {"profile": "1g.10gb", "count": 7}}],
+               "host": {"cpus": 128, "numaNodes": 2, "memoryGiB": 1024, "hugepages1G": {"0": 16, "1": 16}}}
+    doc["hostname"] = hostname
+    path = into / f"{hostname}.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def require_kernel() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("end-to-end agent tests need root (cgroups, eBPF device programs, network namespaces)")
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+# -- network namespaces --------------------------------------------------------------------------------------
+
+
+def _ip(*args: str) -> None:
+    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+    if out.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
+
+
+class NetLab:
+    """A namespace for the control plane and one per agent, each agent joined to it by a veth pair (/30)."""
+
+    def __init__(self) -> None:
+        self.tag = uuid.uuid4().hex[:6]
+        self.namespaces: list[str] = []
+        self.cp_ns = self._ns("cp")
+        self.links: dict[str, tuple[str, str, str]] = {}  # agent -> (agent ns, agent ifname, control plane address)
+
+    def _ns(self, role: str) -> str:
+        name = f"berth-test-{self.tag}-{role}"
+        _ip("netns", "add", name)
+        self.namespaces.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+        return name
+
+    def add_agent(self, role: str) -> str:
+        """A namespace for one agent and its link to the control plane's; returns the control plane's address."""
+        n = len(self.links) + 1
+        ns = self._ns(role)
+        cp_if, ag_if = f"bt{self.tag}c{n}", f"bt{self.tag}a{n}"
+        _ip("link", "add", cp_if, "netns", self.cp_ns, "type", "veth", "peer", "name", ag_if, "netns", ns)
+        cp_addr, ag_addr = f"10.200.{n}.1", f"10.200.{n}.2"
+        _ip("-n", self.cp_ns, "addr", "add", f"{cp_addr}/30", "dev", cp_if)
+        _ip("-n", ns, "addr", "add", f"{ag_addr}/30", "dev", ag_if)
+        _ip("-n", self.cp_ns, "link", "set", cp_if, "up")
+        _ip("-n", ns, "link", "set", ag_if, "up")
+        self.links[role] = (ns, ag_if, cp_addr)
+        return cp_addr
+
+    def ns_path(self, name: str) -> str:
+        return f"/run/netns/{name}"
+
+    def cut(self, role: str) -> None:
+        ns, ifname, _ = self.links[role]
+        _ip("-n", ns, "link", "set", ifname, "down")
+
+    def restore(self, role: str) -> None:
+        ns, ifname, _ = self.links[role]
+        _ip("-n", ns, "link", "set", ifname, "up")
+
+    def listen(self, ns: str, host: str = "0.0.0.0") -> socket.socket:
+        """A listening TCP socket created inside namespace ns (setns in a short-lived thread: it is per thread)."""
+        box: dict = {}
+
+        def inside() -> None:
+            try:
+                fd = os.open(self.ns_path(ns), os.O_RDONLY)
+                try:
+                    if _libc.setns(fd, CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), "setns")
+                finally:
+                    os.close(fd)
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((host, 0))
+                s.listen(1024)
+                s.setblocking(False)
+                box["sock"] = s
+            except Exception as exc:  # noqa: BLE001
+                box["error"] = exc
+
+        t = threading.Thread(target=inside)
+        t.start()
+        t.join()
+        if "error" in box:
+            raise box["error"]
+        return box["sock"]
+
+    def close(self) -> None:
+        for name in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+        self.namespaces.clear()
+
+
+@pytest.fixture
+def netlab():
+    require_kernel()
+    if shutil.which("ip") is None or shutil.which("nsenter") is None:
+        pytest.skip("iproute2 (ip) and util-linux (nsenter) are needed for network namespaces")
+    try:
+        lab = NetLab()
+    except RuntimeError as exc:
+        pytest.skip(f"cannot create network namespaces here: {exc}")
+    try:
+        yield lab
+    finally:
+        lab.close()
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"berth-test-{lab.tag}" not in left, left
+
+
+# -- the control plane ---------------------------------------------------------------------------------------
+
+
+class ControlPlane:
+    """create_app(Config(...)) served from a thread of this process: one loopback site for the tenant, plus
+    a site on each socket given (e.g. one listening inside a network namespace)."""
+
+    def __init__(self, workdir: Path, *, grace_s: float = 30.0, sockets: list[socket.socket] = (),
+                 bootstrap: dict | None = None) -> None:
+        self.workdir = workdir
+        self.grace_s = grace_s
+        self.sockets = list(sockets)
+        self.bootstrap = bootstrap or bootstrap_doc()
+        self.url = ""
+        self.ports: list[int] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self.app = None
+
+    def start(self, port: int = 0, timeout: float = 20) -> "ControlPlane":
+        from aiohttp import web
+
+        from controlplane.api.app import create_app
+        from controlplane.wiring import Config
+
+        boot = self.workdir / "bootstrap.json"
+        boot.write_text(json.dumps(self.bootstrap))
+        started = threading.Event()
+
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            config = Config(db=f"sqlite:///{self.workdir / 'cp.db'}", bootstrap=str(boot), synchronous="NORMAL",
+                            node_grace_s=self.grace_s)
+            self.app = create_app(config)
+            runner = web.AppRunner(self.app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", port, reuse_address=True)
+            await site.start()
+            for s in self.sockets:
+                await web.SockSite(runner, s).start()
+            self.ports = [a[1] for a in runner.addresses]
+            self.url = f"http://127.0.0.1:{self.ports[0]}"
+            started.set()
+            await self._stop.wait()
+            await runner.cleanup()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            try:
+                self._loop.run_until_complete(main())
+            except BaseException as exc:  # noqa: BLE001
+                self._error = exc
+                started.set()
+            finally:
+                self._loop.close()
+
+        self._thread = threading.Thread(target=run, name="control-plane", daemon=True)
+        self._thread.start()
+        if not started.wait(timeout) or self._error is not None:
+            raise RuntimeError(f"control plane did not start: {self._error!r}")
+        return self
+
+    def port_of(self, sock: socket.socket) -> int:
+        return sock.getsockname()[1]
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(20)
+
+    def post(self, path: str, body: dict, token: str = ALICE, timeout: float = 10) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+
+    def call(self, method: str, body: dict, token: str = ALICE) -> dict:
+        status, doc = self.post(f"/api/compute/reservations/{method}", body, token)
+        assert status in (200, 202), (method, status, doc)
+        return doc["reservation"] if "reservation" in doc else doc
+
+    def create(self, **fields) -> dict:
+        body = {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1, **fields}
+        return self.call("create", body)
+
+    def get(self, rid: str) -> dict:
+        return self.call("get", {"reservationId": rid})
+
+    def release(self, rid: str) -> dict:
+        return self.call("release", {"reservationId": rid})
+
+    def wait_state(self, rid: str, state: str, timeout: float = 5.0) -> dict:
+        box: dict = {}
+
+        def check():
+            box["r"] = self.get(rid)
+            return box["r"]["state"] == state
+
+        try:
+            wait_for(check, timeout, 0.02, f"{rid} to be {state}")
+        except AssertionError:
+            raise AssertionError(f"{rid} is {box.get('r', {}).get('state')}, not {state}: {box.get('r')}") from None
+        return box["r"]
+
+
+@pytest.fixture
+def workdir(tmp_path) -> Path:
+    return tmp_path
+
+
+# -- agents ----------------------------------------------------------------------------------------------------
+
+
+class AgentProc:
+    """One `berth agent` process, started the way systemd starts its unit (and in a network namespace, when given).
+
+    layout "scope" (production): the agent's unit cgroup `<base>/agent.service` and, beside it, the workloads
+    scope `<base>/workloads.scope/workloads` (the tests' stand-in for berth.slice/berth-workloads.scope).
+    layout "delegated": the agent starts in `<base>` itself, workloads go to `<base>/workloads`, so the agent
+    moves itself into the leaf `<base>/agent` first (a fresh start only: a restart into `<base>` is refused by the
+    kernel once `<base>` passes controllers down, which is why production uses the scope).
+    """
+
+    def __init__(self, name: str, *, url: str, token: str, topology: Path, base: Path, state_dir: Path,
+                 enable_from: Path | None = None, netns: str | None = None, extra: list[str] = (),
+                 log_dir: Path, env: dict | None = None, layout: str = "scope") -> None:
+        self.name = name
+        self.url = url
+        self.token = token
+        self.topology = topology
+        self.base = base
+        self.layout = layout
+        if layout == "scope":
+            self.delegated = base / "agent.service"
+            self.root = base / "workloads.scope" / "workloads"
+        else:
+            self.delegated = base
+            self.root = base / "workloads"
+        self.state_dir = state_dir
+        self.enable_from = enable_from
+        self.netns = netns
+        self.extra = list(extra)
+        self.env = dict(env or {})
+        self.log_path = log_dir / f"agent-{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "controlplane.cli", "agent", "--control-plane", self.url,
+               "--bootstrap-token", self.token, "--simulate", str(self.topology), "--cgroup-root", str(self.root),
+               "--state-dir", str(self.state_dir), "--log-format", "json", "--backoff-max-seconds", "0.5",
+               *self.extra]
+        if self.enable_from is not None:
+            cmd += ["--cgroup-enable-from", str(self.enable_from)]
+        if self.netns:
+            cmd = ["nsenter", f"--net={self.netns}", "--", *cmd]
+        return cmd
+
+    def start(self) -> "AgentProc":
+        self.delegated.mkdir(parents=True, exist_ok=True)
+        self.starts += 1
+        log = open(self.log_path, "a")
+        log.write(f"--- start {self.starts}\n")
+        log.flush()
+        # The shell puts itself in the delegated cgroup (as systemd does for a Delegate=yes unit), then execs.
+        script = f'echo $$ > "{self.delegated}/cgroup.procs" && exec "$@"'
+        self.proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *self.command()], stdout=log, stderr=log,
+                                     stdin=subprocess.DEVNULL, cwd=str(REPO),
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+        log.close()
+        return self
+
+    def lines(self) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+        return out
+
+    def events(self, event: str, start: int | None = None) -> list[dict]:
+        """Log lines with this event, of the given start (1-based) or all."""
+        out, n = [], 0
+        for line in self.log_path.read_text().splitlines():
+            if line.startswith("--- start "):
+                n = int(line.split()[-1])
+            elif line.startswith("{") and (start is None or n == start):
+                try:
+                    doc = json.loads(line)
+                except ValueError:
+                    continue
+                if doc.get("event") == event:
+                    out.append(doc)
+        return out
+
+    def wait_event(self, event: str, timeout: float = 10.0, start: int | None = None) -> dict:
+        return wait_for(lambda: (self.events(event, start or self.starts) or [None])[-1], timeout, 0.02,
+                        f"agent {self.name} to log {event!r}\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def agents(own_cgroup2, workdir):
+    """make(name, url, token, kind, netns=None, extra=()) -> a started AgentProc; all stopped after, by pid."""
+    made: list[AgentProc] = []
+
+    def make(name: str, url: str, token: str, kind: str = "h100", *, netns: str | None = None,
+             extra: list[str] = (), start: bool = True, env: dict | None = None,
+             state_dir: Path | None = None, layout: str = "scope") -> AgentProc:
+        a = AgentProc(name, url=url, token=token, topology=topology(kind, f"{name}-{uuid.uuid4().hex[:4]}", workdir),
+                      base=own_cgroup2 / name, state_dir=state_dir or workdir / f"state-{name}",
+                      enable_from=own_cgroup2, netns=netns, extra=list(extra), log_dir=workdir, env=env,
+                      layout=layout)
+        made.append(a)
+        return a.start() if start else a
+
+    try:
+        yield make
+    finally:
+        for a in made:
+            a.stop()
+
+
+@pytest.fixture
+def device_nodes():
+    """A directory (world-readable) with character nodes c 195:0..7 named nvidia0..7, as on a GPU host."""
+    d = Path(f"/tmp/berth-test-dev-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    try:
+        for minor in range(8):
+            os.mknod(d / f"nvidia{minor}", 0o666 | 0o020000, os.makedev(195, minor))
+            os.chmod(d / f"nvidia{minor}", 0o666)
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+PROBE = ("import errno, os, sys\n"
+         "for p in sys.argv[1:]:\n"
+         "    try:\n"
+         "        os.close(os.open(p, os.O_RDWR)); print(p, 'OK')\n"
+         "    except OSError as e:\n"
+         "        print(p, errno.errorcode[e.errno])\n")
+
+
+def exec_open(state_dir: Path, rid: str, paths: list[Path], python: str = sys.executable,
+              timeout: float = 20) -> dict[str, str]:
+    """`berth exec RID -- python -c PROBE paths...`: what opening each path gave inside the reservation."""
+    out = subprocess.run([sys.executable, "-m", "controlplane.cli", "exec", "--state-dir", str(state_dir), rid, "--",
+                          python, "-c", PROBE, *map(str, paths)], capture_output=True, text=True, timeout=timeout,
+                         cwd=str(REPO))
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+    return dict(line.split(" ", 1) for line in out.stdout.splitlines())
+
+
+def spawn_in(state_dir: Path, rid: str, *command: str) -> subprocess.Popen:
+    """A long-running `berth exec RID -- command` (the caller ends it, or the release does)."""
+    return subprocess.Popen([sys.executable, "-m", "controlplane.cli", "exec", "--state-dir", str(state_dir), rid,
+                             "--", *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, cwd=str(REPO))
+
+
+def pids_of(cgroup: Path) -> list[int]:
+    try:
+        return [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+

@@ -1,0 +1,185 @@
+"""The node agent against the real control plane: two simulated 8-GPU hosts, each agent in its own network
+namespace joined to the control plane's by a veth pair; tenants book, agents bind, `berth exec` runs work.
+
+Real kernel throughout (cgroups below the test's own, eBPF device programs); on this hybrid host only hugetlb
+and the device program are enforceable, and the tests check the agent says so for the rest.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cgroups import Subtree, bpf
+from tests.e2e.conftest import (H100_TOKEN, MIG_TOKEN, NODE_TOKEN, ControlPlane, alive, exec_open, pids_of,
+                                spawn_in, wait_for)
+
+pytestmark = pytest.mark.kernel
+
+
+class Fleet:
+    def __init__(self, cp: ControlPlane, a, b, lab) -> None:
+        self.cp, self.a, self.b, self.lab = cp, a, b, lab
+
+
+@pytest.fixture
+def fleet(netlab, agents, workdir, bpf_works):
+    """A control plane in its namespace (plus loopback for the tenant) and two agents: `a` on an H100 x 8
+    host (pool h100), `b` on an A100 x 8 host with 7 MIG instances each (pool mig)."""
+    netlab.add_agent("a")
+    netlab.add_agent("b")
+    sock = netlab.listen(netlab.cp_ns)
+    port = sock.getsockname()[1]
+    cp = ControlPlane(workdir, grace_s=2.0, sockets=[sock]).start()
+    fast = ["--watch-timeout-ms", "1500", "--request-timeout-seconds", "1.5", "--reconcile-seconds", "3600"]
+    started = []
+    try:
+        for role, token, kind in (("a", H100_TOKEN, "h100"), ("b", MIG_TOKEN, "mig")):
+            ns, _, addr = netlab.links[role]
+            started.append(agents(role, f"http://{addr}:{port}", token, kind, netns=netlab.ns_path(ns), extra=fast))
+        for agent in started:
+            agent.wait_event("reconciled", timeout=20)
+        yield Fleet(cp, *started, netlab)
+    finally:
+        for agent in started:  # before the control plane, so that no long poll holds its shutdown
+            agent.stop()
+        cp.stop()
+
+
+def minor_of(device: str) -> int:
+    return int(device.removeprefix("/dev/nvidia"))
+
+
+def test_a_hold_reservation_is_bound_enforced_usable_and_released(fleet, device_nodes):
+    cp, a = fleet.cp, fleet.a
+    rid = cp.create(gpuCount=1)["id"]
+    # The control plane moves a reservation starting now to `binding` on its reconciler's next tick (up to 1 s);
+    # from there the agent's part, watch -> cgroup -> report -> active, must take well under a second.
+    res = cp.wait_state(rid, "active", timeout=2.5)
+    _, doc = cp.post("/api/compute/events/list", {"limit": 500})
+    at = {e["type"]: e["at"] for e in doc["events"] if e["reservationId"] == rid}
+    assert at["reservation.active"] - at["reservation.binding"] < 1000, at
+    [bound] = res["bound"]
+    cgroup = Path(bound["cgroup"])
+    assert cgroup == a.root / f"rsv-{rid}" and cgroup.is_dir()
+    [gpu] = [d for d in bound["devices"] if d[len("/dev/nvidia"):].isdigit()]
+    assert ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] == [d for d in bound["devices"] if d != gpu]
+
+    # the share and device rules as recorded, and the kernel matching the record (one program, its tag)
+    tree = Subtree(a.root, controllers=())
+    found = tree.get(f"rsv-{rid}")
+    rules = {str(r) for r in found.rules}
+    mine = minor_of(gpu)
+    assert f"c 195:{mine} rw" in rules and "c 195:255 rw" in rules
+    assert not {f"c 195:{m} rw" for m in range(8) if m != mine} & rules
+    assert [] == [d for d in tree.drift(f"rsv-{rid}") if d.what == "devices"]
+    assert 1 == len(bpf.query_ids(cgroup))
+    line = [e for e in a.events("bound") if e.get("reservation_id") == rid][-1]
+    booked = res["resources"]
+    unenforced = " ".join(line.get("unenforced") or [])
+    for controller, value in (("cpu", booked["vcpu"]), ("memory", booked["memoryGiB"])):
+        if f"{controller} (" in unenforced:
+            assert found.share.vcpu_milli is None if controller == "cpu" else found.share.memory_bytes is None
+        else:
+            got = found.share.vcpu_milli / 1000 if controller == "cpu" else found.share.memory_bytes / 2**30
+            assert got == pytest.approx(value), (controller, got, value)
+
+    # berth exec: its GPU's node opens (ENXIO: no driver, the filter let it through), another GPU's is denied
+    other = (mine + 1) % 8
+    opened = exec_open(a.state_dir, rid, [device_nodes / f"nvidia{mine}", device_nodes / f"nvidia{other}",
+                                          Path("/dev/null")])
+    assert {str(device_nodes / f"nvidia{mine}"): "ENXIO", str(device_nodes / f"nvidia{other}"): "EPERM",
+            "/dev/null": "OK"} == opened
+
+    worker = spawn_in(a.state_dir, rid, "sleep", "600")
+    wait_for(lambda: worker.pid in pids_of(cgroup), 5, what="the worker in the reservation's cgroup")
+    cp.release(rid)
+    wait_for(lambda: not cgroup.exists(), 3, what="the cgroup removed after release")
+    assert worker.wait(5) == -9  # killed with its cgroup
+    assert "released" == cp.get(rid)["state"]
+    wait_for(lambda: not cp.get(rid).get("bound"), 3, what="the unbound report to reach the control plane")
+
+
+def test_kill9_and_restart_adopts_twenty_bindings_and_cleans_up_one_released_meanwhile(fleet):
+    cp, b = fleet.cp, fleet.b
+    rids = [cp.create(poolId="mig", gpuModel="A100_80GB", migProfile="1g.10gb", gpuCount=1)["id"] for _ in range(20)]
+    for rid in rids:
+        cp.wait_state(rid, "active", timeout=5)
+    cgroups = {rid: b.root / f"rsv-{rid}" for rid in rids}
+    workers = {rid: spawn_in(b.state_dir, rid, "sleep", "600") for rid in rids}
+    for rid, w in workers.items():
+        wait_for(lambda: w.pid in pids_of(cgroups[rid]), 10, what=f"worker of {rid}")
+    before = {rid: (cg.stat().st_ino, tuple(bpf.query_ids(cg))) for rid, cg in cgroups.items()}
+    # a MIG binding opens its instance's cap minors besides the GPU
+    assert any(d.startswith("/dev/nvidia-caps/nvidia-cap") for d in cp.get(rids[0])["bound"][0]["devices"])
+
+    b.kill9()
+    gone = rids[0]
+    cp.release(gone)
+    b.start()
+    b.wait_event("reconciled", timeout=20)
+    wait_for(lambda: not cgroups[gone].exists(), 5, what="the released reservation's cgroup removed")
+    assert workers[gone].wait(5) == -9
+    for rid in rids[1:]:
+        assert (cgroups[rid].stat().st_ino, tuple(bpf.query_ids(cgroups[rid]))) == before[rid], rid
+        assert workers[rid].poll() is None and alive(workers[rid].pid), rid
+        assert workers[rid].pid in pids_of(cgroups[rid])
+    passes = b.events("reconciled", start=2)
+    assert passes[0]["why"] == "start-up pass" and passes[0].get("keep") == 19 and passes[0].get("remove") == 1
+    assert not [e for e in b.events("bound", start=2)], "nothing may be rebuilt after a restart"
+    assert "released" == cp.get(gone)["state"]
+    for rid in rids[1:]:
+        assert "active" == cp.get(rid)["state"]
+    for w in workers.values():
+        if w.poll() is None:
+            w.kill()
+            w.wait(5)
+
+
+def test_a_cut_link_loses_the_node_and_restoring_it_resumes_without_a_second_bind(fleet):
+    cp, a, lab = fleet.cp, fleet.a, fleet.lab
+    rid = cp.create(gpuCount=2)["id"]
+    res = cp.wait_state(rid, "active", timeout=2)
+    cgroup = Path(res["bound"][0]["cgroup"])
+    inode, bound_at = cgroup.stat().st_ino, res["bound"][0]["at"]
+    rv_before = a.events("reconciled")[-1]["resource_version"]
+
+    lab.cut("a")
+    wait_for(lambda: any(c["type"] == "NodeLost" for c in cp.get(rid)["conditions"]), 8,
+             what="the NodeLost condition")
+    a.wait_event("watch failed; reconnecting", timeout=10)  # the agent noticed: its calls time out
+    assert cgroup.is_dir(), "a partition must not unbind anything"
+    lab.restore("a")
+    a.wait_event("watch resumed", timeout=10)
+    wait_for(lambda: not any(c["type"] == "NodeLost" for c in cp.get(rid)["conditions"]), 10,
+             what="NodeLost cleared once heartbeats come back")
+    res = cp.get(rid)
+    assert "active" == res["state"]
+    assert [bound_at] == [b["at"] for b in res["bound"]], "bound once, not twice"
+    assert inode == cgroup.stat().st_ino
+    assert 1 == len([e for e in a.events("bound") if e.get("reservation_id") == rid])
+    resumed = a.events("watch resumed")[-1]
+    assert resumed["resource_version"] >= rv_before
+
+
+def test_a_node_binding_is_refused_with_a_clear_failed_report(agents, workdir, bpf_works):
+    cp = ControlPlane(workdir).start()
+    try:
+        metal = agents("metal", cp.url, NODE_TOKEN, "h100", extra=["--reconcile-seconds", "3600",
+                                                                   "--watch-timeout-ms", "1500"])
+        metal.wait_event("reconciled", timeout=20)
+        rid = cp.create(poolId="metal", gpuCount=8, binding="node")["id"]
+        message = "binding kind node is not supported by this agent yet"
+
+        def failed():
+            conds = {c["type"]: c for c in cp.get(rid)["conditions"]}
+            c = conds.get("DevicesBound")
+            return c if c and c["status"] == "False" and c["reason"] == "BindFailed" else None
+
+        cond = wait_for(failed, 5, what="DevicesBound=False, reason BindFailed")
+        assert message in cond["message"], cond
+        assert not (metal.root / f"rsv-{rid}").exists()
+        assert "binding" == cp.get(rid)["state"]
+        metal.stop()
+    finally:
+        cp.stop()
