@@ -133,6 +133,12 @@ class Commit:
         self.error = error
 
 
+def _reservation(doc: bytes, seq: int) -> Reservation:
+    res = codec.decode_reservation(doc)
+    res.seq = seq
+    return res
+
+
 class Reads:
     """Reads by key, shared by the writer's transaction (sees its own writes) and the store (committed data)."""
 
@@ -140,11 +146,7 @@ class Reads:
 
     def reservation(self, reservation_id: str) -> Reservation | None:
         row = self.conn.execute("SELECT doc, seq FROM reservations WHERE id = ?", (reservation_id,)).fetchone()
-        if row is None:
-            return None
-        res = codec.decode_reservation(row[0])
-        res.seq = row[1]
-        return res
+        return _reservation(*row) if row else None
 
     def operation(self, op_id: str) -> Operation | None:
         row = self.conn.execute("SELECT doc FROM operations WHERE id = ?", (op_id,)).fetchone()
@@ -472,26 +474,16 @@ class SqliteStore(Reads):
     ) -> list[Reservation]:
         sql = ["SELECT doc, seq FROM reservations WHERE tenant_id = ? AND state NOT IN ('draft', 'awaiting-confirmation')"]
         args: list[Any] = [tenant_id]
-        if principal_id is not None:
-            sql.append("AND principal_id = ?")
-            args.append(principal_id)
-        if state is not None:
-            sql.append("AND state = ?")
-            args.append(state)
-        if pool_id is not None:
-            sql.append("AND pool_id = ?")
-            args.append(pool_id)
+        for column, value in (("principal_id", principal_id), ("state", state), ("pool_id", pool_id)):
+            if value is not None:
+                sql.append(f"AND {column} = ?")
+                args.append(value)
         if before_seq is not None:
             sql.append("AND seq < ?")
             args.append(before_seq)
         sql.append("ORDER BY seq DESC LIMIT ?")
         args.append(limit)
-        out = []
-        for doc, seq in self.conn.execute(" ".join(sql), args):
-            res = codec.decode_reservation(doc)
-            res.seq = seq
-            out.append(res)
-        return out
+        return [_reservation(doc, seq) for doc, seq in self.conn.execute(" ".join(sql), args)]
 
     def operations(self, op_ids: list[str]) -> dict[str, Operation]:
         if not op_ids:
@@ -553,15 +545,8 @@ class SqliteStore(Reads):
 # ---- loading what the writer keeps in memory (used by the writer's reset and at start)
 
 def live_reservations(conn: sqlite3.Connection) -> list[Reservation]:
-    out = []
-    for doc, seq in conn.execute(
-        "SELECT doc, seq FROM reservations WHERE state NOT IN ('released', 'cancelled') ORDER BY seq"
-    ):
-        res = codec.decode_reservation(doc)
-        res.seq = seq
-        if res.state not in TERMINAL:
-            out.append(res)
-    return out
+    rows = conn.execute("SELECT doc, seq FROM reservations WHERE state NOT IN ('released', 'cancelled') ORDER BY seq")
+    return [res for res in (_reservation(doc, seq) for doc, seq in rows) if res.state not in TERMINAL]
 
 
 def live_bookings(conn: sqlite3.Connection) -> list[Booking]:
