@@ -74,6 +74,7 @@ class Reconciler:
 
     async def run(self) -> None:
         while True:
+            self._wake.clear()  # before the pass: a wake during it is kept for the next
             try:
                 await self.run_once()
             except asyncio.CancelledError:
@@ -84,7 +85,6 @@ class Reconciler:
             delay = self.tick_s
             if nxt is not None:
                 delay = max(0.0, min(delay, (nxt - self.clock.compute_now()) / 1000))
-            self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), delay)
             except asyncio.TimeoutError:

@@ -254,6 +254,8 @@ class ReservationService:
             verdict = approved or await self._verdict_async(principal, request)
             answer = await self.writer.call(
                 lambda tx: self._admit(tx, tx.reservation(rid), rid, plan, verdict, principal, tenant))
+        if answer.reservation.state == states.PLACED and (answer.reservation.start or 0) <= self.clock.compute_now():
+            self.on_due()  # its window has started: the reconciler moves it to binding now, not at its next tick
         return await self._wait_while_pending(answer, wait_ms)
 
     def _plan(self, principal: Principal, tenant: Tenant, body: CreateBody, now: int) -> Plan:

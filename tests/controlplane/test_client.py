@@ -283,7 +283,7 @@ def test_sync_client_has_every_method(server_process):
     with c.Client(server_process.url, TOKENS["alice"]) as alice, c.Client(server_process.url, TOKENS["agent"]) as agent:
         quote = alice.quote("h100", "H100_80GB", gpu_count=1, duration_hours=1)
         res = alice.create("h100", "H100_80GB", **H100, lease_seconds=600, quote_id=quote.id)
-        assert (res, res.id) == (alice.get(res.id), alice.list().reservations[0].id)
+        assert res.id == alice.get(res.id).id == alice.list().reservations[0].id  # its state moves on (binding)
         assert res.lease_deadline <= alice.renew(res.id).lease_deadline
         assert alice.extend(res.id, by_ms=60_000).extended
         assert res.operation == alice.get_operation(res.operation.id)
