@@ -8,7 +8,7 @@ cpulist format ("0-3,8,10-11") is parsed and written here too.
 from __future__ import annotations
 
 import os
-from typing import Iterable, TypeVar
+from typing import TypeVar
 
 import structlog
 
@@ -79,15 +79,5 @@ def parse_cpulist(text: str, path: str = "cpulist") -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
-def format_cpulist(cpus: Iterable[int]) -> str:
-    """The kernel's list format for a set of CPU ids: (0, 1, 2, 5) -> "0-2,5"."""
-    ordered = sorted(set(cpus))
-    runs: list[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        runs.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(runs)
+# The kernel's list format (0, 1, 2, 5) -> "0-2,5": one definition, in the kernel package.
+from cgroups.files import format_cpulist  # noqa: E402,F401

@@ -12,6 +12,7 @@ import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from .errors import CgroupError, FileMissing
 
@@ -129,9 +130,9 @@ def parse_cpulist(text: str) -> frozenset[int]:
     return frozenset(out)
 
 
-def format_cpulist(ids: frozenset[int] | set[int]) -> str:
+def format_cpulist(ids: Iterable[int]) -> str:
     """The canonical form the kernel prints back ('0-3,8'), so a written value compares equal when read."""
-    items = sorted(ids)
+    items = sorted(set(ids))
     runs: list[str] = []
     i = 0
     while i < len(items):

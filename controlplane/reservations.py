@@ -27,8 +27,7 @@ from controlplane.domain.errors import (
 )
 from controlplane.domain.pricing import exposure, money
 from controlplane.domain.ids import fingerprint, operation_id, reservation_id
-from controlplane.domain.model import Confirmation, Operation, PendingChange, Principal, Reservation, Tenant
-from controlplane.domain.timers import CONFIRMATION_WINDOW_MS
+from controlplane.domain.model import Operation, PendingChange, Principal, Reservation, Tenant
 from controlplane.iam.authorizer import (
     CREATE, EXTEND, READ, RELEASE, Authorizer, AuthzRequest, Decision, Resource, tenant_resource,
 )

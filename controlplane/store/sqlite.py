@@ -17,7 +17,6 @@ import concurrent.futures
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
