@@ -25,7 +25,7 @@ from agent.inventory import (
     HEALTHY, Cpus, Gpu, GpuInventory, HugepageNode, HugepagePool, Hugepages, Inventory, InventoryDiff,
     Memory, NumaCpus, NumaMemory, PerGpuShare, ShareDoc, diff,
 )
-from agent.sysfs import format_cpulist
+from cgroups.files import format_cpulist
 from controlplane.domain.device_classes import DEFAULT as DEFAULT_CLASSES
 from controlplane.domain.device_classes import DeviceClasses
 from controlplane.domain.share import host_share_per_gpu

@@ -3,7 +3,7 @@
 Every reader in the agent goes through `read_text` (a file that must exist)
 or `read_optional` (a file whose absence means an older kernel or a missing
 feature: default value and a debug log naming the feature). The kernel's
-cpulist format ("0-3,8,10-11") is parsed and written here too.
+cpulist format ("0-3,8,10-11") is parsed here (cgroups.files writes it).
 """
 from __future__ import annotations
 
@@ -78,6 +78,3 @@ def parse_cpulist(text: str, path: str = "cpulist") -> tuple[int, ...]:
             raise HostReadError(path, f"not a cpulist: {text[:60]!r}") from None
     return tuple(sorted(cpus))
 
-
-# The kernel's list format (0, 1, 2, 5) -> "0-2,5": one definition, in the kernel package.
-from cgroups.files import format_cpulist  # noqa: E402,F401

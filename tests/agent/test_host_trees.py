@@ -10,7 +10,8 @@ from agent.cpus import read_cpu_topology
 from agent.errors import HostReadError
 from agent.host import KernelHost
 from agent.memory import read_meminfo, read_node_memory
-from agent.sysfs import format_cpulist, parse_cpulist
+from agent.sysfs import parse_cpulist
+from cgroups.files import format_cpulist
 from tests.agent.trees import two_node_host
 
 
