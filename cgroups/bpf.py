@@ -267,15 +267,19 @@ def query_ids(cgroup: Path) -> list[int]:
         os.close(fd)
 
 
+def _detach_id(cfd: int, prog_id: int, cgroup: Path) -> None:
+    pfd = fd_by_id(prog_id)
+    try:
+        detach(cfd, pfd, path=cgroup)
+    finally:
+        os.close(pfd)
+
+
 def detach_ids(cgroup: Path, ids: Sequence[int]) -> None:
     cfd = open_cgroup(cgroup)
     try:
         for prog_id in ids:
-            pfd = fd_by_id(prog_id)
-            try:
-                detach(cfd, pfd, path=cgroup)
-            finally:
-                os.close(pfd)
+            _detach_id(cfd, prog_id, cgroup)
     finally:
         os.close(cfd)
 
@@ -309,11 +313,7 @@ def install(cgroup: Path, insns: Sequence[Insn]) -> AttachedProgram:
             else:
                 attach(cfd, pfd, path=cgroup)
                 for prog_id in old:
-                    ofd = fd_by_id(prog_id)
-                    try:
-                        detach(cfd, ofd, path=cgroup)
-                    finally:
-                        os.close(ofd)
+                    _detach_id(cfd, prog_id, cgroup)
         finally:
             os.close(pfd)
         return AttachedProgram(cgroup, new.id, new.tag)

@@ -2,6 +2,7 @@
 /proc and /sys trees for hosts this machine is not."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -34,3 +35,20 @@ def standin(standin_library, tmp_path, monkeypatch):
 @pytest.fixture
 def tree(tmp_path) -> HostTree:
     return HostTree(tmp_path / "host")
+
+
+@pytest.fixture
+def host(tmp_path):
+    """The binder's view of a simulated 4 x H100 host, with a /proc/devices that names nvidia-uvm."""
+    from agent.bindspec import HostView
+    from agent.discovery import Discovery
+    from agent.simulate import SimulatedGpus, SimulatedHost
+
+    top = tmp_path / "top.json"
+    top.write_text(json.dumps({"hostname": "b", "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559,
+                                                          "count": 4}]}))
+    gpus = SimulatedGpus(top)
+    inv = Discovery(gpus=gpus, host=SimulatedHost(gpus)).discover()
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "devices").write_text("Character devices:\n  1 mem\n236 nvidia-uvm\n\nBlock devices:\n")
+    return HostView(inventory=inv, enforced=frozenset(), devices_proc=tmp_path / "proc")

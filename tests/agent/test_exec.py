@@ -4,7 +4,6 @@ reservation's cgroup, where its GPU's device node opens (ENXIO: no driver behind
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -17,12 +16,10 @@ import pytest
 
 from agent import exec as agent_exec
 from agent.binder import Binder, plan
-from agent.bindspec import HostView, want_of
+from agent.bindspec import want_of
 from agent.checkpoint import Checkpoint, read_boot_id
-from agent.discovery import Discovery
 from agent.execgate import ExecGate, ExecPolicy, Target
 from agent.nodewire import Binding, BindingShare, BindingUnit
-from agent.simulate import SimulatedGpus, SimulatedHost
 from cgroups import Subtree
 from tests.cgroups.conftest import bpf_works, own_cgroup2  # noqa: F401 (fixtures)
 from tests.e2e.conftest import PROBE, device_nodes  # noqa: F401 (fixture)
@@ -72,20 +69,13 @@ def test_without_root_and_without_an_agent_exec_says_it_needs_one(tmp_path):
 
 
 @pytest.fixture
-def bound(own_cgroup2, bpf_works, tmp_path):
+def bound(own_cgroup2, bpf_works, tmp_path, host):
     """A reservation r1 on GPU 0 of a simulated 4-GPU host, bound by the agent's binder; state dir reachable by
     other users (mode 0711, as the agent makes it) under /tmp."""
     state = Path(f"/tmp/berth-test-state-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     state.mkdir(mode=0o711)
     os.chmod(state, 0o711)
-    top = tmp_path / "top.json"
-    top.write_text(json.dumps({"hostname": "x", "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559,
-                                                          "count": 4}]}))
-    gpus = SimulatedGpus(top)
-    inv = Discovery(gpus=gpus, host=SimulatedHost(gpus)).discover()
-    (tmp_path / "proc").mkdir()
-    (tmp_path / "proc" / "devices").write_text("Character devices:\n  1 mem\n236 nvidia-uvm\n\nBlock devices:\n")
-    host = HostView(inventory=inv, enforced=frozenset(), devices_proc=tmp_path / "proc")
+    inv = host.inventory
     root = own_cgroup2 / "workloads"
     binder = Binder(Subtree(root, controllers=()),
                     Checkpoint.load(state / "checkpoint.json", boot_id=read_boot_id(), cgroup_root=str(root)))

@@ -2,7 +2,6 @@
 cannot give, unbind; every step written through to the checkpoint. Cgroups only below the test's own."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -10,9 +9,7 @@ import pytest
 from agent.binder import Binder, plan
 from agent.bindspec import HostView, want_of
 from agent.checkpoint import Checkpoint
-from agent.discovery import Discovery
 from agent.nodewire import Binding, BindingShare, BindingUnit
-from agent.simulate import SimulatedGpus, SimulatedHost
 from cgroups import Subtree, bpf
 from cgroups.files import parse_list
 from tests.cgroups.conftest import bpf_works, hugetlb_for_own_cgroup, own_cgroup2  # noqa: F401 (fixtures)
@@ -21,16 +18,6 @@ pytestmark = pytest.mark.kernel
 BOOT = "boot-for-binder-tests"
 
 
-@pytest.fixture
-def host(tmp_path) -> HostView:
-    top = tmp_path / "top.json"
-    top.write_text(json.dumps({"hostname": "b", "gpus": [{"name": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559,
-                                                          "count": 4}]}))
-    gpus = SimulatedGpus(top)
-    inv = Discovery(gpus=gpus, host=SimulatedHost(gpus)).discover()
-    (tmp_path / "proc").mkdir()
-    (tmp_path / "proc" / "devices").write_text("Character devices:\n  1 mem\n236 nvidia-uvm\n\nBlock devices:\n")
-    return HostView(inventory=inv, enforced=frozenset(), devices_proc=tmp_path / "proc")
 
 
 def binding(host: HostView, rid: str, gpu: int = 0, huge: int = 0) -> Binding:
