@@ -55,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def discover_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    from controlplane import logs
-    from controlplane.domain.device_classes import DEFAULT, DeviceClasses
+    from common import logs
+    from common.device_classes import DEFAULT, DeviceClasses
 
     from agent.discovery import Discovery, Reserve
     from agent.host import KernelHost
@@ -153,8 +153,8 @@ def runtime_main(argv: list[str]) -> int:
     import signal
     from pathlib import Path
 
-    from controlplane import logs
-    from controlplane.domain.device_classes import DeviceClasses
+    from common import logs
+    from common.device_classes import DeviceClasses
 
     from agent.discovery import Reserve
     from agent.execgate import ExecPolicy

@@ -26,9 +26,9 @@ from agent.inventory import (
     Memory, NumaCpus, NumaMemory, PerGpuShare, ShareDoc, diff,
 )
 from cgroups.files import format_cpulist
-from controlplane.domain.device_classes import DEFAULT as DEFAULT_CLASSES
-from controlplane.domain.device_classes import DeviceClasses
-from controlplane.domain.share import host_share_per_gpu
+from common.device_classes import DEFAULT as DEFAULT_CLASSES
+from common.device_classes import DeviceClasses
+from common.share import host_share_per_gpu
 
 log = structlog.get_logger(__name__)
 

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=50)
     args = p.parse_args(argv)
 
-    from controlplane import logs
+    from common import logs
 
     logs.configure(fmt="console", level="warning", stream=sys.stderr)
     from agent import mig_minors

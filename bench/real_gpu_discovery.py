@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     sections.append((f"berth agent discover --json (exit {done.returncode})",
                      pretty + (f"\n[stderr]\n{done.stderr.strip()}" if done.stderr.strip() else "")))
 
-    from controlplane import logs
+    from common import logs
 
     logs.configure(fmt="console", level="warning", stream=sys.stderr)
     from agent.discovery import Discovery

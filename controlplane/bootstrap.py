@@ -15,7 +15,7 @@ from msgspec import Meta, Struct
 
 from controlplane.catalog import Catalog
 from controlplane.domain.model import SHARING_MODES, Node, Offer, Pool, PoolPolicy, Principal, Tenant, Unit
-from controlplane.domain.share import Share
+from common.share import Share
 
 Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")]
 NonNegative = Annotated[float, Meta(ge=0)]

@@ -25,7 +25,7 @@ from controlplane.domain.clock import Clock
 from controlplane.domain.errors import INVALID_INPUT, UNAUTHENTICATED, DomainError, invalid
 from controlplane.domain.ids import operation_id, token_hash
 from controlplane.domain.model import Bound, Node, Pool, Reservation, Unit
-from controlplane.domain.share import Share
+from common.share import Share
 from controlplane.state import WriterState
 from controlplane.store import sqlite as sq
 from controlplane.store.sqlite import SqliteStore, Tx

@@ -14,7 +14,7 @@ from msgspec import Meta, Struct
 from controlplane.domain.errors import DomainError, INVALID_INPUT
 from controlplane.domain.model import Operation, Reservation
 from controlplane.domain.pricing import money
-from controlplane.domain.share import Share
+from common.share import Share
 from controlplane.domain.states import PUBLIC_STATES
 
 Id = Annotated[str, Meta(min_length=1, max_length=128)]

@@ -9,7 +9,7 @@ import sys
 import structlog
 from aiohttp import web
 
-from controlplane import logs
+from common import logs
 from controlplane.api.app import create_app
 from controlplane.wiring import Config, ConfigError, default_db_url
 

@@ -19,7 +19,7 @@ from controlplane.domain.model import BINDINGS, Node, Offer, Pool, Reservation, 
 from controlplane.domain.placement import Ask, could_ever_fit, eligible_units
 from controlplane.domain.pricing import hourly
 from controlplane.domain.quota import charge_for, unit_key
-from controlplane.domain.share import NO_SHARE, Share, host_share_per_gpu, pool_share_per_gpu
+from common.share import NO_SHARE, Share, host_share_per_gpu, pool_share_per_gpu
 
 START_SKEW_MS = 5 * MINUTE_MS  # a start this far in the past is taken as "now" (clock skew)
 MIN_WINDOW_MS = 1000

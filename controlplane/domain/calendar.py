@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from controlplane.domain.share import NO_SHARE, Share
+from common.share import NO_SHARE, Share
 
 
 class DeviceTimeline:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Mapping
 
-from controlplane.domain.share import NO_SHARE, Share
+from common.share import NO_SHARE, Share
 
 SHARING_MODES = ("exclusive", "mig", "slots")
 BINDINGS = ("hold", "node", "kubernetes")

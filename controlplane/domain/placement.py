@@ -26,7 +26,7 @@ from typing import Mapping
 
 from controlplane.domain.calendar import NodeCalendar, PoolCalendar
 from controlplane.domain.model import Node, Placement, Unit
-from controlplane.domain.share import Share
+from common.share import Share
 
 SAMPLE = 8  # most recently booked nodes scored before the idle ones are tried
 EXTRA_FITS = 3  # fits past what is needed that the fallback scan scores before it stops

@@ -11,7 +11,7 @@ from __future__ import annotations
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
 from controlplane.domain.model import Pool
-from controlplane.domain.share import Share
+from common.share import Share
 
 MICRO = Decimal("0.000001")
 SECONDS_PER_HOUR = Decimal(3600)

@@ -20,7 +20,7 @@ from typing import Mapping
 
 from controlplane.domain.errors import QUOTA_EXCEEDED, DomainError
 from controlplane.domain.model import Offer, Pool, Tenant
-from controlplane.domain.share import Share
+from common.share import Share
 
 WIRE_NAMES = {"vcpu_milli": ("vcpu", 1000), "memory_mib": ("memoryGiB", 1024)}
 

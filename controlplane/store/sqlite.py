@@ -24,7 +24,7 @@ import structlog
 
 from controlplane.domain.calendar import Booking
 from controlplane.domain.errors import PROVIDER_UNAVAILABLE, DomainError
-from controlplane.domain.share import Share
+from common.share import Share
 from controlplane.domain.model import Operation, Reservation
 from controlplane.domain.states import TERMINAL
 from controlplane.store import codec

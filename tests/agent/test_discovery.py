@@ -5,8 +5,8 @@ import json
 import threading
 from pathlib import Path
 
-from controlplane.domain.device_classes import DeviceClasses
-from controlplane.domain.share import host_share_per_gpu
+from common.device_classes import DeviceClasses
+from common.share import host_share_per_gpu
 
 from agent.discovery import Discovery, Rediscovery, Reserve
 from agent.health import HealthPolicy, XidEvent

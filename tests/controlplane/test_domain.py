@@ -10,7 +10,7 @@ from controlplane.domain.errors import DomainError
 from controlplane.domain.model import Node, Pool, PoolPolicy, Reservation, Tenant, Unit
 from controlplane.domain.placement import Ask, place
 from controlplane.domain.quota import QuotaLedger, charge_for
-from controlplane.domain.share import NO_SHARE, Share, host_share_per_gpu, pool_share_per_gpu
+from common.share import NO_SHARE, Share, host_share_per_gpu, pool_share_per_gpu
 
 H = 3_600_000
 

@@ -1,7 +1,7 @@
 """Device classes are derived from NVML's name and memory by one table an operator can extend."""
 import pytest
 
-from controlplane.domain.device_classes import DeviceClasses, classify
+from common.device_classes import DeviceClasses, classify
 
 
 @pytest.mark.parametrize(
