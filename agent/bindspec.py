@@ -28,7 +28,7 @@ from agent.inventory import Gpu, Inventory, MigDevice
 from agent.nodewire import Binding
 from cgroups import CgroupShare, DeviceRule, harmless_rules, normalise, nvidia_rules, read_proc_devices
 from cgroups.errors import CgroupError, InvalidShare
-from cgroups.files import format_cpulist, parse_cpulist
+from common.hostfacts import format_cpulist, parse_cpulist
 
 MIB = 1 << 20
 SUPPORTED_KINDS = ("hold",)
@@ -133,7 +133,7 @@ def _numa_cpus(inv: Inventory, nodes: list[int]) -> str | None:
         text = by_node.get(n)
         if not text:
             return None
-        cpus |= parse_cpulist(text)
+        cpus.update(parse_cpulist(text))
     return format_cpulist(frozenset(cpus)) if cpus else None
 
 

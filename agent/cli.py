@@ -13,6 +13,7 @@ import os
 import sys
 
 from agent.errors import AgentError, TopologyError
+from common.hostfacts import HostReadError
 
 RUNTIME_USAGE = ("berth agent --control-plane URL --bootstrap-token TOKEN [--simulate TOPOLOGY.json] "
                  "[--cgroup-root PATH] [--state-dir DIR] [options]; `berth agent discover` prints this host's inventory")
@@ -86,7 +87,7 @@ def discover_main(argv: list[str]) -> int:
         host = kernel
     try:
         inventory = Discovery(gpus=gpus, host=host, reserve=reserve, device_classes=classes).discover()
-    except AgentError as exc:
+    except (AgentError, HostReadError) as exc:
         print(f"berth agent discover: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, TopologyError) else 1
     if args.json:

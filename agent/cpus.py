@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from agent import numa
-from agent.sysfs import parse_cpulist, read_optional, read_text
+from common.hostfacts import node_cpus, online_nodes, parse_cpulist, read_optional, read_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +37,9 @@ def read_cpu_topology(sys_root: str = "/sys") -> CpuTopology:
         # Only the online siblings count: an offlined hyperthread leaves its core.
         cores.add(tuple(c for c in parse_cpulist(siblings, path) if c in online_set) if siblings else (cpu,))
 
-    node_ids = numa.online_nodes(sys_root)
+    node_ids = online_nodes(sys_root)
     if node_ids:
-        nodes = tuple((n, tuple(c for c in numa.node_cpus(n, sys_root) if c in online_set)) for n in node_ids)
+        nodes = tuple((n, tuple(c for c in node_cpus(n, sys_root) if c in online_set)) for n in node_ids)
     else:
         nodes = ((0, online),)
     return CpuTopology(online=online, offline=offline, cores=len(cores), nodes=nodes)

@@ -25,7 +25,7 @@ from agent.inventory import (
     HEALTHY, Cpus, Gpu, GpuInventory, HugepageNode, HugepagePool, Hugepages, Inventory, InventoryDiff,
     Memory, NumaCpus, NumaMemory, PerGpuShare, ShareDoc, diff,
 )
-from cgroups.files import format_cpulist
+from common.hostfacts import format_cpulist
 from common.device_classes import DEFAULT as DEFAULT_CLASSES
 from common.device_classes import DeviceClasses
 from common.share import host_share_per_gpu

@@ -1,7 +1,7 @@
 """The agent's own errors: NVML's error codes and the kernel files' OSErrors become these at one boundary each.
 
-`agent.nvml` translates `pynvml.NVMLError` (by code) and `agent.sysfs`
-translates `OSError` (with the path); nothing else in the agent catches
+`agent.nvml` translates `pynvml.NVMLError` (by code) and `common.hostfacts`
+translates `OSError` into HostReadError (with the path); nothing else catches
 either, so parsers stay plain and every error names what failed.
 """
 from __future__ import annotations
@@ -9,15 +9,6 @@ from __future__ import annotations
 
 class AgentError(Exception):
     """Anything the agent reports instead of a traceback."""
-
-
-class HostReadError(AgentError):
-    """A kernel file under /proc or /sys could not be read or parsed; carries the path."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = path
-        self.reason = reason
 
 
 class TopologyError(AgentError):

@@ -1,7 +1,7 @@
 """The host's CPUs, memory and hugepages as facts, behind one small protocol (`HostSource.read() -> HostFacts`).
 
 `KernelHost` reads them from /proc and /sys through `agent.cpus`,
-`agent.memory` and `agent.hugepages`; `agent.simulate` offers a host that
+`common.hostfacts` and `agent.hugepages`; `agent.simulate` offers a host that
 replaces any of the three sections from a topology file.
 """
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import Protocol
 from agent import hugepages
 from agent.cpus import CpuTopology, read_cpu_topology
 from agent.hugepages import HugepagePool
-from agent.memory import Meminfo, NodeMemory, read_meminfo, read_node_memory
-from agent.sysfs import read_optional
+from common.hostfacts import SIZE_1G_KIB, SIZE_2M_KIB, Meminfo, NodeMemory, read_meminfo, read_node_memory, read_optional
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +49,8 @@ class KernelHost:
             cpus=cpus,
             meminfo=read_meminfo(self.proc_root),
             node_memory=node_memory,
-            pages_1g=hugepages.read_pool(hugepages.SIZE_1G_KIB, node_ids, self.sys_root),
-            pages_2m=hugepages.read_pool(hugepages.SIZE_2M_KIB, node_ids, self.sys_root),
+            pages_1g=hugepages.read_pool(SIZE_1G_KIB, node_ids, self.sys_root),
+            pages_2m=hugepages.read_pool(SIZE_2M_KIB, node_ids, self.sys_root),
             boot_id=boot_id or None,
             hostname=hostname or socket.gethostname(),
         )

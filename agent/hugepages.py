@@ -11,10 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from agent.sysfs import list_dir, read_int, read_optional
-
-SIZE_1G_KIB = 1048576
-SIZE_2M_KIB = 2048
+from common.hostfacts import SIZE_1G_KIB, SIZE_2M_KIB, hugepage_dir, list_dir, read_int, read_optional
 _POOL_DIR = re.compile(r"^hugepages-(\d+)kB$")
 
 
@@ -50,10 +47,10 @@ def read_pool(size_kib: int, nodes: tuple[int, ...], sys_root: str = "/sys") -> 
     """One page size's pool, host-wide and on each of `nodes` (a node without the counters reports 0)."""
     if size_kib not in supported_sizes(sys_root):
         return HugepagePool(size_kib=size_kib, supported=False)
-    base = os.path.join(sys_root, f"kernel/mm/hugepages/hugepages-{size_kib}kB")
+    base = hugepage_dir(size_kib, sys_root)
     per_node = []
     for node in nodes:
-        node_dir = os.path.join(sys_root, f"devices/system/node/node{node}/hugepages/hugepages-{size_kib}kB")
+        node_dir = hugepage_dir(size_kib, sys_root, node)
         if read_optional(os.path.join(node_dir, "nr_hugepages"), None, "per-node hugepage counters") is None:
             per_node.append(NodePool(node, 0, 0))
             continue

@@ -13,8 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from agent.errors import HostReadError
-from agent.sysfs import read_optional
+from common.hostfacts import HostReadError, read_optional
 
 _LINE = re.compile(r"^gpu(\d+)/gi(\d+)(?:/ci(\d+))?/access$")
 # The driver's layout: 15 GPU instance ids, each with 8 compute instance ids, after config and monitor.

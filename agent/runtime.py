@@ -44,6 +44,8 @@ from agent.bindspec import BindError, HostView, Want, refusal, simulated_devices
 from agent.checkpoint import Checkpoint, Identity, PendingReport, StateDir, read_boot_id
 from agent.discovery import Discovery, Rediscovery, Reserve
 from agent.errors import AgentError
+from common import hostfacts
+from common.hostfacts import HostReadError
 from agent.execgate import ExecGate, ExecPolicy, Target
 from agent.inventory import Inventory
 from agent.metrics import AgentMetrics, metrics_app
@@ -257,11 +259,10 @@ class Agent:
             sim_mem = top.host is not None and top.host.memoryGiB is not None
             if "nvidia-uvm" not in read_proc_devices(cfg.proc):
                 devices_proc = simulated_devices_proc(cfg.proc, self.config.state_dir / "simulate" / "proc")
-        from cgroups import host as cghost
-
         return HostView(inventory=inventory, enforced=frozenset(self.probe.enforced), devices_proc=devices_proc,
                         simulated_cpus=sim_cpus, simulated_memory=sim_mem,
-                        real_cpus=len(cghost.online_cpus(cfg.sys)), real_memory_bytes=cghost.mem_total(cfg.proc))
+                        real_cpus=len(hostfacts.online_cpus(str(cfg.sys))),
+                        real_memory_bytes=hostfacts.read_meminfo(str(cfg.proc)).total_kib * 1024)
 
     # -- the control plane ----------------------------------------------------
 
@@ -611,7 +612,7 @@ class Agent:
 
 
 def describe_error(exc: BaseException) -> str:
-    if isinstance(exc, (AgentError, CgroupError)):
+    if isinstance(exc, (AgentError, CgroupError, HostReadError)):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
 

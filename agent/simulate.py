@@ -27,8 +27,7 @@ from agent.errors import TopologyError
 from agent.host import HostFacts, HostSource, KernelHost
 from agent.hugepages import HugepagePool, NodePool
 from agent.inventory import CapMinors, Driver, Gpu, GpuInventory, LostGpu, MigDevice, MigMode
-from agent.memory import Meminfo, NodeMemory
-from agent.sysfs import parse_cpulist
+from common.hostfacts import SIZE_1G_KIB, SIZE_2M_KIB, Meminfo, NodeMemory, parse_cpulist
 
 MAX_MIG_SLOTS = 7
 _PROFILE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb(?:\+[a-z]+)?$")
@@ -346,8 +345,8 @@ class SimulatedHost:
         pages_1g, pages_2m = real.pages_1g, real.pages_2m
         hugetlb_kib = real.meminfo.hugetlb_kib
         if h.hugepages1G is not None or h.hugepages2M is not None:  # one given: both simulated, the other empty
-            pages_1g = _sim_pool(hugepages.SIZE_1G_KIB, h.hugepages1G or {}, nodes)
-            pages_2m = _sim_pool(hugepages.SIZE_2M_KIB, h.hugepages2M or {}, nodes)
+            pages_1g = _sim_pool(SIZE_1G_KIB, h.hugepages1G or {}, nodes)
+            pages_2m = _sim_pool(SIZE_2M_KIB, h.hugepages2M or {}, nodes)
             hugetlb_kib = pages_1g.total * pages_1g.size_kib + pages_2m.total * pages_2m.size_kib
         meminfo = Meminfo(total_kib=real.meminfo.total_kib, hugetlb_kib=hugetlb_kib)
         node_memory = real.node_memory

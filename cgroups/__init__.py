@@ -4,7 +4,7 @@ Usable on its own: a `Subtree` owns one delegated cgroup v2 directory and the
 share cgroups below it; a `CgroupShare` says the limits; `DeviceRule`s say
 which device nodes stay open. See docs/cgroups.md.
 """
-from .devices import DeviceRule, harmless_rules, normalise, nvidia_rules, read_mig_minors, read_proc_devices, rule
+from .devices import DeviceRule, harmless_rules, normalise, nvidia_rules, read_proc_devices, rule
 from .errors import (BpfError, Busy, CgroupError, ControllerMissing, Exists, FileMissing, InvalidName, InvalidRule,
                      InvalidShare, NotCgroup2, NotFound, RecordCorrupt, ShareTooLarge)
 from .files import Drift
@@ -15,5 +15,5 @@ __all__ = [
     "ALL_CONTROLLERS", "BpfError", "Busy", "Capacity", "Cgroup", "CgroupError", "CgroupShare", "CgroupStat",
     "ControllerMissing", "DeviceRule", "Drift", "Exists", "FileMissing", "InvalidName", "InvalidRule",
     "InvalidShare", "NotCgroup2", "NotFound", "RecordCorrupt", "ShareTooLarge", "Subtree", "controllers_of",
-    "harmless_rules", "normalise", "nvidia_rules", "read_capacity", "read_mig_minors", "read_proc_devices", "rule",
+    "harmless_rules", "normalise", "nvidia_rules", "read_capacity", "read_proc_devices", "rule",
 ]

@@ -127,17 +127,6 @@ def read_proc_devices(proc: Path = Path("/proc")) -> dict[str, int]:
     return out
 
 
-def read_mig_minors(proc: Path = Path("/proc")) -> dict[str, int]:
-    """/proc/driver/nvidia-caps/mig-minors: 'gpu0/gi1/access 12', 'gpu0/gi1/ci0/access 13', ... by name."""
-    out: dict[str, int] = {}
-    path = Path(proc) / "driver/nvidia-caps/mig-minors"
-    for line in path.read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
-            out[parts[0]] = int(parts[1])
-    return out
-
-
 def nvidia_rules(gpu_minors: Iterable[int], mig_cap_minors: Iterable[int] = (), modeset: bool = False, *,
                  proc: Path = Path("/proc")) -> tuple[DeviceRule, ...]:
     """The nodes a share of these GPUs needs.

@@ -12,7 +12,8 @@ import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+
+from common import hostfacts
 
 from .errors import CgroupError, FileMissing
 
@@ -109,39 +110,14 @@ def parse_pids(text: str) -> list[int]:
 
 
 def parse_cpulist(text: str) -> frozenset[int]:
-    """The kernel's list format, '0-3,8,10-11'; empty means none."""
-    out: set[int] = set()
-    text = text.strip()
-    if not text:
-        return frozenset()
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            if "-" in part:
-                lo, hi = part.split("-", 1)
-                a, b = int(lo), int(hi)
-                if a > b:
-                    raise ValueError
-                out.update(range(a, b + 1))
-            else:
-                out.add(int(part))
-        except ValueError:
-            raise CgroupError(f"bad cpu/node list {text!r} at {part!r}") from None
-    return frozenset(out)
+    """The kernel's list format, '0-3,8,10-11'; empty means none (the one parser is common.hostfacts')."""
+    try:
+        return frozenset(hostfacts.parse_cpulist(text))
+    except hostfacts.HostReadError:
+        raise CgroupError(f"bad cpu/node list {text!r}") from None
 
 
-def format_cpulist(ids: Iterable[int]) -> str:
-    """The canonical form the kernel prints back ('0-3,8'), so a written value compares equal when read."""
-    items = sorted(set(ids))
-    runs: list[str] = []
-    i = 0
-    while i < len(items):
-        j = i
-        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
-            j += 1
-        runs.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
-        i = j + 1
-    return ",".join(runs)
+format_cpulist = hostfacts.format_cpulist
 
 
 # -- desired values, applied and compared ----------------------------------

@@ -1,7 +1,9 @@
-"""Facts about the host that the cgroup code needs: filesystem type, mounts, own cgroup, CPUs, memory, 1 GiB pages.
+"""Facts about the host's cgroup filesystems: filesystem type, mounts, a process's own cgroup, v1 controllers.
 
 One short function per kernel file, the roots (/proc, /sys) as parameters so
-tests point them at a hand-made tree. Nothing here writes.
+tests point them at a hand-made tree. OSError becomes CgroupError (with the
+path) in `_read`, the one place this module reads. Nothing here writes. Host
+sizes (CPUs, memory, 1 GiB pages) are common.hostfacts'.
 """
 from __future__ import annotations
 
@@ -12,11 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CgroupError
-from .files import parse_cpulist
 
 CGROUP2_SUPER_MAGIC = 0x63677270
 CGROUP_SUPER_MAGIC = 0x27E0EB  # v1
-HUGEPAGES_1G_DIR = "kernel/mm/hugepages/hugepages-1048576kB"
 GIB = 1 << 30
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -48,10 +48,17 @@ class Mount:
     super_options: tuple[str, ...]
 
 
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise CgroupError(f"reading {path}: [Errno {exc.errno}] {exc.strerror}", path=path, errno=exc.errno) from None
+
+
 def read_mountinfo(proc: Path = Path("/proc")) -> list[Mount]:
     """/proc/self/mountinfo: mount point, filesystem type and super options of each mount."""
     out = []
-    for line in (Path(proc) / "self/mountinfo").read_text().splitlines():
+    for line in _read(Path(proc) / "self/mountinfo").splitlines():
         left, _, right = line.partition(" - ")
         fields, rfields = left.split(), right.split()
         if len(fields) < 5 or len(rfields) < 3:
@@ -80,30 +87,7 @@ def v1_controllers(proc: Path = Path("/proc")) -> frozenset[str]:
 
 def own_cgroup2(proc: Path = Path("/proc"), pid: str = "self") -> str:
     """This process's cgroup v2 path, the '0::' line of /proc/<pid>/cgroup ('/' at the root)."""
-    for line in (Path(proc) / pid / "cgroup").read_text().splitlines():
+    for line in _read(Path(proc) / pid / "cgroup").splitlines():
         if line.startswith("0::"):
             return line[3:]
     raise CgroupError(f"{proc}/{pid}/cgroup has no cgroup v2 line (0::); cgroup2 is not mounted")
-
-
-def mem_total(proc: Path = Path("/proc")) -> int:
-    """MemTotal from /proc/meminfo, in bytes."""
-    for line in (Path(proc) / "meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise CgroupError(f"{proc}/meminfo has no MemTotal")
-
-
-def online_cpus(sys: Path = Path("/sys")) -> frozenset[int]:
-    return parse_cpulist((Path(sys) / "devices/system/cpu/online").read_text())
-
-
-def online_nodes(sys: Path = Path("/sys")) -> frozenset[int]:
-    path = Path(sys) / "devices/system/node/online"
-    return parse_cpulist(path.read_text()) if path.exists() else frozenset({0})
-
-
-def hugepages_1g(sys: Path = Path("/sys")) -> int | None:
-    """1 GiB pages in the host pool (nr_hugepages); None when the kernel has no 1 GiB page size."""
-    path = Path(sys) / HUGEPAGES_1G_DIR / "nr_hugepages"
-    return int(path.read_text()) if path.exists() else None

@@ -10,8 +10,10 @@ import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from common import hostfacts
+
 from . import host
-from .errors import FileMissing, InvalidShare, ShareTooLarge
+from .errors import CgroupError, FileMissing, InvalidShare, ShareTooLarge
 from .files import format_cpulist, parse_cpulist, parse_max, read_file
 
 PAGE_SIZE = 4096
@@ -139,7 +141,13 @@ CAPACITY_FIELDS = frozenset(Capacity.__dataclass_fields__)
 @functools.lru_cache(maxsize=8)
 def _host_facts(proc: Path, sys: Path) -> tuple[frozenset[int], frozenset[int], int]:
     """Online CPUs, online nodes and MemTotal: fixed for a boot (CPU hotplug aside), so read once per process."""
-    return host.online_cpus(sys), host.online_nodes(sys), host.mem_total(proc)
+    try:
+        cpus = frozenset(hostfacts.online_cpus(str(sys)))
+        nodes = frozenset(hostfacts.online_nodes(str(sys))) or frozenset({0})
+        memory = hostfacts.read_meminfo(str(proc)).total_kib * 1024
+    except hostfacts.HostReadError as exc:
+        raise CgroupError(f"reading the host's size: {exc}", path=Path(exc.path)) from None
+    return cpus, nodes, memory
 
 
 def read_capacity(parent: Path, *, proc: Path = Path("/proc"), sys: Path = Path("/sys"),
@@ -159,7 +167,10 @@ def read_capacity(parent: Path, *, proc: Path = Path("/proc"), sys: Path = Path(
         parent_max = _limit(parent, "memory.max")
         out["memory_bytes"] = memory if parent_max is None else min(memory, parent_max)
     if "hugepages_1g" in fields:
-        pages = host.hugepages_1g(sys) or 0
+        try:
+            pages = hostfacts.hugepages_total(hostfacts.SIZE_1G_KIB, str(sys)) or 0
+        except hostfacts.HostReadError as exc:
+            raise CgroupError(f"reading the 1 GiB hugepage pool: {exc}", path=Path(exc.path)) from None
         parent_pages = _limit(parent, "hugetlb.1GB.max")
         out["hugepages_1g"] = pages if parent_pages is None else min(pages, parent_pages // host.GIB)
     return Capacity(**out)

@@ -7,11 +7,9 @@ from hypothesis import strategies as st
 
 from agent import hugepages, mig_minors, numa
 from agent.cpus import read_cpu_topology
-from agent.errors import HostReadError
 from agent.host import KernelHost
-from agent.memory import read_meminfo, read_node_memory
-from agent.sysfs import parse_cpulist
-from cgroups.files import format_cpulist
+from common.hostfacts import HostReadError, online_nodes, parse_cpulist, read_meminfo, read_node_memory
+from common.hostfacts import format_cpulist
 from tests.agent.trees import two_node_host
 
 
@@ -81,7 +79,7 @@ def test_a_missing_required_file_is_an_error_with_its_path(tree):
 def test_a_kernel_without_numa_is_one_node_with_every_cpu(tree):
     tree.cpus([0, 1, 2, 3])
     assert ((0, (0, 1, 2, 3)),) == read_cpu_topology(str(tree.sys)).nodes
-    assert () == numa.online_nodes(str(tree.sys))
+    assert () == online_nodes(str(tree.sys))
 
 
 @pytest.mark.parametrize("nvml_id, sysfs_id", [

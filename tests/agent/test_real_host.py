@@ -9,7 +9,7 @@ from agent.cpus import read_cpu_topology
 from agent.discovery import Reserve, assemble
 from agent.host import KernelHost
 from agent.inventory import GpuInventory, Driver
-from agent.memory import read_meminfo
+from common.hostfacts import read_meminfo
 
 
 def test_online_cpus_match_psutil_and_os():

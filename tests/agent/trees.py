@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cgroups.files import format_cpulist
+from common.hostfacts import format_cpulist
 
 
 class HostTree:

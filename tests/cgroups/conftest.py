@@ -17,7 +17,7 @@ import pytest
 from cgroups import bpf, host
 from cgroups.errors import CgroupError
 
-HUGE_1G = Path("/sys") / host.HUGEPAGES_1G_DIR
+HUGE_1G = Path("/sys") / "kernel/mm/hugepages/hugepages-1048576kB"
 
 
 # -- the real kernel ---------------------------------------------------------
@@ -194,8 +194,8 @@ class FakeCgroupfs:
         (self.sys / "devices/system/cpu/online").write_text(cpus + "\n")
         (self.sys / "devices/system/node").mkdir(parents=True)
         (self.sys / "devices/system/node/online").write_text(mems + "\n")
-        (self.sys / host.HUGEPAGES_1G_DIR).mkdir(parents=True)
-        (self.sys / host.HUGEPAGES_1G_DIR / "nr_hugepages").write_text(f"{pages_1g}\n")
+        (self.sys / "kernel/mm/hugepages/hugepages-1048576kB").mkdir(parents=True)
+        (self.sys / "kernel/mm/hugepages/hugepages-1048576kB" / "nr_hugepages").write_text(f"{pages_1g}\n")
 
     def mkdir(self, path: Path) -> None:
         os.mkdir(path)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cgroups.devices import DeviceRule, harmless_rules, normalise, nvidia_rules, read_mig_minors, rule
+from cgroups.devices import DeviceRule, harmless_rules, normalise, nvidia_rules, rule
 from cgroups.errors import CgroupError, InvalidRule
 
 PROC_DEVICES = """Character devices:
@@ -76,7 +76,3 @@ def test_nvidia_rules_say_what_to_load_when_uvm_is_missing(tmp_path):
     (tmp_path / "devices").write_text("Character devices:\n195 nvidia-frontend\n")
     with pytest.raises(CgroupError, match="nvidia-uvm"):
         nvidia_rules([0], proc=tmp_path)
-
-
-def test_mig_minors_are_read_by_name(proc):
-    assert {"config": 1, "monitor": 2, "gpu0/gi1/access": 12, "gpu0/gi1/ci0/access": 13} == read_mig_minors(proc)
