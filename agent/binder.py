@@ -26,9 +26,10 @@ import msgspec
 import structlog
 
 from agent.bindspec import BindError, Want
-from agent.checkpoint import BindingEntry, Checkpoint, PendingReport
+from agent.checkpoint import BindingEntry, Checkpoint
 from cgroups import CgroupShare, DeviceRule, Subtree
 from cgroups.errors import CgroupError
+from common.nodewire import Report
 
 log = structlog.get_logger("berth.agent.binder")
 
@@ -88,7 +89,7 @@ def plan(desired: Mapping[str, Want | BindError | Refused], actual: Mapping[str,
 @dataclass(frozen=True)
 class Outcome:
     action: Action
-    report: PendingReport | None  # None: nothing to tell the control plane
+    report: Report | None  # None: nothing to tell the control plane
     seconds: float
     ok: bool = True
     repaired: tuple[str, ...] = ()
@@ -134,11 +135,11 @@ class Binder:
 
     def _entry(self, want: Want, state, now: int) -> BindingEntry:
         return BindingEntry(reservationId=want.reservation_id, state=state, spec=want.fingerprint,
-                            cgroup=str(self.subtree.root / self.subtree.name_for(want.reservation_id)),
+                            cgroup=str(self.cgroup_of(want.reservation_id)),
                             tenantId=want.tenant_id, principalId=want.principal_id, devices=list(want.devices),
                             unenforced=list(want.unenforced), updatedAtMs=now)
 
-    def _report_once(self, rid: str, report: PendingReport, tag: str) -> PendingReport | None:
+    def _report_once(self, rid: str, report: Report, tag: str) -> Report | None:
         if report.message is not None and len(report.message) > MAX_MESSAGE:
             report = msgspec.structs.replace(report, message=report.message[:MAX_MESSAGE - 1] + "…")
         if self.reported.get(rid) == tag:
@@ -175,11 +176,11 @@ class Binder:
                 self.checkpoint.forget(rid)
                 blog.info("unbound", reason=a.reason)
                 self.reported.pop(rid, None)
-                return Outcome(a, self._report_once(rid, PendingReport(rid, "unbound"), "unbound"),
+                return Outcome(a, self._report_once(rid, Report(rid, "unbound"), "unbound"),
                                time.monotonic() - t0)
             # fail, refuse: nothing is made; an existing cgroup is left as it is (its work keeps running)
             blog.warning("binding refused" if a.kind == "refuse" else "binding failed", message=a.reason)
-            return Outcome(a, self._report_once(rid, PendingReport(rid, "failed", message=a.reason),
+            return Outcome(a, self._report_once(rid, Report(rid, "failed", message=a.reason),
                                                 f"failed:{a.reason}"), time.monotonic() - t0)
         except (CgroupError, OSError) as exc:
             message = str(exc)
@@ -189,15 +190,17 @@ class Binder:
             blog.error("binding failed", action=a.kind, error=message)
             if not self.subtree.path(self.subtree.name_for(rid)).exists():
                 self.checkpoint.forget(rid)  # nothing was made (e.g. a share the host cannot give)
-            return Outcome(a, self._report_once(rid, PendingReport(rid, "failed", message=message),
+            return Outcome(a, self._report_once(rid, Report(rid, "failed", message=message),
                                                 f"failed:{message}"), time.monotonic() - t0, ok=False)
 
-    def _bound(self, want: Want) -> PendingReport | None:
+    def _bound(self, want: Want) -> Report | None:
         rid = want.reservation_id
-        cgroup = str(self.subtree.root / self.subtree.name_for(rid))
-        message = ("bound; not enforced on this host: " + ", ".join(want.unenforced)) if want.unenforced else None
-        return self._report_once(rid, PendingReport(rid, "bound", cgroup=cgroup, devices=list(want.devices),
-                                                    message=message), f"bound:{want.fingerprint}")
+        return self._report_once(rid, Report(rid, "bound", cgroup=str(self.cgroup_of(rid)), devices=want.devices,
+                                             unenforced=want.unenforced), f"bound:{want.fingerprint}")
+
+    def cgroup_of(self, reservation_id: str) -> Path:
+        """The one place a reservation's cgroup path is made."""
+        return self.subtree.path(self.subtree.name_for(reservation_id))
 
     def forget_reports(self) -> None:
         """After a new register the control plane may know nothing of what was told: tell it everything again."""

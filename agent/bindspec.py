@@ -9,7 +9,7 @@ dropped silently. A binding that cannot be made at all is `BindError` with
 the sentence that goes into its `failed` report.
 
 Share -> cgroup: vcpuMilli -> cpu.max; memoryMiB -> memory.max (and
-memory.swap.max 0); hugepages1g -> hugetlb.1GB.max; numaNodes -> cpuset.cpus
+memory.swap.max 0); hugepages1Gi -> hugetlb.1GB.max; numaNodes -> cpuset.cpus
 (the nodes' CPUs) and cpuset.mems. Devices: harmless nodes + /dev/nvidiaN of
 each unit's GPU, nvidiactl, nvidia-uvm(-tools), and for MIG units the GPU and
 compute instance cap minors. Under --simulate the minors are the simulated
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.errors import AgentError
-from agent.inventory import Gpu, Inventory, MigDevice
-from agent.nodewire import Binding
+from common.inventory import Gpu, Inventory, MigDevice
+from common.nodewire import Binding
 from cgroups import CgroupShare, DeviceRule, harmless_rules, normalise, nvidia_rules, read_proc_devices
 from cgroups.errors import CgroupError, InvalidShare
 from common.hostfacts import format_cpulist, parse_cpulist
@@ -174,11 +174,11 @@ def want_of(binding: Binding, host: HostView) -> Want:
                          "(--simulate)")
         else:
             memory = want_bytes
-    if s.hugepages1g:
+    if s.hugepages1Gi:
         if "hugetlb" not in enforced:
-            unenforced.append(f"hugetlb (hugepages1g {s.hugepages1g})")
+            unenforced.append(f"hugetlb (hugepages1Gi {s.hugepages1Gi})")
         else:
-            hugepages = s.hugepages1g
+            hugepages = s.hugepages1Gi
     if binding.numaNodes:
         nodes = sorted(set(binding.numaNodes))
         if "cpuset" not in enforced:

@@ -31,6 +31,7 @@ from typing import Literal
 import msgspec
 
 from agent.errors import AgentError
+from common.nodewire import Report
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_FILE = "checkpoint.json"
@@ -63,23 +64,13 @@ class BindingEntry(msgspec.Struct, forbid_unknown_fields=True):
     updatedAtMs: int = 0
 
 
-class PendingReport(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """A report the control plane has not yet accepted (kept across restarts: an unbound must reach it)."""
-
-    reservationId: str
-    status: Literal["bound", "unbound", "failed"]
-    cgroup: str | None = None
-    devices: list[str] | None = None
-    message: str | None = None
-
-
 class CheckpointData(msgspec.Struct, forbid_unknown_fields=True):
     bootId: str
     cgroupRoot: str
     nodeId: str | None = None
     resourceVersion: int = 0
     bindings: dict[str, BindingEntry] = {}
-    pendingReports: list[PendingReport] = []
+    pendingReports: list[Report] = []  # not yet accepted by the control plane (an unbound must reach it)
 
 
 class _File(msgspec.Struct, forbid_unknown_fields=True):
@@ -194,7 +185,7 @@ class Checkpoint:
 
     # -- reports and versions -----------------------------------------------
 
-    def queue_report(self, report: PendingReport) -> None:
+    def queue_report(self, report: Report) -> None:
         """Keep the latest report per reservation until the control plane accepts it."""
         self.data.pendingReports = [r for r in self.data.pendingReports if r.reservationId != report.reservationId]
         self.data.pendingReports.append(report)

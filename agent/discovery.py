@@ -21,7 +21,7 @@ import structlog
 from agent.health import HealthPolicy
 from agent.host import HostFacts, HostSource, KernelHost
 from agent.hugepages import HugepagePool as PoolFacts
-from agent.inventory import (
+from common.inventory import (
     HEALTHY, Cpus, Gpu, GpuInventory, HugepageNode, HugepagePool, Hugepages, Inventory, InventoryDiff,
     Memory, NumaCpus, NumaMemory, PerGpuShare, ShareDoc, diff,
 )

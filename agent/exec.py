@@ -28,7 +28,6 @@ from cgroups import host
 from cgroups.record import XattrRecords
 
 EXIT_USAGE, EXIT_NOT_BOUND, EXIT_DENIED, EXIT_MOVE = 2, 3, 4, 5
-PREFIX = "rsv-"
 
 
 class ExecRefused(Exception):
@@ -74,8 +73,8 @@ def bound_cgroup(reservation: str, state_dir: Path, cgroup_root: str | None) -> 
         state = "not known" if entry is None else entry.state
         raise ExecRefused(EXIT_NOT_BOUND, f"berth exec: reservation {reservation} is not bound on this node "
                                           f"({state} in {state_dir})")
-    root = Path(cgroup_root or data.cgroupRoot)
-    path = root / f"{PREFIX}{reservation}"
+    # The binder recorded where it made the cgroup; --cgroup-root only relocates that (the same name below it).
+    path = Path(entry.cgroup) if cgroup_root is None else Path(cgroup_root) / Path(entry.cgroup).name
     if not path.is_dir():
         raise ExecRefused(EXIT_NOT_BOUND, f"berth exec: reservation {reservation}: its cgroup {path} does not exist")
     if not any(XattrRecords(a).read_raw(path) for a in ("trusted.berth.record", "user.berth.record")) and \

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Protocol
 
 import structlog
 
-from agent.inventory import HEALTHY, Health
+from common.inventory import HEALTHY, Health
 
 log = structlog.get_logger(__name__)
 

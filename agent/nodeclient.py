@@ -16,8 +16,9 @@ import aiohttp
 import msgspec
 
 from agent.errors import AgentError
-from agent.nodewire import (ErrorEnvelope, Health, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer,
-                            RegisterRequest, Report, ReportAnswer, ReportRequest, WatchAnswer, WatchRequest, encode)
+from common.inventory import Inventory
+from common.nodewire import (ErrorEnvelope, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer, RegisterRequest, Report,
+                             ReportAnswer, ReportRequest, WatchAnswer, WatchRequest, encode)
 
 T = TypeVar("T")
 MAX_WATCH_MS = 30_000
@@ -85,14 +86,14 @@ class NodeClient:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise NodeApiError(method, status, "BAD_ANSWER", f"{exc}: {raw[:200]!r}") from None
 
-    async def register(self, bootstrap_token: str, hostname: str, inventory: dict, agent_version: str) -> RegisterAnswer:
+    async def register(self, bootstrap_token: str, hostname: str, inventory: Inventory, agent_version: str) -> RegisterAnswer:
         ans = await self._call("register", RegisterRequest(hostname, inventory, agent_version), RegisterAnswer,
                                token=bootstrap_token)
         self.token = ans.nodeToken
         return ans
 
-    async def heartbeat(self, health: Health, inventory: dict | None = None) -> HeartbeatAnswer:
-        return await self._call("heartbeat", HeartbeatRequest(health, inventory), HeartbeatAnswer, token=self.token)
+    async def heartbeat(self, inventory: Inventory | None = None) -> HeartbeatAnswer:
+        return await self._call("heartbeat", HeartbeatRequest(inventory), HeartbeatAnswer, token=self.token)
 
     async def watch(self, resource_version: int, timeout_ms: int = 25_000) -> WatchAnswer:
         timeout_ms = max(0, min(timeout_ms, MAX_WATCH_MS))
@@ -100,5 +101,5 @@ class NodeClient:
                                 timeout_s=timeout_ms / 1000 + self.timeout_s)
 
     async def report(self, reports: list[Report]) -> ReportAnswer:
-        return await self._call("report", ReportRequest(reports), ReportAnswer, token=self.token)
+        return await self._call("report", ReportRequest(tuple(reports)), ReportAnswer, token=self.token)
 

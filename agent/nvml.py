@@ -26,7 +26,7 @@ from agent.errors import (
     NVML_ERRORS_BY_CODE, DriverNotLoaded, LibraryNotFound, NotFound, NotSupported, NvmlError, Timeout,
 )
 from agent.health import XidEvent
-from agent.inventory import CapMinors, Driver, Gpu, GpuInventory, LostGpu, MigDevice, MigMode
+from common.inventory import CapMinors, Driver, Gpu, GpuInventory, LostGpu, MigDevice, MigMode
 
 log = structlog.get_logger(__name__)
 

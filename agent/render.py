@@ -1,7 +1,7 @@
 """The inventory as a readable table for a terminal (`berth agent discover` without --json)."""
 from __future__ import annotations
 
-from agent.inventory import Gpu, HugepagePool, Inventory
+from common.inventory import Gpu, HugepagePool, Inventory
 
 
 def _gib(mib: int) -> str:

@@ -41,16 +41,16 @@ from agent import controllers as ctl
 from agent import delegation
 from agent.binder import Binder, Have, Outcome, Refused, plan
 from agent.bindspec import BindError, HostView, Want, refusal, simulated_devices_proc, want_of
-from agent.checkpoint import Checkpoint, Identity, PendingReport, StateDir, read_boot_id
+from agent.checkpoint import Checkpoint, Identity, StateDir, read_boot_id
 from agent.discovery import Discovery, Rediscovery, Reserve
 from agent.errors import AgentError
 from common import hostfacts
 from common.hostfacts import HostReadError
 from agent.execgate import ExecGate, ExecPolicy, Target
-from agent.inventory import Inventory
+from common.inventory import Inventory
 from agent.metrics import AgentMetrics, metrics_app
 from agent.nodeclient import NodeApiError, NodeClient, Unauthorized, Unreachable
-from agent.nodewire import Binding, GpuHealth, Health, Report
+from common.nodewire import Binding, Report
 from agent.sdnotify import Notifier
 from cgroups import Subtree, read_proc_devices
 from cgroups.errors import CgroupError
@@ -274,7 +274,7 @@ class Agent:
                 inv = self.inventory
                 assert inv is not None
                 try:
-                    ans = await self.client.register(self.config.bootstrap_token, inv.hostname, inv.to_wire(),
+                    ans = await self.client.register(self.config.bootstrap_token, inv.hostname, inv,
                                                      AGENT_VERSION)
                     break
                 except (Unreachable, NodeApiError) as exc:
@@ -337,10 +337,9 @@ class Agent:
             token = self.client.token
             inv = self.inventory
             assert inv is not None
-            health = Health([GpuHealth(g.uuid, g.health.healthy, g.health.xid) for g in inv.gpus])
-            send_inv = inv.to_wire() if self.inventory_dirty else None
+            send_inv = inv if self.inventory_dirty else None
             try:
-                await self.client.heartbeat(health, send_inv)
+                await self.client.heartbeat(send_inv)
                 self.metrics.heartbeats_ok += 1
                 self.metrics.last_heartbeat = time.monotonic()
                 if send_inv is not None and self.inventory is inv:
@@ -367,8 +366,7 @@ class Agent:
             token = self.client.token
             pending = pending[:REPORT_BATCH]
             try:
-                ans = await self.client.report([Report(r.reservationId, r.status, r.cgroup, r.devices, r.message)
-                                                for r in pending])
+                ans = await self.client.report(pending)
             except Unauthorized:
                 await self._reregister(token)
                 self._reports_wake.set()
@@ -432,7 +430,7 @@ class Agent:
                 entry = self.checkpoint.bindings[rid]
                 self.checkpoint.forget(rid)
                 if entry.state in ("completed", "removing"):
-                    self.checkpoint.queue_report(PendingReport(rid, "unbound"))
+                    self.checkpoint.queue_report(Report(rid, "unbound"))
             outcomes = await asyncio.to_thread(self.binder.run, actions)
             for o in outcomes:
                 if o.action.kind in ("create", "update") and o.ok:
@@ -465,8 +463,8 @@ class Agent:
                                             "message": a.reason or (o.report.message if o.report else "")}
             else:
                 assert a.want is not None
-                states[a.reservation_id] = {"state": "bound", "cgroup": str(self.subtree.root / (
-                    self.subtree.prefix + a.reservation_id)), "devices": list(a.want.devices),
+                states[a.reservation_id] = {"state": "bound", "cgroup": str(self.binder.cgroup_of(a.reservation_id)),
+                                            "devices": list(a.want.devices),
                     "unenforced": list(a.want.unenforced)}
                 for u in a.want.unenforced:
                     c = u.split(" ", 1)[0]
@@ -502,9 +500,8 @@ class Agent:
         entry = self.checkpoint.bindings.get(rid)
         if entry is None or entry.state != "completed":
             return None
-        name = self.subtree.prefix + rid
-        path = self.subtree.root / name
-        return Target(entry.tenantId, name, path) if path.is_dir() else None
+        path = self.binder.cgroup_of(rid)
+        return Target(entry.tenantId, path.name, path) if path.is_dir() else None
 
     # -- status ---------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from agent.cpus import CpuTopology
 from agent.errors import TopologyError
 from agent.host import HostFacts, HostSource, KernelHost
 from agent.hugepages import HugepagePool, NodePool
-from agent.inventory import CapMinors, Driver, Gpu, GpuInventory, LostGpu, MigDevice, MigMode
+from common.inventory import CapMinors, Driver, Gpu, GpuInventory, LostGpu, MigDevice, MigMode
 from common.hostfacts import SIZE_1G_KIB, SIZE_2M_KIB, Meminfo, NodeMemory, parse_cpulist
 
 MAX_MIG_SLOTS = 7

@@ -40,7 +40,8 @@ import psutil  # noqa: E402
 
 from agent.discovery import Discovery  # noqa: E402
 from agent.nodeclient import NodeApiError, NodeClient, Unreachable  # noqa: E402
-from agent.nodewire import GpuHealth, Health, Report  # noqa: E402
+from common.nodewire import Report  # noqa: E402
+from common.inventory import Inventory  # noqa: E402
 from agent.simulate import SimulatedGpus, SimulatedHost, parse  # noqa: E402
 
 TENANT_TOKEN = "fleet-tenant-token-00001"
@@ -80,10 +81,10 @@ TOPOLOGY = {"driver": {"version": "550.54.15", "cuda": 12040},
                      "hugepages1G": {"0": 64, "1": 64}}}
 
 
-def inventory(hostname: str) -> dict:
+def inventory(hostname: str) -> Inventory:
     top = parse(json.dumps({**TOPOLOGY, "hostname": hostname}))
     gpus = SimulatedGpus(top)
-    return Discovery(gpus=gpus, host=SimulatedHost(gpus)).discover().to_wire()
+    return Discovery(gpus=gpus, host=SimulatedHost(gpus)).discover()
 
 
 class ControlPlaneProcess:
@@ -135,16 +136,15 @@ class SimAgent:
         self.bound: set[str] = set()
         self.errors = 0
 
-    async def register(self, inv: dict) -> None:
+    async def register(self, inv: Inventory) -> None:
         ans = await self.client.register(POOL_TOKEN, self.hostname, inv, "bench")
         self.heartbeat_s = ans.heartbeatSeconds
-        self.gpus = [GpuHealth(g["uuid"], True) for g in inv["gpus"]]
 
     async def heartbeat_loop(self) -> None:
         await asyncio.sleep(self.heartbeat_s * (hash(self.hostname) % 1000) / 1000)  # spread the fleet
         while True:
             try:
-                await self.client.heartbeat(Health(self.gpus))
+                await self.client.heartbeat()
             except (Unreachable, NodeApiError):
                 self.errors += 1
             await asyncio.sleep(self.heartbeat_s)
@@ -165,7 +165,7 @@ class SimAgent:
                 self.seen.setdefault(rid, now)
                 self.bound.add(rid)
             if new:
-                reports = [Report(rid, "bound", cgroup=f"/sys/fs/cgroup/sim/rsv-{rid}", devices=[]) for rid in new]
+                reports = [Report(rid, "bound", cgroup=f"/sys/fs/cgroup/sim/rsv-{rid}") for rid in new]
                 try:
                     await self.client.report(reports)
                 except (Unreachable, NodeApiError):
@@ -191,7 +191,7 @@ async def fleet(args, cp: ControlPlaneProcess, results: dict) -> None:
         progress(f"registering {args.agents} agents with {cp.url}")
         sem = asyncio.Semaphore(32)
 
-        async def reg(a: SimAgent, inv: dict) -> None:
+        async def reg(a: SimAgent, inv: Inventory) -> None:
             async with sem:
                 await a.register(inv)
 

@@ -22,13 +22,16 @@ import structlog
 from controlplane.catalog import Catalog, encode_item
 from controlplane.domain import states
 from controlplane.domain.clock import Clock
-from controlplane.domain.errors import INVALID_INPUT, UNAUTHENTICATED, DomainError, invalid
+from controlplane.domain.errors import INVALID_INPUT, UNAUTHENTICATED, DomainError
 from controlplane.domain.ids import operation_id, token_hash
 from controlplane.domain.model import Bound, Node, Pool, Reservation, Unit
 from common.share import Share
 from controlplane.state import WriterState
 from controlplane.store import sqlite as sq
 from controlplane.store.sqlite import SqliteStore, Tx
+from common.inventory import Inventory
+from common.nodewire import (Binding, BindingShare, BindingUnit, HeartbeatAnswer, Ignored, RegisterAnswer, Report,
+                             ReportAnswer, WatchAnswer)
 from controlplane.transitions import CatalogRef, Transitions, ending_failure
 
 log = structlog.get_logger("berth.nodes")
@@ -37,32 +40,31 @@ HEARTBEAT_S = 5
 WATCH_MAX_MS = 30_000
 
 
-def units_of(inventory: dict, pool: Pool) -> tuple[tuple[Unit, ...], int, list[str]]:
+def units_of(inventory: Inventory, pool: Pool) -> tuple[tuple[Unit, ...], int, list[str]]:
     """(bookable units, whole GPUs counted for the share, notes) of an agent's inventory in this pool."""
     units: list[Unit] = []
     notes: list[str] = []
     gpus = 0
-    for gpu in inventory.get("gpus", []):
-        index, uuid, minor = gpu.get("index"), gpu.get("uuid"), gpu.get("minor")
-        healthy = (gpu.get("health") or {}).get("healthy", True)
-        if gpu.get("deviceClass") != pool.gpu_model:
-            notes.append(f"GPU {index} is {gpu.get('deviceClass')}, not pool {pool.id}'s {pool.gpu_model}: not bookable here")
+    for gpu in inventory.gpus:
+        index, uuid, minor = gpu.index, gpu.uuid, gpu.minor
+        if gpu.deviceClass != pool.gpu_model:
+            notes.append(f"GPU {index} is {gpu.deviceClass}, not pool {pool.id}'s {pool.gpu_model}: not bookable here")
             continue
-        if not healthy:
-            notes.append(f"GPU {index} is unhealthy: {(gpu.get('health') or {}).get('reason')}")
+        if not gpu.health.healthy:
+            notes.append(f"GPU {index} is unhealthy: {gpu.health.reason}")
             continue
-        mig_on = bool((gpu.get("migMode") or {}).get("current"))
-        numa = gpu.get("numaNode")
+        mig_on = gpu.migMode is not None and gpu.migMode.current
+        numa = gpu.numaNode
         if pool.sharing == "mig":
             if not mig_on:
                 notes.append(f"GPU {index} is not in MIG mode; pool {pool.id} books MIG instances")
                 continue
-            for mig in gpu.get("migDevices", []):
-                if not (mig.get("health") or {}).get("healthy", True) or not mig.get("profile"):
+            for mig in gpu.migDevices:
+                if not mig.health.healthy or not mig.profile:
                     continue
-                caps = mig.get("capMinors") or {}
-                units.append(Unit(f"gpu{index}/mig{mig.get('index')}", index, numa, mig["profile"], mig.get("uuid"), minor,
-                                  tuple(c for c in (caps.get("gi"), caps.get("ci")) if c is not None)))
+                caps = mig.capMinors
+                units.append(Unit(f"gpu{index}/mig{mig.index}", index, numa, mig.profile, mig.uuid, minor,
+                                  tuple(c for c in (caps.gi, caps.ci) if c is not None)))
             continue
         if mig_on:
             notes.append(f"GPU {index} is in MIG mode; pool {pool.id} books whole GPUs")
@@ -75,38 +77,33 @@ def units_of(inventory: dict, pool: Pool) -> tuple[tuple[Unit, ...], int, list[s
     return tuple(units), gpus, notes
 
 
-def capacity_of(inventory: dict) -> Share:
-    cpus = inventory.get("cpus") or {}
-    memory = inventory.get("memory") or {}
-    huge = (inventory.get("hugepages") or {}).get("1G") or {}
-    return Share(int(cpus.get("allocatableVcpuMilli") or 0), int(memory.get("allocatableMiB") or 0), int(huge.get("total") or 0))
+def capacity_of(inventory: Inventory) -> Share:
+    return Share(inventory.cpus.allocatableVcpuMilli, inventory.memory.allocatableMiB, inventory.hugepages.pages1G.total)
 
 
-def binding_doc(res: Reservation, node: Node | None, node_id: str) -> dict:
+def binding_of(res: Reservation, node: Node | None, node_id: str) -> Binding:
+    """What the node's agent is to make of a reservation: its units there, its share and their NUMA nodes."""
     placement = next((p for p in res.placements if p.node_id == node_id), None)
     by_id = {u.id: u for u in node.units} if node else {}
-    units = []
-    for uid in (placement.units if placement else []):
-        u = by_id.get(uid)
-        units.append({"unit": uid, "gpuIndex": u.gpu_index if u else None, "uuid": u.uuid if u else None,
-                      "minor": u.minor if u else None, "migProfile": u.mig_profile if u else None,
-                      "capMinors": list(u.cap_minors) if u else [], "numaNode": u.numa_node if u else None})
+    units = [by_id[uid] for uid in (placement.units if placement else []) if uid in by_id]
     share = res.resources
-    return {
-        "reservationId": res.id, "kind": res.binding, "tenantId": res.tenant_id, "principalId": res.principal_id,
-        "start": res.start, "end": res.end, "units": units,
-        "share": {"vcpuMilli": share.vcpu_milli, "memoryMiB": share.memory_mib, "hugepages1g": share.hugepages_1g},
-        "numaNodes": sorted({u["numaNode"] for u in units if u["numaNode"] is not None}),
-    }
+    return Binding(
+        reservationId=res.id, kind=res.binding, tenantId=res.tenant_id, principalId=res.principal_id,
+        start=res.start or 0, end=res.end or 0,
+        units=tuple(BindingUnit(u.id, u.gpu_index, u.uuid, u.mig_profile) for u in units),
+        share=BindingShare(share.vcpu_milli, share.memory_mib, share.hugepages_1g),
+        numaNodes=tuple(sorted({u.numa_node for u in units if u.numa_node is not None})),
+    )
 
 
 @dataclass
 class NodeLive:
     rv: int
-    bindings: dict[str, dict]
+    bindings: dict[str, Binding]
     last_seen: float | None = None  # monotonic seconds of the last heartbeat; None: never (a declared node)
     lost: bool = False
     changed: asyncio.Event | None = None
+    agent_version: str = ""
 
 
 class NodeService:
@@ -153,7 +150,7 @@ class NodeService:
         on = {p.node_id for p in res.placements} if wanted else set()
         for node_id in on:
             live = self._node(node_id)
-            doc = binding_doc(res, nodes.get(node_id), node_id)
+            doc = binding_of(res, nodes.get(node_id), node_id)
             if live.bindings.get(res.id) != doc:
                 live.bindings[res.id] = doc
                 self._bump(live)
@@ -184,9 +181,7 @@ class NodeService:
         return pool
 
     # ---- register and inventory ----------------------------------------------------------
-    async def register(self, pool: Pool, hostname: str, inventory: dict) -> dict:
-        if not hostname or len(hostname) > 253:
-            raise invalid("hostname", "1 to 253 characters")
+    async def register(self, pool: Pool, hostname: str, inventory: Inventory, agent_version: str = "") -> RegisterAnswer:
         token = "nt_" + secrets.token_urlsafe(32)
 
         def job(tx: Tx) -> Node:
@@ -208,13 +203,14 @@ class NodeService:
         node = await self.store.writer.call(job)
         live = self._node(node.id)
         live.last_seen = self.clock.monotonic()
+        live.agent_version = agent_version
         if live.lost:
             await self._found(node.id)
-        log.info("node registered", node_id=node.id, pool_id=pool.id, units=len(node.units))
-        return {"nodeId": node.id, "nodeToken": token, "poolId": pool.id, "heartbeatSeconds": self.heartbeat_s,
-                "graceSeconds": self.grace_s, "resourceVersion": live.rv}
+        log.info("node registered", node_id=node.id, pool_id=pool.id, units=len(node.units), agent_version=agent_version)
+        return RegisterAnswer(node.id, token, pool.id, self.heartbeat_s, self.grace_s, live.rv)
 
-    def _apply_inventory(self, tx: Tx, catalog: Catalog, pool: Pool, node_id: str, hostname: str, inventory: dict) -> Node:
+    def _apply_inventory(self, tx: Tx, catalog: Catalog, pool: Pool, node_id: str, hostname: str,
+                         inventory: Inventory) -> Node:
         units, gpus, notes = units_of(inventory, pool)
         old = catalog.nodes.get(node_id)
         node = Node(node_id, pool.id, hostname, units, gpus, capacity_of(inventory), declared=False,
@@ -245,21 +241,20 @@ class NodeService:
                               f"node {node_id} no longer reports {', '.join(missing)}", now)
             self.moves.save(tx, res)
 
-    async def update_inventory(self, node: Node, inventory: dict) -> None:
+    async def update_inventory(self, node: Node, inventory: Inventory) -> None:
         pool = self.catalog.current.pools[node.pool_id]
         await self.store.writer.call(
             lambda tx: self._apply_inventory(tx, self.catalog.current, pool, node.id, node.hostname, inventory))
 
     # ---- heartbeats and loss ----------------------------------------------------------------
-    async def heartbeat(self, node: Node, body: dict) -> dict:
+    async def heartbeat(self, node: Node, inventory: Inventory | None) -> HeartbeatAnswer:
         live = self._node(node.id)
         live.last_seen = self.clock.monotonic()
-        if isinstance(body.get("inventory"), dict):
-            await self.update_inventory(node, body["inventory"])
+        if inventory is not None:
+            await self.update_inventory(node, inventory)
         if live.lost:
             await self._found(node.id)
-        return {"nodeId": node.id, "resourceVersion": live.rv, "graceSeconds": self.grace_s,
-                "serverTime": self.clock.compute_now()}
+        return HeartbeatAnswer(live.rv, self.grace_s)
 
     async def check_lost(self) -> list[str]:
         """Mark nodes silent for longer than the grace as lost; the ids newly lost."""
@@ -330,7 +325,7 @@ class NodeService:
             await asyncio.sleep(interval_s)
 
     # ---- watch ----------------------------------------------------------------------------------
-    async def watch(self, node: Node, rv: int | None, timeout_ms: int) -> dict:
+    async def watch(self, node: Node, rv: int | None, timeout_ms: int) -> WatchAnswer:
         live = self._node(node.id)
         if rv is None or rv != live.rv or timeout_ms <= 0 or self.closing:
             return self._watch_answer(live, changed=rv != live.rv)
@@ -352,53 +347,50 @@ class NodeService:
                 live.changed = None
 
     @staticmethod
-    def _watch_answer(live: NodeLive, changed: bool) -> dict:
-        return {"resourceVersion": live.rv, "changed": changed,
-                "bindings": sorted(live.bindings.values(), key=lambda b: b["reservationId"])}
+    def _watch_answer(live: NodeLive, changed: bool) -> WatchAnswer:
+        return WatchAnswer(live.rv, changed, tuple(sorted(live.bindings.values(), key=lambda b: b.reservationId)))
 
     # ---- reports ----------------------------------------------------------------------------------
-    async def report(self, node: Node, reports: list[dict]) -> dict:
-        def job(tx: Tx) -> dict:
+    async def report(self, node: Node, reports: tuple[Report, ...]) -> ReportAnswer:
+        def job(tx: Tx) -> ReportAnswer:
             now = self.clock.compute_now()
-            accepted, ignored = [], []
+            accepted: list[str] = []
+            ignored: list[Ignored] = []
             for rep in reports:
-                rid, status = rep.get("reservationId"), rep.get("status")
-                res = tx.reservation(rid) if isinstance(rid, str) else None
+                rid = rep.reservationId
+                res = tx.reservation(rid)
                 if res is None or not any(p.node_id == node.id for p in res.placements):
-                    ignored.append({"reservationId": rid, "reason": "not a reservation of this node"})
+                    ignored.append(Ignored(rid, "not a reservation of this node"))
                     continue
-                if status == "bound":
+                if rep.status == "bound":
                     if res.state not in (states.BINDING, states.ACTIVE):
-                        ignored.append({"reservationId": rid, "reason": f"the reservation is {res.state}"})
+                        ignored.append(Ignored(rid, f"the reservation is {res.state}"))
                         continue
                     self._bound(tx, res, node.id, rep, now)
-                elif status == "unbound":
+                elif rep.status == "unbound":
                     res.bound = [b for b in res.bound if b.node_id != node.id]
                     self.moves.save(tx, res)
-                elif status == "failed":
+                else:  # failed
                     if res.state not in (states.BINDING, states.ACTIVE):
-                        ignored.append({"reservationId": rid, "reason": f"the reservation is {res.state}"})
+                        ignored.append(Ignored(rid, f"the reservation is {res.state}"))
                         continue
                     res.set_condition("DevicesBound", "False", "BindFailed",
-                                      f"node {node.id}: {str(rep.get('message') or 'binding failed')[:500]}", now)
+                                      f"node {node.id}: {(rep.message or 'binding failed')[:500]}", now)
                     self.moves.save(tx, res)
-                else:
-                    ignored.append({"reservationId": rid, "reason": "status must be bound, unbound or failed"})
-                    continue
                 accepted.append(rid)
-            return {"accepted": accepted, "ignored": ignored}
+            return ReportAnswer(tuple(accepted), tuple(ignored))
 
         return await self.store.writer.call(job)
 
-    def _bound(self, tx: Tx, res: Reservation, node_id: str, rep: dict, now: int) -> None:
-        devices = [str(d) for d in rep.get("devices") or []][:256]
-        cgroup = str(rep["cgroup"])[:4096] if rep.get("cgroup") else None
+    def _bound(self, tx: Tx, res: Reservation, node_id: str, rep: Report, now: int) -> None:
+        devices = list(rep.devices)
         mine = next((b for b in res.bound if b.node_id == node_id), None)
-        if mine is not None and mine.cgroup == cgroup and mine.devices == devices:
+        if mine is not None and mine.cgroup == rep.cgroup and mine.devices == devices:
             return  # a repeated report changes nothing
-        res.bound = [b for b in res.bound if b.node_id != node_id] + [Bound(node_id, now, cgroup, devices)]
-        if rep.get("message"):  # bound, but the host could not enforce all of the share
-            res.set_condition("Enforced", "False", "PartialEnforcement", f"node {node_id}: {str(rep['message'])[:500]}", now)
+        res.bound = [b for b in res.bound if b.node_id != node_id] + [Bound(node_id, now, rep.cgroup, devices)]
+        if rep.unenforced:  # bound, but the host could not enforce all of the share
+            res.set_condition("Enforced", "False", "PartialEnforcement",
+                              f"node {node_id} could not enforce: {', '.join(rep.unenforced)}"[:500], now)
         if res.state == states.BINDING and {p.node_id for p in res.placements} <= {b.node_id for b in res.bound}:
             self.moves.mark_active(tx, res, now)
         else:

@@ -39,7 +39,8 @@ assert set(STATUS) == set(e.CODES)
 _encoder = msgspec.json.Encoder(decimal_format="string")
 
 
-def json_response(body: dict, status: int = 200) -> web.Response:
+def json_response(body, status: int = 200) -> web.Response:
+    """A JSON answer from a dict or a msgspec Struct (the node API's answers are Structs)."""
     return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agent.checkpoint import (CHECKPOINT_VERSION, BindingEntry, Checkpoint, CheckpointError, Identity, PendingReport,
+from common.nodewire import Report
+from agent.checkpoint import (CHECKPOINT_VERSION, BindingEntry, Checkpoint, CheckpointError, Identity,
                               StateDir, StateLocked, read_boot_id, write_atomic)
 
 BOOT = "6f1c2a3e-0000-4000-8000-000000000001"
@@ -29,7 +30,7 @@ def saved(tmp_path: Path, **kw) -> Checkpoint:
     for rid, state in kw.items():
         cp.set(entry(rid, state))
     cp.set_version(42)
-    cp.queue_report(PendingReport("r9", "unbound"))
+    cp.queue_report(Report("r9", "unbound"))
     cp.save()
     return cp
 
@@ -105,9 +106,9 @@ def test_an_atomic_write_leaves_the_old_file_whole_when_it_fails(tmp_path, monke
 
 def test_reports_are_kept_latest_per_reservation_until_done(tmp_path):
     cp = Checkpoint.load(tmp_path / "c.json", boot_id=BOOT, cgroup_root=ROOT)
-    cp.queue_report(PendingReport("r1", "bound", cgroup="/x"))
-    cp.queue_report(PendingReport("r2", "failed", message="no"))
-    cp.queue_report(PendingReport("r1", "unbound"))
+    cp.queue_report(Report("r1", "bound", cgroup="/x"))
+    cp.queue_report(Report("r2", "failed", message="no"))
+    cp.queue_report(Report("r1", "unbound"))
     assert [("r2", "failed"), ("r1", "unbound")] == [(r.reservationId, r.status) for r in cp.data.pendingReports]
     cp.reports_done({"r1"})
     assert ["r2"] == [r.reservationId for r in cp.data.pendingReports]

@@ -19,7 +19,7 @@ from agent.binder import Binder, plan
 from agent.bindspec import want_of
 from agent.checkpoint import Checkpoint, read_boot_id
 from agent.execgate import ExecGate, ExecPolicy, Target
-from agent.nodewire import Binding, BindingShare, BindingUnit
+from common.nodewire import Binding, BindingShare, BindingUnit
 from cgroups import Subtree
 from tests.cgroups.conftest import bpf_works, own_cgroup2  # noqa: F401 (fixtures)
 from tests.e2e.conftest import PROBE, device_nodes  # noqa: F401 (fixture)
@@ -79,7 +79,7 @@ def bound(own_cgroup2, bpf_works, tmp_path, host):
     root = own_cgroup2 / "workloads"
     binder = Binder(Subtree(root, controllers=()),
                     Checkpoint.load(state / "checkpoint.json", boot_id=read_boot_id(), cgroup_root=str(root)))
-    b = Binding(reservationId="r1", tenantId="acme", principalId="alice",
+    b = Binding(reservationId="r1", kind="hold", tenantId="acme", principalId="alice", start=0, end=1,
                 units=[BindingUnit(unit="gpu0", gpuIndex=0, uuid=inv.gpus[0].uuid)], share=BindingShare())
     [o] = binder.run(plan({"r1": want_of(b, host)}, binder.actual()))
     assert o.ok

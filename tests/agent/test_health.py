@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from agent.health import APPLICATION_XIDS, HealthPolicy, ScriptedEvents, XidEvent, XidWatcher
-from agent.inventory import HEALTHY
+from common.inventory import HEALTHY
 
 GPU = "GPU-aaaa"
 OTHER = "GPU-bbbb"

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from agent.discovery import Discovery
-from agent.inventory import Inventory, diff
+from common.inventory import Inventory, diff
 from agent.simulate import SimulatedGpus, SimulatedHost
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "topologies"

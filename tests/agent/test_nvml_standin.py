@@ -14,7 +14,7 @@ from agent.discovery import Discovery, Reserve
 from agent.errors import DriverNotLoaded, NotSupported, NvmlError
 from agent.health import HealthPolicy, XidWatcher
 from agent.host import KernelHost
-from agent.inventory import CapMinors, MigMode
+from common.inventory import CapMinors, MigMode
 from agent import mig_minors
 from tests.agent import fake_nvml
 from tests.agent.trees import two_node_host
@@ -114,7 +114,7 @@ def _discovery(standin_library, tree) -> Discovery:
 
 
 def test_a_gpu_lost_between_two_discoveries_is_a_diff(standin, standin_library, tree):
-    from agent.inventory import diff
+    from common.inventory import diff
 
     discovery = _discovery(standin_library, tree)
     standin(HOST)
@@ -131,7 +131,7 @@ def test_a_gpu_lost_between_two_discoveries_is_a_diff(standin, standin_library, 
 
 
 def test_mig_repartitioned_is_a_diff_with_fresh_cap_minors(standin, standin_library, tree):
-    from agent.inventory import diff
+    from common.inventory import diff
 
     discovery = _discovery(standin_library, tree)
     standin(HOST)

@@ -8,7 +8,7 @@ import psutil
 from agent.cpus import read_cpu_topology
 from agent.discovery import Reserve, assemble
 from agent.host import KernelHost
-from agent.inventory import GpuInventory, Driver
+from common.inventory import GpuInventory, Driver
 from common.hostfacts import read_meminfo
 
 

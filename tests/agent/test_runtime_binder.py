@@ -9,7 +9,7 @@ import pytest
 from agent.binder import Binder, plan
 from agent.bindspec import HostView, want_of
 from agent.checkpoint import Checkpoint
-from agent.nodewire import Binding, BindingShare, BindingUnit
+from common.nodewire import Binding, BindingShare, BindingUnit
 from cgroups import Subtree, bpf
 from cgroups.files import parse_list
 from tests.cgroups.conftest import bpf_works, hugetlb_for_own_cgroup, own_cgroup2  # noqa: F401 (fixtures)
@@ -22,9 +22,9 @@ BOOT = "boot-for-binder-tests"
 
 def binding(host: HostView, rid: str, gpu: int = 0, huge: int = 0) -> Binding:
     g = host.inventory.gpus[gpu]
-    return Binding(reservationId=rid, tenantId="acme", principalId="alice",
+    return Binding(reservationId=rid, kind="hold", tenantId="acme", principalId="alice", start=0, end=1,
                    units=[BindingUnit(unit=f"gpu{gpu}", gpuIndex=gpu, uuid=g.uuid)],
-                   share=BindingShare(vcpuMilli=2000, memoryMiB=1024, hugepages1g=huge))
+                   share=BindingShare(vcpuMilli=2000, memoryMiB=1024, hugepages1Gi=huge))
 
 
 def make_binder(root: Path, tmp_path: Path, controllers=()) -> Binder:

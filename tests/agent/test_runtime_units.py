@@ -16,7 +16,7 @@ from agent.bindspec import BindError, HostView, refusal, simulated_devices_proc,
 from agent.discovery import Discovery
 from agent.execgate import ExecPolicy
 from agent.metrics import AgentMetrics
-from agent.nodewire import Binding, BindingShare, BindingUnit, WatchAnswer
+from common.nodewire import Binding, BindingShare, BindingUnit, WatchAnswer
 from agent.runtime import Backoff, heartbeat_interval
 from agent.sdnotify import Notifier
 from agent.simulate import SimulatedGpus, SimulatedHost
@@ -52,8 +52,8 @@ def view(inventory, devices_proc, enforced=ALL, **kw) -> HostView:
 
 
 def hold(rid="r1", units=(), vcpu=8000, memory=65536, huge=0, numa=(), kind="hold") -> Binding:
-    return Binding(reservationId=rid, kind=kind, tenantId="acme", principalId="alice", units=list(units),
-                   share=BindingShare(vcpuMilli=vcpu, memoryMiB=memory, hugepages1g=huge), numaNodes=list(numa))
+    return Binding(reservationId=rid, kind=kind, tenantId="acme", principalId="alice", start=0, end=1, units=tuple(units),
+                   share=BindingShare(vcpuMilli=vcpu, memoryMiB=memory, hugepages1Gi=huge), numaNodes=tuple(numa))
 
 
 def gpu_unit(inv, index):
@@ -68,7 +68,7 @@ def gpu_unit(inv, index):
     (ALL, CgroupShare(vcpu_milli=8000, memory_bytes=64 << 30, hugepages_1g=2, cpus="0-1", mems="0"), []),
     ({"hugetlb"}, CgroupShare(hugepages_1g=2),
      ["cpu (vcpuMilli 8000)", "memory (memoryMiB 65536)", "cpuset (numaNodes [0])"]),
-    ((), CgroupShare(), ["cpu (vcpuMilli 8000)", "memory (memoryMiB 65536)", "hugetlb (hugepages1g 2)",
+    ((), CgroupShare(), ["cpu (vcpuMilli 8000)", "memory (memoryMiB 65536)", "hugetlb (hugepages1Gi 2)",
                          "cpuset (numaNodes [0])"]),
 ])
 def test_the_share_becomes_what_the_host_enforces_and_the_rest_is_named(inventory, devices_proc, enforced,
@@ -366,8 +366,9 @@ def test_watch_answers_are_read_leniently_about_new_fields_and_strictly_about_ty
     import msgspec
 
     raw = {"resourceVersion": 7, "changed": True, "future": 1, "bindings": [
-        {"reservationId": "r", "kind": "hold", "units": [{"unit": "gpu0", "gpuIndex": 0, "minor": 0}],
-         "share": {"vcpuMilli": 1000, "memoryMiB": 1, "hugepages1g": 0}, "numaNodes": [0]}]}
+        {"reservationId": "r", "kind": "hold", "tenantId": "acme", "principalId": "alice", "start": 0, "end": 1,
+         "units": [{"unit": "gpu0", "gpuIndex": 0, "minor": 0}],
+         "share": {"vcpuMilli": 1000, "memoryMiB": 1, "hugepages1Gi": 0}, "numaNodes": [0]}]}
     ans = msgspec.convert(raw, WatchAnswer)
     assert (7, "gpu0") == (ans.resourceVersion, ans.bindings[0].units[0].unit)
     with pytest.raises(msgspec.ValidationError):

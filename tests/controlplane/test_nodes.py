@@ -83,7 +83,7 @@ async def test_watch_answers_the_whole_set_at_once_and_within_100_ms_of_a_change
     status, now = await node_call(api, "watch", token, {"resourceVersion": rv, "timeoutMs": 5000})
     [binding] = now["bindings"]
     assert binding["kind"] == "hold" and len(binding["units"]) == 8
-    assert binding["units"][0]["uuid"].startswith("GPU-") and binding["units"][0]["minor"] is not None
+    assert binding["units"][0]["uuid"].startswith("GPU-") and binding["units"][0]["gpuIndex"] is not None
     assert binding["share"]["vcpuMilli"] > 0
     t = loop.time()
     status, idle = await node_call(api, "watch", token, {"resourceVersion": now["resourceVersion"], "timeoutMs": 150})

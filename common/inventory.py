@@ -1,18 +1,34 @@
-"""The inventory document: what this host has, in the form the control plane books against, and diffs of it.
+"""The inventory document: what a host has, in the form the control plane books against, and diffs of it.
 
-One msgspec definition per shape (camelCase on the wire, like the control
-plane's schemas), frozen; `Inventory.to_wire()` / `Inventory.from_wire()`
-are the JSON form, `diff(old, new)` says what changed between two
-discoveries. docs/inventory.md describes every field.
+The agent's discovery writes it and the control plane reads it (register and
+heartbeat carry it), so it is defined once, here. One msgspec definition per
+shape (camelCase on the wire), frozen, strict (an unknown field or a value out
+of its bounds is refused with the field named); `Inventory.to_wire()` /
+`Inventory.from_wire()` are the JSON form, `diff(old, new)` says what changed
+between two discoveries. docs/inventory.md describes every field and bound.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Struct, field
+from msgspec import Meta, Struct, field
 
 SCHEMA_VERSION = 1
+
+# Bounds: generous for any real host, tight enough that nonsense is refused.
+Index = Annotated[int, Meta(ge=0, le=1023)]
+Minor = Annotated[int, Meta(ge=0, le=(1 << 20) - 1)]  # a device minor number (20 bits)
+NumaNode = Annotated[int, Meta(ge=0, le=1023)]
+Count = Annotated[int, Meta(ge=0, le=1 << 32)]
+VcpuMilli = Annotated[int, Meta(ge=0, le=100_000_000)]  # up to 100,000 CPUs
+MiB = Annotated[int, Meta(ge=0, le=1 << 40)]
+Text = Annotated[str, Meta(max_length=256)]
+Uuid = Annotated[str, Meta(min_length=1, max_length=128)]
+Name = Annotated[str, Meta(max_length=128)]
+CpuList = Annotated[str, Meta(max_length=16384, pattern=r"^[0-9,\-]*$")]
+Hostname = Annotated[str, Meta(min_length=1, max_length=253)]
+Ms = Annotated[int, Meta(ge=0, le=32503680000000)]  # epoch ms, up to year 3000
 
 
 class _Doc(Struct, frozen=True, forbid_unknown_fields=True):
@@ -26,52 +42,52 @@ class MigMode(_Doc):
 
 class Health(_Doc):
     healthy: bool = True
-    xid: int | None = None
-    reason: str = ""
-    sinceMs: int | None = None
+    xid: Annotated[int, Meta(ge=0, le=1 << 31)] | None = None
+    reason: Text = ""
+    sinceMs: Ms | None = None
 
 
 HEALTHY = Health()
 
 
 class CapMinors(_Doc):
-    gi: int | None = None
-    ci: int | None = None
+    gi: Minor | None = None
+    ci: Minor | None = None
 
 
 class MigDevice(_Doc):
-    index: int  # NVML's MIG device slot on the parent GPU (slots can be sparse)
-    gpuInstanceId: int
-    computeInstanceId: int
-    profile: str | None
-    uuid: str
-    name: str
-    memoryMiB: int
+    index: Index  # NVML's MIG device slot on the parent GPU (slots can be sparse)
+    gpuInstanceId: Index
+    computeInstanceId: Index
+    profile: Name | None
+    uuid: Uuid
+    name: Name
+    memoryMiB: MiB
     capMinors: CapMinors = CapMinors()
     health: Health = HEALTHY
 
 
 class Gpu(_Doc):
-    index: int
-    uuid: str
-    name: str
-    deviceClass: str
-    minor: int
-    pciBusId: str
-    memoryMiB: int
-    numaNode: int | None
+    index: Index
+    uuid: Uuid
+    name: Name
+    deviceClass: Annotated[str, Meta(min_length=1, max_length=64)]
+    minor: Minor
+    pciBusId: Annotated[str, Meta(max_length=32)]
+    memoryMiB: MiB
+    numaNode: NumaNode | None
     migMode: MigMode | None  # None: the GPU does not support MIG
     health: Health = HEALTHY
     bookable: bool = False
-    migDevices: tuple[MigDevice, ...] = ()
+    migDevices: Annotated[tuple[MigDevice, ...], Meta(max_length=64)] = ()
 
 
 class LostGpu(_Doc):
     """A GPU that NVML counts but cannot read: fell off the bus, or any other per-GPU NVML error."""
 
-    index: int
-    error: str
-    code: int | None = None
+    index: Index
+    error: Text
+    code: Annotated[int, Meta(ge=0, le=1 << 16)] | None = None
 
 
 DriverStatus = Literal["ok", "not-found", "not-loaded", "error"]
@@ -79,9 +95,9 @@ DriverStatus = Literal["ok", "not-found", "not-loaded", "error"]
 
 class Driver(_Doc):
     status: DriverStatus
-    message: str = ""
-    version: str | None = None
-    cudaVersion: str | None = None
+    message: Text = ""
+    version: Name | None = None
+    cudaVersion: Name | None = None
 
 
 class GpuInventory(_Doc):
@@ -94,49 +110,49 @@ class GpuInventory(_Doc):
 
 
 class NumaCpus(_Doc):
-    node: int
-    cpus: str  # kernel cpulist of the node's online CPUs
-    count: int
+    node: NumaNode
+    cpus: CpuList  # kernel cpulist of the node's online CPUs
+    count: Count
 
 
 class Cpus(_Doc):
-    online: str
-    onlineCount: int
-    offline: str
-    cores: int
-    threads: int
-    numaNodes: tuple[NumaCpus, ...]
-    reservedVcpuMilli: int
-    allocatableVcpuMilli: int
-    allocatableVcpu: float
+    online: CpuList
+    onlineCount: Count
+    offline: CpuList
+    cores: Count
+    threads: Count
+    numaNodes: Annotated[tuple[NumaCpus, ...], Meta(max_length=1024)]
+    reservedVcpuMilli: VcpuMilli
+    allocatableVcpuMilli: VcpuMilli
+    allocatableVcpu: Annotated[float, Meta(ge=0, le=100_000)]
 
 
 class NumaMemory(_Doc):
-    node: int
-    totalMiB: int
-    hugepagesMiB: int
+    node: NumaNode
+    totalMiB: MiB
+    hugepagesMiB: MiB
 
 
 class Memory(_Doc):
-    totalMiB: int
-    hugepagesMiB: int
-    reservedMiB: int
-    allocatableMiB: int
-    numaNodes: tuple[NumaMemory, ...]
+    totalMiB: MiB
+    hugepagesMiB: MiB
+    reservedMiB: MiB
+    allocatableMiB: MiB
+    numaNodes: Annotated[tuple[NumaMemory, ...], Meta(max_length=1024)]
 
 
 class HugepageNode(_Doc):
-    node: int
-    total: int
-    free: int
+    node: NumaNode
+    total: Count
+    free: Count
 
 
 class HugepagePool(_Doc):
-    sizeKiB: int
+    sizeKiB: Count
     supported: bool
-    total: int
-    free: int
-    numaNodes: tuple[HugepageNode, ...] = ()
+    total: Count
+    free: Count
+    numaNodes: Annotated[tuple[HugepageNode, ...], Meta(max_length=1024)] = ()
 
 
 class Hugepages(_Doc):
@@ -145,30 +161,30 @@ class Hugepages(_Doc):
 
 
 class PerGpuShare(_Doc):
-    vcpuMilli: int
-    vcpu: float
-    memoryMiB: int
-    memoryGiB: float
+    vcpuMilli: VcpuMilli
+    vcpu: Annotated[float, Meta(ge=0, le=100_000)]
+    memoryMiB: MiB
+    memoryGiB: Annotated[float, Meta(ge=0, le=1 << 30)]
 
 
 class ShareDoc(_Doc):
-    bookableGpus: int
+    bookableGpus: Count
     perGpu: PerGpuShare | None  # None: no bookable GPU (or no CPU/memory to share)
 
 
 class Inventory(_Doc):
-    hostname: str
-    discoveredAtMs: int
-    source: str  # "nvml" or "simulate"
+    hostname: Hostname
+    discoveredAtMs: Ms
+    source: Literal["nvml", "simulate"]
     driver: Driver
-    gpus: tuple[Gpu, ...]
-    lostGpus: tuple[LostGpu, ...]
+    gpus: Annotated[tuple[Gpu, ...], Meta(max_length=256)]
+    lostGpus: Annotated[tuple[LostGpu, ...], Meta(max_length=256)]
     cpus: Cpus
     memory: Memory
     hugepages: Hugepages
     share: ShareDoc
-    bootId: str | None = None
-    schemaVersion: int = SCHEMA_VERSION
+    bootId: Annotated[str, Meta(max_length=64)] | None = None
+    schemaVersion: Annotated[int, Meta(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON form as plain dicts and lists."""

@@ -1,0 +1,160 @@
+"""The node API's documents (docs/node-api.md): one msgspec definition each, used by the control plane and the agent.
+
+Requests (what an agent sends) are strict: an unknown field, a wrong type or
+a value out of bounds is refused, naming the field. Answers (what the control
+plane sends) are read leniently about fields this side does not know, so a
+newer control plane may add some, and strictly about the types of those it
+reads. camelCase as on the wire. The inventory an agent registers and
+heartbeats with is common.inventory.Inventory.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from common.inventory import Hostname, Inventory
+
+Id = Annotated[str, Meta(min_length=1, max_length=128)]
+Message = Annotated[str, Meta(max_length=2000)]
+Path = Annotated[str, Meta(max_length=4096)]
+ResourceVersion = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+REPORT_MAX = 1000  # reports in one call
+BINDING_KINDS = ("hold", "node", "kubernetes")
+REPORT_STATUSES = ("bound", "unbound", "failed")
+
+
+class Request(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A body an agent sends: decoded strictly by the control plane."""
+
+
+class Answer(Struct, frozen=True):
+    """A body the control plane sends: unknown fields are ignored by the agent, known ones type-checked."""
+
+
+# -- register ---------------------------------------------------------------------------
+
+
+class RegisterRequest(Request):
+    hostname: Hostname
+    inventory: Inventory
+    agentVersion: Annotated[str, Meta(max_length=64)] = ""
+
+
+class RegisterAnswer(Answer):
+    nodeId: str
+    nodeToken: str
+    poolId: str = ""
+    heartbeatSeconds: float = 5.0
+    graceSeconds: float = 30.0
+    resourceVersion: int = 0
+
+
+# -- heartbeat ------------------------------------------------------------------------------
+
+
+class HeartbeatRequest(Request):
+    """Alive; the inventory rides along only when it changed since the last one the control plane took."""
+
+    inventory: Inventory | None = None
+
+
+class HeartbeatAnswer(Answer):
+    resourceVersion: int = 0
+    graceSeconds: float | None = None
+
+
+# -- watch -------------------------------------------------------------------------------------
+
+
+class WatchRequest(Request):
+    resourceVersion: ResourceVersion | None = None
+    timeoutMs: Annotated[int, Meta(ge=0, le=30_000)] = 25_000
+
+
+class BindingUnit(Answer):
+    """One bookable device of the binding: a whole GPU, a MIG instance or a slot of a GPU."""
+
+    unit: str
+    gpuIndex: int
+    uuid: str | None = None
+    migProfile: str | None = None
+
+
+class BindingShare(Answer):
+    """The host resources booked on this node: millicpu, MiB of memory, 1 GiB hugepages."""
+
+    vcpuMilli: int = 0
+    memoryMiB: int = 0
+    hugepages1Gi: int = 0
+
+
+class Binding(Answer):
+    """A reservation the control plane wants made on this node now (the whole set comes with each watch answer)."""
+
+    reservationId: str
+    kind: str
+    tenantId: str
+    principalId: str
+    start: int
+    end: int
+    units: tuple[BindingUnit, ...] = ()
+    share: BindingShare = BindingShare()
+    numaNodes: tuple[int, ...] = ()
+
+
+class WatchAnswer(Answer):
+    resourceVersion: int
+    changed: bool = True
+    bindings: tuple[Binding, ...] = ()
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+class Report(Request):
+    """What the agent made of one binding. `unenforced` names each part of the share this host could not enforce
+    (the binding is still bound); `message` says why a binding failed."""
+
+    reservationId: Id
+    status: Literal["bound", "unbound", "failed"]
+    cgroup: Path | None = None
+    devices: Annotated[tuple[Path, ...], Meta(max_length=256)] = ()
+    unenforced: Annotated[tuple[Message, ...], Meta(max_length=32)] = ()
+    message: Message | None = None
+
+
+class ReportRequest(Request):
+    reports: Annotated[tuple[Report, ...], Meta(max_length=REPORT_MAX)]
+
+
+class Ignored(Answer):
+    reservationId: str = ""
+    reason: str = ""
+
+
+class ReportAnswer(Answer):
+    accepted: tuple[str, ...] = ()
+    ignored: tuple[Ignored, ...] = ()
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+class ErrorBody(Answer):
+    code: str = "UNKNOWN"
+    message: str = ""
+    details: dict = {}
+
+
+class ErrorEnvelope(Answer):
+    error: ErrorBody = ErrorBody()
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(doc: Struct) -> bytes:
+    return _encoder.encode(doc)
+
