@@ -83,7 +83,7 @@ def bootstrap(path: Path) -> None:
 def prefill(db: Path, boot: Path, count: int, base: int) -> None:
     """Book `count` one-hour windows in even slots (base + 2k hours) through the service itself."""
     from controlplane.domain.clock import Clock
-    from controlplane.schemas import CreateBody
+    from controlplane.schemas import CreateBody, create_command
     from controlplane.wiring import Config, ControlPlane
 
     cp = ControlPlane(Config(db=f"sqlite:///{db}", bootstrap=str(boot), clock=Clock(), synchronous="OFF")).open()
@@ -99,7 +99,7 @@ def prefill(db: Path, boot: Path, count: int, base: int) -> None:
             start = base + 2 * slot * HOUR
             body = CreateBody(poolId="fleet", gpuModel="H100_80GB", gpuCount=1, start=start, end=start + HOUR)
             async with sem:
-                await cp.reservations.create(principal, body, f"prefill-{i}")
+                await cp.reservations.create(principal, create_command(body, f"prefill-{i}"))
             done += 1
             if done % 5000 == 0:
                 progress(f"prefill: {done}/{count} bookings")

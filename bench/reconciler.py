@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from controlplane.domain.clock import FakeClock  # noqa: E402
-from controlplane.schemas import CreateBody  # noqa: E402
+from controlplane.schemas import CreateBody, create_command  # noqa: E402
 from controlplane.wiring import Config, ControlPlane  # noqa: E402
 
 HOUR = 3_600_000
@@ -66,7 +66,7 @@ def build(tmp: Path, live: int, changes: int) -> ControlPlane:
                 start = T0 + (1 + (i - changes) // (NODES * GPUS)) * 2 * HOUR
             body = CreateBody(poolId="p", gpuModel="H100_80GB", gpuCount=1, start=start, end=start + HOUR)
             async with sem:
-                answer = await cp.reservations.create(user, body, f"r{i}")
+                answer = await cp.reservations.create(user, create_command(body, f"r{i}"))
             assert answer.reservation.state == "placed", answer.reservation.state
             done += 1
             if done % 5000 == 0:

@@ -16,7 +16,7 @@ from decimal import Decimal
 from controlplane.domain import states
 from controlplane.domain.clock import Clock
 from controlplane.domain.pricing import charge, day_spans, exposure, money
-from controlplane.store.sqlite import SqliteStore
+from controlplane.store.port import Store
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,7 @@ class UsageLine:
 
 
 class Billing:
-    def __init__(self, store: SqliteStore, clock: Clock):
+    def __init__(self, store: Store, clock: Clock):
         self.store = store
         self.clock = clock
 

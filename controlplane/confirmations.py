@@ -17,7 +17,7 @@ from controlplane.domain.errors import ACCESS_DENIED, CONFIRMATION_REQUIRED, INV
 from controlplane.domain.ids import _digest
 from controlplane.domain.model import Confirmation, Principal, Reservation
 from controlplane.domain.timers import CONFIRMATION_WINDOW_MS
-from controlplane.store.sqlite import SqliteStore, Tx
+from controlplane.store.port import Store, Tx
 from controlplane.transitions import Transitions
 
 POLL_INTERVAL_S = 5
@@ -92,7 +92,7 @@ def lapse(tx: Tx, moves: Transitions, res: Reservation, now: int, status: str = 
 
 
 class ConfirmationService:
-    def __init__(self, store: SqliteStore, clock: Clock, moves: Transitions):
+    def __init__(self, store: Store, clock: Clock, moves: Transitions):
         self.store = store
         self.clock = clock
         self.moves = moves
@@ -141,4 +141,4 @@ class ConfirmationService:
                 current = tx.confirmation(conf_id)
             return current
 
-        return await self.store.writer.call(job)
+        return await self.store.call(job)

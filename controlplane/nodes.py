@@ -27,8 +27,9 @@ from controlplane.domain.ids import operation_id, token_hash
 from controlplane.domain.model import Bound, Node, Pool, Reservation, Unit
 from common.share import Share
 from controlplane.state import WriterState
-from controlplane.store import sqlite as sq
-from controlplane.store.sqlite import SqliteStore, Tx
+from controlplane.reconciler import Reconciler
+from controlplane.store.port import Store, Tx
+from controlplane.tokens import Tokens
 from common.inventory import Inventory
 from common.nodewire import (Binding, BindingShare, BindingUnit, HeartbeatAnswer, Ignored, RegisterAnswer, Report,
                              ReportAnswer, WatchAnswer)
@@ -107,8 +108,8 @@ class NodeLive:
 
 
 class NodeService:
-    def __init__(self, store: SqliteStore, clock: Clock, catalog: CatalogRef, state: WriterState, moves: Transitions,
-                 tokens, grace_s: float = 30.0, on_freed=None):
+    def __init__(self, store: Store, clock: Clock, catalog: CatalogRef, state: WriterState, moves: Transitions,
+                 tokens: Tokens, reconciler: Reconciler, grace_s: float = 30.0):
         self.store = store
         self.clock = clock
         self.catalog = catalog
@@ -116,7 +117,7 @@ class NodeService:
         self.moves = moves
         self.tokens = tokens
         self.grace_s = grace_s
-        self.on_freed = on_freed
+        self.reconciler = reconciler
         self.live: dict[str, NodeLive] = {}
         self.heartbeat_s = min(HEARTBEAT_S, max(0.2, grace_s / 3))  # three heartbeats fit in the grace
         self.closing = False
@@ -124,9 +125,12 @@ class NodeService:
         moves.listeners.append(self._reservation_changed)
 
     # ---- desired bindings -----------------------------------------------------------
-    def load(self, reservations: list[Reservation]) -> None:
-        for res in reservations:
-            self._reservation_changed(res)
+    def load(self) -> None:
+        """The bindings wanted now, from the store (at start)."""
+        live = self.store.call_sync(lambda tx: tx.live_reservations())
+        for res in live:
+            if res.state in (states.BINDING, states.ACTIVE):
+                self._reservation_changed(res)
 
     def _node(self, node_id: str) -> NodeLive:
         live = self.live.get(node_id)
@@ -200,7 +204,7 @@ class NodeService:
             self.tokens.rows = rows
             return node
 
-        node = await self.store.writer.call(job)
+        node = await self.store.call(job)
         live = self._node(node.id)
         live.last_seen = self.clock.monotonic()
         live.agent_version = agent_version
@@ -243,7 +247,7 @@ class NodeService:
 
     async def update_inventory(self, node: Node, inventory: Inventory) -> None:
         pool = self.catalog.current.pools[node.pool_id]
-        await self.store.writer.call(
+        await self.store.call(
             lambda tx: self._apply_inventory(tx, self.catalog.current, pool, node.id, node.hostname, inventory))
 
     # ---- heartbeats and loss ----------------------------------------------------------------
@@ -262,7 +266,7 @@ class NodeService:
         lost = [nid for nid, live in self.live.items()
                 if live.last_seen is not None and not live.lost and now - live.last_seen > self.grace_s]
         for node_id in lost:
-            await self.store.writer.call(lambda tx, n=node_id: self._lose(tx, n))
+            await self.store.call(lambda tx, n=node_id: self._lose(tx, n))
             self.live[node_id].lost = True
             log.warning("node lost", node_id=node_id, silent_s=round(now - (self.live[node_id].last_seen or now), 1))
         return lost
@@ -308,11 +312,10 @@ class NodeService:
                     self.moves.save(tx, res)
                     self.moves.event(tx, res, "reservation.node-found", now, nodeId=node_id)
 
-        await self.store.writer.call(job)
+        await self.store.call(job)
         self.live[node_id].lost = False
         log.info("node back", node_id=node_id)
-        if self.on_freed is not None:
-            self.on_freed(self.catalog.current.nodes[node_id].pool_id)
+        self.reconciler.capacity_freed(self.catalog.current.nodes[node_id].pool_id)
 
     async def run_monitor(self, interval_s: float = 1.0) -> None:
         while True:
@@ -380,7 +383,7 @@ class NodeService:
                 accepted.append(rid)
             return ReportAnswer(tuple(accepted), tuple(ignored))
 
-        return await self.store.writer.call(job)
+        return await self.store.call(job)
 
     def _bound(self, tx: Tx, res: Reservation, node_id: str, rep: Report, now: int) -> None:
         devices = list(rep.devices)
@@ -405,6 +408,3 @@ class NodeService:
             "heartbeat_age": {nid: now - n.last_seen for nid, n in self.live.items() if n.last_seen is not None},
         }
 
-
-def live_for_nodes(conn) -> list[Reservation]:
-    return [r for r in sq.live_reservations(conn) if r.state in (states.BINDING, states.ACTIVE)]

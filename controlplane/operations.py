@@ -13,14 +13,15 @@ import asyncio
 
 from controlplane.domain.errors import not_found
 from controlplane.domain.model import Operation, Principal, Reservation
-from controlplane.store.sqlite import SqliteStore
+from controlplane.store.port import Store
+from controlplane.reservations import ReservationService
 from controlplane.transitions import Transitions
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 
 
 class OperationService:
-    def __init__(self, store: SqliteStore, moves: Transitions, reservations):
+    def __init__(self, store: Store, moves: Transitions, reservations: ReservationService):
         self.store = store
         self.reservations = reservations
         self._waiters: dict[str, list[asyncio.Future]] = {}

@@ -19,19 +19,18 @@ from typing import Any
 
 import msgspec
 
+from controlplane.commands import Create
 from controlplane.domain.admission import MAX_LEAD_MS, CreateRequest, Plan, admit
 from controlplane.domain.clock import Clock
-from controlplane.domain.errors import NO_CAPACITY, PRICE_CHANGED, QUOTE_EXPIRED, DomainError, invalid
+from controlplane.domain.errors import NO_CAPACITY, PRICE_CHANGED, QUOTE_EXPIRED, DomainError
 from controlplane.domain.model import Principal, Tenant
 from controlplane.domain.placement import earliest_start
-from controlplane.domain.pricing import exposure, money, parse_money
-from controlplane.schemas import CreateBody
+from controlplane.domain.pricing import exposure, money
 from controlplane.state import WriterState
-from controlplane.store.sqlite import SqliteStore
+from controlplane.store.port import Reads, Store
 from controlplane.transitions import CatalogRef
 
 QUOTE_TTL_MS = 120_000
-PRICED = ("poolId", "gpuModel", "sharing", "migProfile", "gpuCount", "nodeCount", "binding", "resources", "spot")
 
 
 class QuoteDoc(msgspec.Struct):
@@ -44,9 +43,15 @@ class QuoteDoc(msgspec.Struct):
     hourly_usd: str
 
 
-def priced_fields(body: CreateBody) -> dict:
-    raw = msgspec.to_builtins(body)
-    return {k: raw.get(k) for k in PRICED}
+def priced_fields(req: CreateRequest) -> dict:
+    """The fields of a request that set its price, by their wire names (a PRICE_CHANGED answer names them)."""
+    res = req.resources
+    return {
+        "poolId": req.pool_id, "gpuModel": req.gpu_model, "sharing": req.sharing, "migProfile": req.mig_profile,
+        "gpuCount": req.gpu_count, "nodeCount": req.node_count, "binding": req.binding, "spot": req.spot,
+        "resources": None if res is None else {"vcpuMilli": res.vcpu_milli, "memoryMiB": res.memory_mib,
+                                              "hugepages1Gi": res.hugepages_1g},
+    }
 
 
 def window_ms(plan: Plan) -> int:
@@ -54,7 +59,7 @@ def window_ms(plan: Plan) -> int:
 
 
 class Quotes:
-    def __init__(self, store: SqliteStore, clock: Clock, catalog: CatalogRef, state: WriterState):
+    def __init__(self, store: Store, clock: Clock, catalog: CatalogRef, state: WriterState):
         self.store = store
         self.clock = clock
         self.catalog = catalog
@@ -98,16 +103,13 @@ class Quotes:
         return DomainError(NO_CAPACITY, err.message + "; other pools can: see details.alternatives", details)
 
     # ---- price checks on create ------------------------------------------------------
-    def check(self, principal: Principal, body: CreateBody, plan: Plan, tenant: Tenant, req: CreateRequest, now: int) -> None:
-        ceiling = None
-        if body.maxHourlyPrice is not None:
-            ceiling = parse_money(body.maxHourlyPrice)
-            if ceiling is None:
-                raise invalid("maxHourlyPrice", "must be a decimal string with at most six decimals, e.g. \"3.000000\"")
-        if body.quoteId is not None:
-            self._check_quote(principal, body, plan, now)
+    def check(self, reads: Reads, principal: Principal, cmd: Create, plan: Plan, tenant: Tenant, now: int) -> None:
+        """The quote a create names (PRICE_CHANGED, QUOTE_EXPIRED) and its price ceiling (NO_CAPACITY price_ceiling)."""
+        ceiling = cmd.max_hourly_price
+        if cmd.quote_id is not None:
+            self._check_quote(reads, principal, cmd, plan, now)
         if ceiling is not None and plan.hourly_usd > ceiling:
-            alternatives = self.alternatives(tenant, req, now)
+            alternatives = self.alternatives(tenant, cmd.request, now)
             cheapest = min([plan.hourly_usd] + [Decimal(a["totalRunningUsdPerHour"]) for a in alternatives])
             details: dict[str, Any] = {
                 "reason": "price_ceiling", "cheapestEligibleUsdPerHour": money(cheapest),
@@ -120,16 +122,16 @@ class Quotes:
             raise DomainError(NO_CAPACITY, f"No {plan.node_count} x {plan.gpu_count} {plan.pool.gpu_model} capacity in pool "
                               f"{plan.pool.id} within ${money(ceiling)}/hr: it runs at ${money(plan.hourly_usd)}/hr", details)
 
-    def _check_quote(self, principal: Principal, body: CreateBody, plan: Plan, now: int) -> None:
-        found = self.store.quote(body.quoteId) if body.quoteId else None
+    def _check_quote(self, reads: Reads, principal: Principal, cmd: Create, plan: Plan, now: int) -> None:
+        found = reads.quote(cmd.quote_id) if cmd.quote_id else None
         if found is None or found[0] != principal.tenant_id:
-            raise DomainError(QUOTE_EXPIRED, f"quoteId: {body.quoteId!r} is not a quote of this tenant; request a fresh quote",
-                              {"field": "quoteId", "quoteId": body.quoteId})
+            raise DomainError(QUOTE_EXPIRED, f"quoteId: {cmd.quote_id!r} is not a quote of this tenant; request a fresh quote",
+                              {"field": "quoteId", "quoteId": cmd.quote_id})
         doc = msgspec.json.decode(found[2], type=QuoteDoc)
         if doc.expires_at <= now:
             raise DomainError(QUOTE_EXPIRED, f"quote {doc.id} expired at {doc.expires_at}; request a fresh quote",
                               {"field": "quoteId", "quoteId": doc.id, "expiresAt": doc.expires_at})
-        changed = [k for k, v in priced_fields(body).items() if doc.priced.get(k) != v]
+        changed = [k for k, v in priced_fields(cmd.request).items() if doc.priced.get(k) != v]
         if changed or Decimal(doc.hourly_usd) != plan.hourly_usd:
             raise DomainError(PRICE_CHANGED, (f"{', '.join(changed)} changed since the quote" if changed else
                               f"the price changed from ${doc.hourly_usd}/hr to ${money(plan.hourly_usd)}/hr") +
@@ -138,11 +140,11 @@ class Quotes:
                                "totalRunningUsdPerHour": money(plan.hourly_usd), "changed": changed})
 
     # ---- the quote itself ---------------------------------------------------------------
-    async def quote(self, principal: Principal, body: CreateBody, plan: Plan, tenant: Tenant, req: CreateRequest) -> dict:
+    async def quote(self, principal: Principal, req: CreateRequest, plan: Plan, tenant: Tenant) -> dict:
         now = self.clock.compute_now()
         doc = QuoteDoc("qt_" + secrets.token_hex(12), tenant.id, principal.id, now, now + QUOTE_TTL_MS,
-                       priced_fields(body), money(plan.hourly_usd))
-        await self.store.writer.call(lambda tx: tx.put_quote(doc.id, doc.tenant_id, doc.expires_at, msgspec.json.encode(doc)))
+                       priced_fields(req), money(plan.hourly_usd))
+        await self.store.call(lambda tx: tx.put_quote(doc.id, doc.tenant_id, doc.expires_at, msgspec.json.encode(doc)))
         start = self.earliest(plan, now)
         return {
             "id": doc.id, "createdAt": now, "expiresAt": doc.expires_at, "currency": "USD",

@@ -4,7 +4,8 @@ placed -> binding at the window's start; binding/active -> released at its
 end; a lapsed lease releases (reason lease-lapsed); a pending fixed window
 whose end passed is cancelled (reason expired); an awaiting-confirmation
 draft lapses after 30 minutes; a pool's pending reservations are retried
-every 30 seconds (and at once when capacity frees: see ReservationService.wake).
+every 30 seconds, and at once when capacity frees (`capacity_freed`: a release,
+a cancel, a node back, the end of a window).
 
 A pass is one store job over the timers that are due (domain/timers.py), so
 its cost follows the number of changes, not the number of live
@@ -25,7 +26,7 @@ from controlplane.domain.clock import Clock
 from controlplane.domain.model import Reservation
 from controlplane.domain.timers import CONFIRMATION, CONFIRMATION_WINDOW_MS, END, EXPIRE, LEASE, RETRY, START
 from controlplane.state import WriterState
-from controlplane.store.sqlite import SqliteStore, Tx
+from controlplane.store.port import Store, Tx
 from controlplane.transitions import Transitions
 
 log = structlog.get_logger("berth.reconciler")
@@ -34,29 +35,41 @@ BATCH = 5000  # timers handled per pass; a longer backlog continues in the next 
 
 
 class Reconciler:
-    def __init__(self, store: SqliteStore, clock: Clock, state: WriterState, moves: Transitions,
-                 tick_s: float = 1.0, on_freed=None):
+    def __init__(self, store: Store, clock: Clock, state: WriterState, moves: Transitions, tick_s: float = 1.0):
         self.store = store
         self.clock = clock
         self.state = state
         self.moves = moves
         self.tick_s = tick_s
-        self.on_freed = on_freed  # pool id -> None: freed capacity to offer to pending reservations
         self._wake = asyncio.Event()
+        self._background: set[asyncio.Future] = set()
         self.passes = 0
         self.transitions = 0
 
     def wake(self) -> None:
+        """Something is due now (a window that already started): pass at once, not at the next tick."""
         self._wake.set()
+
+    def capacity_freed(self, pool_id: str) -> None:
+        """Freed capacity: try the pool's pending reservations now."""
+        if not self.state.pending.get(pool_id):
+            return
+        job = asyncio.ensure_future(self.store.call(lambda tx: self.moves.place_pending(tx, pool_id)))
+        self._background.add(job)
+        job.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Wait for the placements started by capacity_freed to finish."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     async def run_once(self) -> int:
         """One pass over what is due now; the number of reservations it moved."""
-        moved, freed, more = await self.store.writer.call(self._pass)
+        moved, freed, more = await self.store.call(self._pass)
         self.passes += 1
         self.transitions += moved
         for pool_id in freed:
-            if self.on_freed is not None:
-                self.on_freed(pool_id)
+            self.capacity_freed(pool_id)
         if more:
             self._wake.set()
         return moved

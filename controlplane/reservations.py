@@ -1,41 +1,46 @@
 """The reservations service: the seven tenant methods (create, get, list, release, cancel, extend, renew).
 
-Each method reads what it needs (committed data), asks IAM, and makes its
-change as a job of the store's writer through Transitions (one transaction
-in which the state moves and everything that follows from it is written).
-create writes the draft first and decides once on it; an agent refused
-where its delegating user would be allowed opens a confirmation instead.
+Each method takes a command (controlplane/commands.py), asks IAM, and makes
+its change as a job of the store's writer through Transitions (one
+transaction in which the state moves and everything that follows from it is
+written). create writes the draft first and decides once on it: with the
+embedded authorizer the replay check, the draft, its decision and its
+admission are one job (one read of the key, one transaction); with a remote
+one the draft is written, the decision awaited, and the draft admitted in a
+second job. An agent refused where its delegating user would be allowed
+opens a confirmation instead.
 """
 from __future__ import annotations
 
 import asyncio
 import secrets
-
-import msgspec
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any, Callable
 
 import structlog
 
+from controlplane import confirmations
+from controlplane.billing import Billing
+from controlplane.commands import Create, Extend, ListQuery
 from controlplane.domain import states
-from controlplane.domain.admission import CreateRequest, Plan, ResourcesAsk, admit, iam_attributes, reservation_attributes
+from controlplane.domain.admission import Plan, admit, iam_attributes, reservation_attributes
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import (
     ACCESS_DENIED, CONFLICT, INSUFFICIENT_FUNDS, INVALID_INPUT, INVALID_STATE, NO_CAPACITY, PROVIDER_UNAVAILABLE,
-    SPEND_LIMIT_REACHED, DomainError, invalid, not_found,
+    SPEND_LIMIT_REACHED, DomainError, not_found,
 )
-from controlplane.domain.pricing import exposure, money
-from controlplane.domain.ids import fingerprint, operation_id, reservation_id
+from controlplane.domain.ids import operation_id, reservation_id
 from controlplane.domain.model import Operation, PendingChange, Principal, Reservation, Tenant
+from controlplane.domain.pricing import exposure, money
 from controlplane.iam.authorizer import (
     CREATE, EXTEND, READ, RELEASE, Authorizer, AuthzRequest, Decision, Resource, tenant_resource,
 )
-from controlplane.schemas import CreateBody, ExtendBody, ListBody, fingerprint_of
+from controlplane.quotes import Quotes
+from controlplane.reconciler import Reconciler
 from controlplane.state import WriterState
-from controlplane.store.sqlite import Commit, SqliteStore, Tx
+from controlplane.store.port import Store, Tx
 from controlplane.transitions import CatalogRef, Transitions
-from controlplane import confirmations
 
 log = structlog.get_logger("berth.reservations")
 
@@ -67,49 +72,45 @@ def iam_unavailable(decision: Decision) -> DomainError:
                         "errors": list(decision.errors)})
 
 
-def to_request(body: CreateBody) -> CreateRequest:
-    res = body.resources
-    return CreateRequest(
-        pool_id=body.poolId,
-        gpu_model=body.gpuModel,
-        gpu_count=body.gpuCount,
-        node_count=body.nodeCount,
-        sharing=body.sharing,
-        mig_profile=body.migProfile,
-        start=body.start,
-        end=body.end,
-        duration_ms=round(body.durationHours * 3_600_000) if body.durationHours is not None else None,
-        binding=body.binding,
-        resources=None if res is None else ResourcesAsk(
-            None if res.vcpu is None else round(res.vcpu * 1000),
-            None if res.memoryGiB is None else round(res.memoryGiB * 1024),
-            res.hugepages1Gi,
-        ),
-        spot=body.spot,
-        lease_seconds=body.leaseSeconds,
+def draft_of(principal: Principal, key: str, fp: str, plan: Plan, now: int) -> Reservation:
+    """The draft a create writes first: the request as planned, undecided, charged nothing yet."""
+    pool = plan.pool
+    res = Reservation(
+        id=reservation_id(principal.tenant_id, principal.id, key), tenant_id=principal.tenant_id,
+        principal_id=principal.id, idempotency_key=key, fingerprint=fp, pool_id=pool.id, region=pool.region,
+        state=states.DRAFT, binding=plan.binding, gpu_model=pool.gpu_model, sharing=pool.sharing,
+        gpu_count=plan.gpu_count, node_count=plan.node_count, created_at=now, updated_at=now,
+        mig_profile=plan.mig_profile, spot=plan.spot, lease_seconds=plan.lease_seconds,
     )
+    apply_plan(res, plan)
+    return res
+
+
+def apply_plan(res: Reservation, plan: Plan) -> None:
+    """What admission computed for the draft (its window, share, charge and price) onto it.
+
+    A draft continued by a retry of its key gets the plan of that retry: the
+    request is the same (same fingerprint), the pool's share or price may not be.
+    """
+    res.gpu_count = plan.gpu_count
+    res.start, res.end, res.duration_ms = plan.start, plan.end, plan.duration_ms
+    res.resources, res.charge, res.hourly_usd = plan.resources, dict(plan.charge), plan.hourly_usd
 
 
 class ReservationService:
-    def __init__(self, store: SqliteStore, authorizer: Authorizer, clock: Clock, catalog: CatalogRef,
-                 state: WriterState, transitions: Transitions | None = None):
+    def __init__(self, store: Store, authorizer: Authorizer, clock: Clock, catalog: CatalogRef, state: WriterState,
+                 moves: Transitions, billing: Billing, quotes: Quotes, reconciler: Reconciler):
         self.store = store
         self.authorizer = authorizer
         self.clock = clock
         self.catalog = catalog
         self.state = state
-        self.moves = transitions or Transitions(clock, catalog, state)
-        self._background: set[asyncio.Task] = set()
+        self.moves = moves
+        self.billing = billing
+        self.quotes = quotes
+        self.reconciler = reconciler
         self._waiters: dict[str, list[asyncio.Future]] = {}
-        self.moves.listeners.append(self._wake_waiters)
-        self.spent_usd: Callable[[str], Decimal] = lambda tenant_id: Decimal(0)  # wiring gives Billing's
-        self.exposure_usd: Callable[[str], Decimal] = lambda tenant_id: Decimal(0)
-        self.quotes = None  # wiring gives Quotes
-        self.on_due: Callable[[], None] = lambda: None  # a reservation whose window already started: wake the reconciler
-
-    @property
-    def writer(self):
-        return self.store.writer
+        moves.listeners.append(self._wake_waiters)
 
     # ---- shared pieces ------------------------------------------------------
     def _visible(self, principal: Principal, reservation_id: str, drafts_found: bool = False) -> Reservation:
@@ -138,23 +139,16 @@ class ReservationService:
         attrs["principal"] = owner
         return Resource("Reservation", res.id, attrs)
 
-    def _answer(self, res: Reservation) -> Answer:
-        op = self.store.operation(res.operation_id) if res.operation_id else None
-        return Answer(res, op)
-
     @staticmethod
-    def _answer_in(tx: Tx, res: Reservation) -> Answer:
-        return Answer(res, tx.operation(res.operation_id) if res.operation_id else None)
+    def _answer(reads, res: Reservation) -> Answer:
+        """The reservation with its current operation, read from `reads` (the store, or a job's transaction)."""
+        return Answer(res, reads.operation(res.operation_id) if res.operation_id else None)
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def drain(self) -> None:
-        """Wait for background work (wakes of pending queues) to finish."""
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+    def _tenant(self, principal: Principal) -> Tenant:
+        tenant = self.catalog.current.tenants.get(principal.tenant_id)
+        if tenant is None:
+            raise not_found("tenant", principal.tenant_id)
+        return tenant
 
     def _wake_waiters(self, res: Reservation) -> None:
         if res.state == states.PENDING:
@@ -175,96 +169,103 @@ class ReservationService:
             waiters = self._waiters.get(answer.reservation.id, [])
             if fut in waiters:
                 waiters.remove(fut)
-        return self._answer(self.store.reservation(answer.reservation.id) or answer.reservation)
-
-    def wake(self, pool_id: str) -> None:
-        """Freed capacity: try the pool's pending reservations now."""
-        if not self.state.pending.get(pool_id):
-            return
-        self._spawn(self.writer.call(lambda tx: self.moves.place_pending(tx, pool_id)))
+        return self._answer(self.store, self.store.reservation(answer.reservation.id) or answer.reservation)
 
     # ---- create --------------------------------------------------------------
-    async def create(self, principal: Principal, body: CreateBody, header_key: str | None) -> Answer:
-        if header_key is not None and body.idempotencyKey is not None and header_key != body.idempotencyKey:
-            raise DomainError(INVALID_INPUT, "idempotencyKey: differs from the Idempotency-Key header",
-                              {"field": "idempotencyKey", "rule": "must equal the Idempotency-Key header when both are given"})
-        key = header_key or body.idempotencyKey or secrets.token_urlsafe(18)
-        rid = reservation_id(principal.tenant_id, principal.id, key)
-        fp = fingerprint(fingerprint_of(body))
-        wait_ms = body.wait.timeoutMs if body.wait else 0
-
-        existing = self.store.reservation(rid)
-        confirmed = False
-        if existing is not None:
-            replay = self._replay(existing, fp, self.store.operation, self.store.confirmation)
-            if replay is not None:
-                return await self._wait_while_pending(replay, wait_ms)
-            confirmed = existing.state == states.AWAITING_CONFIRMATION  # approved: no second decision
-
-        catalog = self.catalog.current
-        tenant = catalog.tenants.get(principal.tenant_id)
-        if tenant is None:
-            raise not_found("tenant", principal.tenant_id)
-        now = self.clock.compute_now()
-        plan = self._plan(principal, tenant, body, now)
-
-        draft = None
-        if existing is None:
-            draft = Reservation(
-                id=rid, tenant_id=tenant.id, principal_id=principal.id, idempotency_key=key, fingerprint=fp,
-                pool_id=plan.pool.id, region=plan.pool.region, state=states.DRAFT, binding=plan.binding,
-                gpu_model=plan.pool.gpu_model, sharing=plan.pool.sharing, gpu_count=plan.gpu_count,
-                node_count=plan.node_count, created_at=now, updated_at=now, mig_profile=plan.mig_profile,
-                start=plan.start, end=plan.end, duration_ms=plan.duration_ms, spot=plan.spot,
-                lease_seconds=plan.lease_seconds, resources=plan.resources, charge=plan.charge,
-                hourly_usd=plan.hourly_usd,
-            )
-        attributes = iam_attributes(plan, tenant.id)
-        attributes["principal"] = principal
-        request = AuthzRequest(principal, CREATE, Resource("Reservation", rid, attributes))
-        approved = Verdict("allow", Decision(True, (f"confirmation:{existing.confirmation_id}",))) if confirmed else None
-
-        decide_now = getattr(self.authorizer, "decide_sync", None)
-        if decide_now is not None:
-            # An embedded decision takes microseconds, so the draft, its decision and
-            # its admission are one transaction: the draft is still written first, and
-            # a crash before the commit leaves nothing, so the retry decides afresh.
-            def job(tx: Tx):
-                res = None
-                if draft is not None:
-                    res = tx.reservation(rid)
-                    if res is not None:  # a concurrent request with the same key got here first
-                        replay = self._replay(res, fp, tx.operation, tx.confirmation)
-                        if replay is not None:
-                            return replay
-                    else:
-                        res = draft  # stored by the admission below, in whatever state it ends
-                verdict = approved or self._verdict(principal, request, decide_now(request), decide_now)
-                return self._admit(tx, res or tx.reservation(rid), rid, plan, verdict, principal, tenant)
-
-            answer = await self.writer.call(job)
+    async def create(self, principal: Principal, cmd: Create) -> Answer:
+        key = cmd.key or secrets.token_urlsafe(18)
+        tenant = self._tenant(principal)
+        if self.authorizer.embedded:
+            answer = await self.store.call(lambda tx: self._create_job(tx, principal, tenant, key, cmd))
         else:
-            if draft is not None:
-                stored = await self.writer.call(lambda tx: self._write_draft(tx, draft))
-                if stored is not draft:
-                    replay = self._replay(stored, fp, self.store.operation, self.store.confirmation)
-                    if replay is not None:
-                        return await self._wait_while_pending(replay, wait_ms)
-            verdict = approved or await self._verdict_async(principal, request)
-            answer = await self.writer.call(
-                lambda tx: self._admit(tx, tx.reservation(rid), rid, plan, verdict, principal, tenant))
+            answer = await self._create_remote(principal, tenant, key, cmd)
         if answer.reservation.state == states.PLACED and (answer.reservation.start or 0) <= self.clock.compute_now():
-            self.on_due()  # its window has started: the reconciler moves it to binding now, not at its next tick
-        return await self._wait_while_pending(answer, wait_ms)
+            self.reconciler.wake()  # its window has started: binding now, not at the reconciler's next tick
+        return await self._wait_while_pending(answer, cmd.wait_ms)
 
-    def _plan(self, principal: Principal, tenant: Tenant, body: CreateBody, now: int) -> Plan:
+    def _create_job(self, tx: Tx, principal: Principal, tenant: Tenant, key: str, cmd: Create) -> Answer | None:
+        """The whole create with an embedded decision (microseconds): replay, or draft, decide and admit.
+
+        The draft is still written first; a crash before the commit leaves
+        nothing, so a retry decides afresh.
+        """
+        existing, approved = self._existing(tx, principal, key, cmd)
+        if isinstance(existing, Answer):
+            return existing
+        now = self.clock.compute_now()
+        plan = self._plan(tx, principal, tenant, cmd, now)
+        if existing is None:
+            res = draft_of(principal, key, cmd.fingerprint, plan, now)
+        else:
+            res = existing
+            apply_plan(res, plan)
+        request = self._create_request(principal, res.id, plan)
+        verdict = approved or self._verdict(principal, request, self.authorizer.decide_now(request),
+                                            self.authorizer.decide_now)
+        return self._admit(tx, res, plan, verdict, principal, tenant, now)
+
+    async def _create_remote(self, principal: Principal, tenant: Tenant, key: str, cmd: Create) -> Answer:
+        """A create decided by a remote service: the draft in one job, the decision awaited, the admission in another."""
+
+        def draft_job(tx: Tx):
+            existing, approved = self._existing(tx, principal, key, cmd)
+            if isinstance(existing, Answer):
+                return existing
+            now = self.clock.compute_now()
+            plan = self._plan(tx, principal, tenant, cmd, now)
+            if existing is None:
+                existing = draft_of(principal, key, cmd.fingerprint, plan, now)
+            else:
+                apply_plan(existing, plan)
+            tx.save_reservation(existing)
+            return existing, plan, approved
+
+        drafted = await self.store.call(draft_job)
+        if isinstance(drafted, Answer):
+            return drafted
+        draft, plan, approved = drafted
+        request = self._create_request(principal, draft.id, plan)
+        verdict = approved or await self._verdict_async(principal, request)
+
+        def admit_job(tx: Tx) -> Answer:
+            res = tx.reservation(draft.id)
+            if res is None:  # the draft is gone: cannot happen unless the database was edited by hand
+                raise not_found("reservation", draft.id)
+            if res.state not in states.INTERNAL or res.decision == "deny":  # decided meanwhile by a concurrent retry
+                replay = self._replay(tx, res, cmd.fingerprint)
+                assert replay is not None
+                return replay
+            return self._admit(tx, res, plan, verdict, principal, tenant, self.clock.compute_now())
+
+        return await self.store.call(admit_job)
+
+    def _existing(self, tx: Tx, principal: Principal, key: str, cmd: Create) -> tuple[Reservation | Answer | None,
+                                                                                       Verdict | None]:
+        """What the key already holds: an Answer to replay, a draft to continue (with the approved verdict when
+        its confirmation was approved), or nothing."""
+        existing = tx.reservation(reservation_id(principal.tenant_id, principal.id, key))
+        if existing is None:
+            return None, None
+        replay = self._replay(tx, existing, cmd.fingerprint)
+        if replay is not None:
+            return replay, None
+        if existing.state == states.AWAITING_CONFIRMATION:  # approved: no second decision
+            return existing, Verdict("allow", Decision(True, (f"confirmation:{existing.confirmation_id}",)))
+        return existing, None
+
+    def _create_request(self, principal: Principal, rid: str, plan: Plan) -> AuthzRequest:
+        attributes = iam_attributes(plan, principal.tenant_id)
+        attributes["principal"] = principal
+        return AuthzRequest(principal, CREATE, Resource("Reservation", rid, attributes))
+
+    def _plan(self, reads, principal: Principal, tenant: Tenant, cmd: Create, now: int) -> Plan:
         """Admission, the platform's own standing, and the price checks: refusals before anything is stored."""
         catalog = self.catalog.current
-        req = to_request(body)
+        req = cmd.request
         try:
-            plan = admit(req, tenant, catalog.pools.get(body.poolId), catalog.profile(body.poolId), now)
+            plan = admit(req, tenant, catalog.pools.get(req.pool_id), catalog.profile(req.pool_id), now)
         except DomainError as err:
-            if err.code == NO_CAPACITY and self.quotes is not None:
+            if err.code == NO_CAPACITY:
                 raise self.quotes.no_capacity(err, tenant, req, now) from None
             raise
         nodes = catalog.pool_nodes(plan.pool.id)
@@ -272,21 +273,17 @@ class ReservationService:
             raise DomainError(PROVIDER_UNAVAILABLE, f"every node of pool {plan.pool.id} is lost: Berth cannot place "
                               "anything there now; nothing of yours needs to change, retry later with the same key",
                               {"actor": "platform", "reference": f"pool-lost:{plan.pool.id}:{now}", "poolId": plan.pool.id})
-        if self.quotes is not None:
-            self.quotes.check(principal, body, plan, tenant, req, now)
+        self.quotes.check(reads, principal, cmd, plan, tenant, now)
         return plan
 
-    async def quote(self, principal: Principal, body: CreateBody) -> dict:
+    async def quote(self, principal: Principal, cmd: Create) -> dict:
         """Price a request now: creates and charges nothing, holds no capacity."""
-        catalog = self.catalog.current
-        tenant = catalog.tenants.get(principal.tenant_id)
-        if tenant is None:
-            raise not_found("tenant", principal.tenant_id)
+        tenant = self._tenant(principal)
         now = self.clock.compute_now()
-        plan = self._plan(principal, tenant, msgspec.structs.replace(body, quoteId=None, maxHourlyPrice=None), now)
-        return await self.quotes.quote(principal, body, plan, tenant, to_request(body))
+        plan = self._plan(self.store, principal, tenant, replace(cmd, quote_id=None, max_hourly_price=None), now)
+        return await self.quotes.quote(principal, cmd.request, plan, tenant)
 
-    def _replay(self, existing: Reservation, fp: str, operation_of, confirmation_of) -> Answer | None:
+    def _replay(self, reads, existing: Reservation, fp: str) -> Answer | None:
         """The answer to a repeated key, or None when its draft is to be decided (or continued) now."""
         if existing.fingerprint != fp:
             raise DomainError(
@@ -300,7 +297,7 @@ class ReservationService:
         if existing.state == states.DRAFT:
             return None
         if existing.state == states.AWAITING_CONFIRMATION:
-            conf = confirmation_of(existing.confirmation_id) if existing.confirmation_id else None
+            conf = reads.confirmation(existing.confirmation_id) if existing.confirmation_id else None
             now = self.clock.compute_now()
             if conf is not None and conf.status == "approved":
                 return None
@@ -308,9 +305,10 @@ class ReservationService:
                 raise DomainError(ACCESS_DENIED, "the confirmation for this key was denied or lapsed",
                                   {"reservationId": existing.id, "confirmationId": existing.confirmation_id})
             raise confirmations.required(conf)
-        return Answer(existing, operation_of(existing.operation_id) if existing.operation_id else None)
+        return self._answer(reads, existing)
 
-    def _verdict(self, principal: Principal, request: AuthzRequest, decision: Decision, decide) -> Verdict:
+    def _verdict(self, principal: Principal, request: AuthzRequest, decision: Decision,
+                 decide: Callable[[AuthzRequest], Decision]) -> Verdict:
         if decision.allowed:
             return Verdict("allow", decision)
         user = self._delegating_user(principal)
@@ -337,36 +335,22 @@ class ReservationService:
         user = self.catalog.current.principals.get(principal.delegated_by)
         return user if user is not None and user.kind == "user" and user.tenant_id == principal.tenant_id else None
 
-    @staticmethod
-    def _write_draft(tx: Tx, draft: Reservation) -> Reservation:
-        existing = tx.reservation(draft.id)
-        if existing is not None:
-            return existing
-        tx.insert_reservation(draft)
-        return draft
-
-    def _admit(self, tx: Tx, res: Reservation | None, rid: str, plan: Plan, verdict: Verdict,
-               principal: Principal, tenant: Tenant) -> Answer | Commit:
-        if res is None:  # the draft is gone: cannot happen unless the database was edited by hand
-            raise not_found("reservation", rid)
-        if res.state not in states.INTERNAL:
-            return self._answer_in(tx, res)
-        if res.decision == "deny":
-            raise DomainError(ACCESS_DENIED, "this key's request was refused", {"reservationId": rid, "action": CREATE})
-        now = self.clock.compute_now()
+    def _admit(self, tx: Tx, res: Reservation, plan: Plan, verdict: Verdict, principal: Principal, tenant: Tenant,
+               now: int) -> Answer | None:
+        """Decide the draft: allowed and charged, it becomes a reservation; refused, it stays (or is denied)."""
         if verdict.decision.unavailable:  # no decision: the draft stays undecided, a retry decides again
             if res.seq == 0:
                 self.moves.save(tx, res)
-                return Commit(iam_unavailable(verdict.decision))
+                tx.refuse(iam_unavailable(verdict.decision))
+                return None
             raise iam_unavailable(verdict.decision)
         if verdict.outcome == "deny":
             res.decision = "deny"
             res.updated_at = now
             self.moves.save(tx, res)
-            return Commit(DomainError(
-                ACCESS_DENIED, f"{principal.id} may not create this reservation",
-                {"reservationId": rid, "action": CREATE, "errors": list(verdict.decision.errors)},
-            ))
+            tx.refuse(DomainError(ACCESS_DENIED, f"{principal.id} may not create this reservation",
+                                  {"reservationId": res.id, "action": CREATE, "errors": list(verdict.decision.errors)}))
+            return None
         if verdict.outcome == "confirm" and res.state == states.DRAFT:
             conf = confirmations.open_for(res, principal, verdict.approver, plan, now)
             res.confirmation_id = conf.id
@@ -375,24 +359,20 @@ class ReservationService:
             tx.put_confirmation(conf)
             self.moves.event(tx, res, "reservation.awaiting-confirmation", now, confirmationId=conf.id,
                              approver=conf.user_id)
-            return Commit(confirmations.required(conf))
-
-        catalog = self.catalog.current
+            tx.refuse(confirmations.required(conf))
+            return None
         try:
             self._check_spend(tenant, plan)
-            self.state.ledger.check(tenant, catalog.pools, plan.charge)
+            self.state.ledger.check(tenant, self.catalog.current.pools, plan.charge)
         except DomainError as err:
             if res.seq == 0:  # the draft stays, so the same key can be retried
                 self.moves.save(tx, res)
-                return Commit(err)
+                tx.refuse(err)
+                return None
             raise
         # Allowed and charged: the draft becomes a reservation.
         res.decision = "allow"
-        res.charge = dict(plan.charge)
-        res.resources = plan.resources
-        res.gpu_count = plan.gpu_count
-        res.start, res.end, res.duration_ms = plan.start, plan.end, plan.duration_ms
-        op = Operation(operation_id(rid, "create"), "create", rid, res.tenant_id, "running", now, now)
+        op = Operation(operation_id(res.id, "create"), "create", res.id, res.tenant_id, "running", now, now)
         res.operation_id = op.id
         tx.touch()
         self.state.ledger.hold(res.tenant_id, res.charge)
@@ -415,14 +395,14 @@ class ReservationService:
         if not asked:
             return
         budget = tenant.budget_usd if tenant.budget_usd is not None else Decimal(0)
-        spent = self.spent_usd(tenant.id)
+        spent = self.billing.spent_usd(tenant.id)
         if spent >= budget:
             raise DomainError(
                 SPEND_LIMIT_REACHED,
                 f"tenant {tenant.id} has spent its budget ({money(spent)} of {money(budget)} USD); pool {pool_id} checks budgets",
                 {"budgetUsd": money(budget), "spentUsd": money(spent), "poolId": pool_id},
             )
-        committed = self.exposure_usd(tenant.id)
+        committed = self.billing.exposure_usd(tenant.id)
         left = budget - spent - committed
         if new_exposure > left:
             raise DomainError(
@@ -440,32 +420,32 @@ class ReservationService:
         offer = pool.offer_for(res.tenant_id) if pool.owner != res.tenant_id else None
         return pool.policy.budget_check or (offer is not None and offer.budget_check)
 
-    # ---- get and list ----------------------------------------------------------
+    # ---- get, list, events --------------------------------------------------------
     async def authorize_tenant_read(self, principal: Principal) -> None:
         await self._authorize(principal, READ, tenant_resource(principal.tenant_id))
 
     async def get(self, principal: Principal, reservation_id: str) -> Answer:
         res = self._visible(principal, reservation_id)
         await self._authorize(principal, READ, self._resource(res, principal))
-        return self._answer(res)
+        return self._answer(self.store, res)
 
-    async def list(self, principal: Principal, body: ListBody) -> tuple[list[Answer], str | None]:
+    async def list(self, principal: Principal, query: ListQuery) -> tuple[list[Answer], str | None]:
         await self.authorize_tenant_read(principal)
         before = None
-        if body.cursor is not None:
-            anchor = self.store.reservation(body.cursor)
+        if query.cursor is not None:
+            anchor = self.store.reservation(query.cursor)
             if anchor is None or anchor.tenant_id != principal.tenant_id:
                 raise DomainError(INVALID_INPUT, "cursor: not a reservation of this tenant",
                                   {"field": "cursor", "rule": "must be the id of the last reservation of the previous page"})
             before = anchor.seq
-        mine = principal.id if body.scope == "mine" else None
+        mine = principal.id if query.scope == "mine" else None
         chosen: list[Reservation] = []
-        chunk = body.limit + 1
-        while len(chosen) <= body.limit:
-            page = self.store.reservations_page(principal.tenant_id, mine, body.state, body.poolId, before, chunk)
+        chunk = query.limit + 1
+        while len(chosen) <= query.limit:
+            page = self.store.reservations_page(principal.tenant_id, mine, query.state, query.pool_id, before, chunk)
             if not page:
                 break
-            if body.scope == "all":
+            if query.scope == "all":
                 decisions = await self.authorizer.decide_many(
                     [AuthzRequest(principal, READ, self._resource(r, principal)) for r in page]
                 )
@@ -478,11 +458,15 @@ class ReservationService:
             before = page[-1].seq
             if len(page) < chunk:
                 break
-        more = len(chosen) > body.limit
-        chosen = chosen[: body.limit]
+        more = len(chosen) > query.limit
+        chosen = chosen[: query.limit]
         ops = self.store.operations([r.operation_id for r in chosen if r.operation_id])
         answers = [Answer(r, ops.get(r.operation_id) if r.operation_id else None) for r in chosen]
         return answers, (chosen[-1].id if more and chosen else None)
+
+    async def events(self, principal: Principal, after: int | None, limit: int) -> list[dict]:
+        await self.authorize_tenant_read(principal)
+        return self.store.events(principal.tenant_id, after, limit)
 
     # ---- release and cancel ------------------------------------------------------
     async def release(self, principal: Principal, reservation_id: str) -> Answer:
@@ -496,9 +480,9 @@ class ReservationService:
         return await self._end(reservation_id, "cancel")
 
     async def _end(self, reservation_id: str, how: str) -> Answer:
-        answer, freed = await self.writer.call(lambda tx: self._job_end(tx, reservation_id, how))
+        answer, freed = await self.store.call(lambda tx: self._job_end(tx, reservation_id, how))
         if freed:
-            self.wake(answer.reservation.pool_id)
+            self.reconciler.capacity_freed(answer.reservation.pool_id)
         return answer
 
     def _job_end(self, tx: Tx, rid: str, how: str) -> tuple[Answer, bool]:
@@ -511,12 +495,12 @@ class ReservationService:
                 raise DomainError(INVALID_STATE, f"reservation {rid} is still a request being decided; it cannot be released",
                                   {"state": res.state, "reservationId": rid})
             if res.state in states.TERMINAL:
-                return self._answer_in(tx, res), False
+                return self._answer(tx, res), False
         else:
             if res.state in states.INTERNAL:
                 raise not_found("reservation", rid, field="reservationId")
             if res.state == states.CANCELLED:
-                return self._answer_in(tx, res), False
+                return self._answer(tx, res), False
             if res.state not in (states.PENDING, states.PLACED):
                 raise DomainError(
                     INVALID_STATE,
@@ -527,21 +511,19 @@ class ReservationService:
         return Answer(res, op), True
 
     # ---- extend and renew ----------------------------------------------------------
-    async def extend(self, principal: Principal, body: ExtendBody) -> Answer:
-        if (body.until is None) == (body.by is None):
-            raise invalid("until", "give exactly one of until (epoch ms) or by (milliseconds)")
-        res = self._visible(principal, body.reservationId)
+    async def extend(self, principal: Principal, cmd: Extend) -> Answer:
+        res = self._visible(principal, cmd.reservation_id)
         if res.state not in states.BOOKED:
             raise DomainError(INVALID_STATE, f"reservation {res.id} is {res.state}: only placed, binding or active ones extend",
                               {"state": res.state, "reservationId": res.id})
         rid = res.id
-        marked = await self.writer.call(lambda tx: self._job_mark_extend(tx, rid, body))
+        marked = await self.store.call(lambda tx: self._job_mark_extend(tx, rid, cmd))
         if isinstance(marked, Answer):
             return marked  # nothing to decide: already reached, or the calendar has no room
         res, new_end = marked
         attributes = reservation_attributes(res, duration_ms=new_end - (res.start or 0))
         decision = await self.authorizer.decide(AuthzRequest(principal, EXTEND, self._resource(res, principal, attributes)))
-        return await self.writer.call(lambda tx: self._job_apply_extend(tx, rid, new_end, decision, principal))
+        return await self.store.call(lambda tx: self._job_apply_extend(tx, rid, new_end, decision, principal))
 
     def _room(self, res: Reservation, new_end: int) -> int:
         """The latest end up to new_end that the reservation's devices and host shares can reach."""
@@ -561,7 +543,7 @@ class ReservationService:
             latest = min(latest, room)
         return latest
 
-    def _job_mark_extend(self, tx: Tx, rid: str, body: ExtendBody):
+    def _job_mark_extend(self, tx: Tx, rid: str, cmd: Extend):
         res = tx.reservation(rid)
         now = self.clock.compute_now()
         if res is None or res.state not in states.BOOKED:
@@ -570,7 +552,7 @@ class ReservationService:
         if res.pending_change is not None and now - res.pending_change.since < EXTEND_STALE_MS:
             raise DomainError(CONFLICT, "another extend of this reservation is being decided",
                               {"reason": "extend-in-flight", "retryAfterSeconds": EXTEND_RETRY_AFTER_S, "reservationId": rid})
-        new_end = body.until if body.until is not None else (res.end or now) + (body.by or 0)
+        new_end = cmd.until if cmd.until is not None else (res.end or now) + (cmd.by_ms or 0)
         if new_end <= (res.end or 0):  # already reached: safe to retry, no decision
             return Answer(res, None, extended=False, available_until=self._room(res, res.end or now))
         room = self._room(res, new_end)
@@ -587,16 +569,18 @@ class ReservationService:
             raise DomainError(CONFLICT, "another extend of this reservation was decided meanwhile",
                               {"reason": "extend-in-flight", "retryAfterSeconds": EXTEND_RETRY_AFTER_S, "reservationId": rid})
         res.pending_change = None
+
+        def refuse(error: DomainError) -> None:
+            self.moves.save(tx, res)  # the pending change is cleared either way
+            tx.refuse(error)
+
         if decision.unavailable:
-            self.moves.save(tx, res)
-            return Commit(iam_unavailable(decision))
+            return refuse(iam_unavailable(decision))
         if not decision.allowed:
-            self.moves.save(tx, res)
-            return Commit(DomainError(ACCESS_DENIED, f"{principal.id} may not extend reservation {rid} to {new_end}",
+            return refuse(DomainError(ACCESS_DENIED, f"{principal.id} may not extend reservation {rid} to {new_end}",
                                       {"action": EXTEND, "reservationId": rid, "errors": list(decision.errors)}))
         if res.state not in states.BOOKED:
-            self.moves.save(tx, res)
-            return Commit(DomainError(INVALID_STATE, f"reservation {rid} became {res.state} meanwhile",
+            return refuse(DomainError(INVALID_STATE, f"reservation {rid} became {res.state} meanwhile",
                                       {"state": res.state, "reservationId": rid}))
         tenant = self.catalog.current.tenants.get(res.tenant_id)
         try:
@@ -604,12 +588,11 @@ class ReservationService:
                 self.check_spend(tenant, res.pool_id, self._spend_asked(res),
                                  exposure(res.hourly_usd, new_end - (res.end or new_end)))
         except DomainError as err:
-            self.moves.save(tx, res)
-            return Commit(err)
+            return refuse(err)
         room = self._room(res, new_end)
         if room < new_end:
             self.moves.save(tx, res)
-            return Answer(res, self._answer_in(tx, res).operation, extended=False, available_until=room)
+            return Answer(res, self._answer(tx, res).operation, extended=False, available_until=room)
         tx.set_bookings_end(rid, new_end)
         tx.touch()
         self.state.calendar.set_end(rid, new_end)
@@ -636,9 +619,9 @@ class ReservationService:
             now = self.clock.compute_now()
             current.lease_deadline = now + current.lease_seconds * 1000
             self.moves.save(tx, current, current.state)
-            return self._answer_in(tx, current)
+            return self._answer(tx, current)
 
-        return await self.writer.call(job)
+        return await self.store.call(job)
 
     @staticmethod
     def _check_renewable(res: Reservation) -> None:

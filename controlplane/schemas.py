@@ -11,10 +11,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from controlplane.commands import Create, Extend, ListQuery
+from controlplane.domain.admission import CreateRequest, ResourcesAsk
+from controlplane.domain.clock import HOUR_MS
 from controlplane.domain.errors import DomainError, INVALID_INPUT
+from controlplane.domain.ids import fingerprint
 from controlplane.domain.model import Operation, Reservation
-from controlplane.domain.pricing import money
-from common.share import Share
+from controlplane.domain.pricing import money, parse_money
 from controlplane.domain.states import PUBLIC_STATES
 
 Id = Annotated[str, Meta(min_length=1, max_length=128)]
@@ -154,20 +157,72 @@ def decode(body: bytes, schema: type[Struct]) -> Any:
         raise DomainError(INVALID_INPUT, f"body: not valid JSON ({exc})", {"field": "body", "rule": "must be a JSON object"}) from None
 
 
-def fingerprint_of(body: CreateBody) -> bytes:
-    """The canonical request an idempotency key is compared on.
+def fingerprint_of(body: CreateBody) -> str:
+    """The fingerprint of the canonical request an idempotency key is compared on.
 
     Left out: `wait`, the key itself, and the quote and price ceiling (a
     retry of one ambiguous launch from a refreshed quote is the same intent).
     """
-    return msgspec.json.encode(msgspec.structs.replace(body, wait=None, idempotencyKey=None, quoteId=None, maxHourlyPrice=None))
+    return fingerprint(msgspec.json.encode(
+        msgspec.structs.replace(body, wait=None, idempotencyKey=None, quoteId=None, maxHourlyPrice=None)))
+
+
+# ---- wire -> commands (the one conversion into the services' terms) ---------
+
+def create_request(body: CreateBody) -> CreateRequest:
+    res = body.resources
+    return CreateRequest(
+        pool_id=body.poolId,
+        gpu_model=body.gpuModel,
+        gpu_count=body.gpuCount,
+        node_count=body.nodeCount,
+        sharing=body.sharing,
+        mig_profile=body.migProfile,
+        start=body.start,
+        end=body.end,
+        duration_ms=round(body.durationHours * HOUR_MS) if body.durationHours is not None else None,
+        binding=body.binding,
+        resources=None if res is None else ResourcesAsk(
+            None if res.vcpu is None else round(res.vcpu * 1000),
+            None if res.memoryGiB is None else round(res.memoryGiB * 1024),
+            res.hugepages1Gi,
+        ),
+        spot=body.spot,
+        lease_seconds=body.leaseSeconds,
+    )
+
+
+def create_command(body: CreateBody, header_key: str | None) -> Create:
+    """A create (or a quote) as the service takes it; INVALID_INPUT for what only the wire can get wrong."""
+    if header_key is not None and not 1 <= len(header_key) <= 255:
+        raise DomainError(INVALID_INPUT, "Idempotency-Key: must be 1 to 255 characters",
+                          {"field": "Idempotency-Key", "rule": "1 to 255 characters"})
+    if header_key is not None and body.idempotencyKey is not None and header_key != body.idempotencyKey:
+        raise DomainError(INVALID_INPUT, "idempotencyKey: differs from the Idempotency-Key header",
+                          {"field": "idempotencyKey", "rule": "must equal the Idempotency-Key header when both are given"})
+    ceiling = None
+    if body.maxHourlyPrice is not None:
+        ceiling = parse_money(body.maxHourlyPrice)
+        if ceiling is None:
+            raise DomainError(INVALID_INPUT, 'maxHourlyPrice: must be a decimal string with at most six decimals, '
+                              'e.g. "3.000000"', {"field": "maxHourlyPrice", "rule": "a decimal string, six decimals at most"})
+    return Create(create_request(body), fingerprint_of(body), header_key or body.idempotencyKey,
+                  body.wait.timeoutMs if body.wait else 0, body.quoteId, ceiling)
+
+
+def extend_command(body: ExtendBody) -> Extend:
+    if (body.until is None) == (body.by is None):
+        raise DomainError(INVALID_INPUT, "until: give exactly one of until (epoch ms) or by (milliseconds)",
+                          {"field": "until", "rule": "exactly one of until or by"})
+    return Extend(body.reservationId, body.until, body.by)
+
+
+def list_query(body: ListBody) -> ListQuery:
+    check_state_filter(body.state)
+    return ListQuery(body.scope, body.state, body.poolId, body.limit, body.cursor)
 
 
 # ---- answers -------------------------------------------------------------
-
-def share_to_wire(share: Share) -> dict:
-    return share.to_wire()
-
 
 def operation_to_wire(op: Operation | None) -> dict | None:
     if op is None:

@@ -26,7 +26,7 @@ from controlplane.domain.placement import Ask, place
 from controlplane.domain.preemption import preempt_for
 from controlplane.domain.timers import RETRY_MS
 from controlplane.state import WriterState
-from controlplane.store.sqlite import Tx
+from controlplane.store.port import Tx
 
 log = structlog.get_logger("berth.reservations")
 

@@ -10,7 +10,6 @@ import structlog
 
 from controlplane import bootstrap as bootstrap_file
 from controlplane import catalog as catalog_mod
-from controlplane.api.auth import Tokens
 from controlplane.catalog import Catalog
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import INVALID_INPUT, DomainError, not_found
@@ -18,14 +17,17 @@ from controlplane.domain.ids import token_hash
 from controlplane.iam.cedar import CedarAuthorizer, validate
 from controlplane.billing import Billing
 from controlplane.confirmations import ConfirmationService
-from controlplane.nodes import NodeService, live_for_nodes
+from controlplane.iam.authorizer import Authorizer
+from controlplane.nodes import NodeService
 from controlplane.operations import OperationService
 from controlplane.quotes import Quotes
 from controlplane.reconciler import Reconciler
 from controlplane.reservations import ReservationService
-from controlplane.transitions import CatalogRef, Transitions
 from controlplane.state import WriterState
-from controlplane.store import sqlite as sq
+from controlplane.store.port import Store, Tx
+from controlplane.store.sqlite import SqliteStore
+from controlplane.tokens import Tokens
+from controlplane.transitions import CatalogRef, Transitions
 
 log = structlog.get_logger("berth.controlplane")
 
@@ -67,37 +69,39 @@ class Config:
     node_grace_s: float = 30.0  # a node silent for longer is lost
 
 
+def open_store(config: Config) -> Store:
+    return SqliteStore(sqlite_path(config.db), config.synchronous)
+
+
 class ControlPlane:
+    """Every part of the control plane, built in dependency order; `open()` loads the store and the bootstrap."""
+
     def __init__(self, config: Config):
         self.config = config
         self.clock = config.clock
-        self.store = sq.SqliteStore(sqlite_path(config.db), config.synchronous)
+        self.store = open_store(config)
         self.catalog = CatalogRef(Catalog())
         self.state = WriterState()
         self.tokens = Tokens()
-        self.authorizer = None
         self.moves = Transitions(self.clock, self.catalog, self.state)
-        self.reservations: ReservationService | None = None
+        self.billing = Billing(self.store, self.clock)
+        self.quotes = Quotes(self.store, self.clock, self.catalog, self.state)
+        self.reconciler = Reconciler(self.store, self.clock, self.state, self.moves)
         self.confirmations = ConfirmationService(self.store, self.clock, self.moves)
-        self.reconciler: Reconciler | None = None
+        self.authorizer = self._authorizer()
+        self.reservations = ReservationService(self.store, self.authorizer, self.clock, self.catalog, self.state,
+                                               self.moves, self.billing, self.quotes, self.reconciler)
+        self.operations = OperationService(self.store, self.moves, self.reservations)
+        self.nodes = NodeService(self.store, self.clock, self.catalog, self.state, self.moves, self.tokens,
+                                 self.reconciler, grace_s=config.node_grace_s)
 
     def open(self) -> "ControlPlane":
-        writer = self.store.start_writer(self._rebuild)
-        writer.call_sync(self._load)
+        self.store.start(self._rebuild)
+        self.store.call_sync(self._load)
         if self.config.bootstrap:
             self.apply_bootstrap(self.config.bootstrap)
-        self._build_iam()
-        self.reservations = ReservationService(self.store, self.authorizer, self.clock, self.catalog, self.state, self.moves)
-        self.billing = Billing(self.store, self.clock)
-        self.reservations.spent_usd = self.billing.spent_usd
-        self.reservations.exposure_usd = self.billing.exposure_usd
-        self.reservations.quotes = Quotes(self.store, self.clock, self.catalog, self.state)
-        self.operations = OperationService(self.store, self.moves, self.reservations)
-        self.reconciler = Reconciler(self.store, self.clock, self.state, self.moves, on_freed=self.reservations.wake)
-        self.reservations.on_due = self.reconciler.wake
-        self.nodes = NodeService(self.store, self.clock, self.catalog, self.state, self.moves, self.tokens,
-                                 grace_s=self.config.node_grace_s, on_freed=self.reservations.wake)
-        self.nodes.load(self.store.writer.call_sync(lambda tx: live_for_nodes(tx.conn)))
+        self._load_policies()
+        self.nodes.load()
         if hasattr(self.clock, "on_advance"):
             self.clock.on_advance(lambda _now: self.reconciler.wake())
         return self
@@ -106,16 +110,15 @@ class ControlPlane:
         self.store.close()
 
     # ---- catalog and memory ----------------------------------------------------
-    def _load(self, tx: sq.Tx) -> None:
-        docs = {kind: sq.catalog_docs(tx.conn, kind) for kind in catalog_mod.KINDS}
-        policies = b"".join(sq.catalog_docs(tx.conn, "policies")).decode()
+    def _load(self, tx: Tx) -> None:
+        docs = {kind: tx.catalog_docs(kind) for kind in catalog_mod.KINDS}
+        policies = b"".join(tx.catalog_docs("policies")).decode()
         self.catalog.current = catalog_mod.load(docs, policies)
-        self.tokens.rows = {h: (k, s) for h, k, s in tx.conn.execute("SELECT hash, kind, subject FROM tokens")}
+        self.tokens.rows = tx.tokens()
         self._rebuild(tx)
 
-    def _rebuild(self, tx: sq.Tx) -> None:
-        self.state.rebuild(self.catalog.current, sq.live_reservations(tx.conn), sq.live_bookings(tx.conn),
-                           self.clock.compute_now())
+    def _rebuild(self, tx: Tx) -> None:
+        self.state.rebuild(self.catalog.current, tx.live_reservations(), tx.live_bookings(), self.clock.compute_now())
 
     def apply_bootstrap(self, path: str) -> None:
         """Apply the bootstrap file at start (no event loop yet)."""
@@ -124,7 +127,7 @@ class ControlPlane:
             self._check_policies(declared)
         except (bootstrap_file.BootstrapError, ValueError) as exc:
             raise ConfigError(f"--bootstrap {exc}") from None
-        self.store.writer.call_sync(self._bootstrap_job(declared, tokens, admin))
+        self.store.call_sync(self._bootstrap_job(declared, tokens, admin))
         self._log_applied(str(path))
 
     async def apply_bootstrap_doc(self, raw: bytes) -> dict:
@@ -135,16 +138,15 @@ class ControlPlane:
         except (bootstrap_file.BootstrapError, ValueError) as exc:
             raise DomainError(INVALID_INPUT, f"bootstrap: {exc}", {"field": "body", "rule": str(exc)}) from None
         before = self.catalog.current.policies
-        await self.store.writer.call(self._bootstrap_job(declared, tokens, admin))
-        if self.catalog.current.policies != before and not self.config.authzen:
-            self._build_iam()
-            self.reservations.authorizer = self.authorizer
+        await self.store.call(self._bootstrap_job(declared, tokens, admin))
+        if self.catalog.current.policies != before:
+            self._load_policies()
         self._log_applied("admin API")
         c = self.catalog.current
         return {"tenants": len(c.tenants), "principals": len(c.principals), "pools": len(c.pools), "nodes": len(c.nodes)}
 
     async def set_budget(self, tenant_id: str, budget) -> None:
-        def job(tx: sq.Tx) -> None:
+        def job(tx: Tx) -> None:
             catalog = self.catalog.current
             tenant = catalog.tenants.get(tenant_id)
             if tenant is None:
@@ -153,7 +155,7 @@ class ControlPlane:
             tx.put_catalog("tenant", tenant_id, catalog_mod.encode_item(tenant))
             self.catalog.current = catalog.with_changes(tenants={**catalog.tenants, tenant_id: tenant})
 
-        await self.store.writer.call(job)
+        await self.store.call(job)
         log.info("budget set", tenant_id=tenant_id, budget_usd=str(budget))
 
     @staticmethod
@@ -170,7 +172,7 @@ class ControlPlane:
                  pools=len(c.pools), nodes=len(c.nodes))
 
     def _bootstrap_job(self, declared: Catalog, tokens: dict, admin: str | None):
-        def job(tx: sq.Tx) -> None:
+        def job(tx: Tx) -> None:
             merged = bootstrap_file.merge(self.catalog.current, declared)
             for kind, items in (("tenant", merged.tenants), ("principal", merged.principals),
                                 ("pool", merged.pools), ("node", merged.nodes)):
@@ -197,13 +199,18 @@ class ControlPlane:
 
         return job
 
-    def _build_iam(self) -> None:
+    def _authorizer(self) -> Authorizer:
         if self.config.authzen:
             from controlplane.iam.authzen import AuthZenAuthorizer
 
-            self.authorizer = AuthZenAuthorizer(self.config.authzen, timeout_s=self.config.authzen_timeout_s)
+            return AuthZenAuthorizer(self.config.authzen, timeout_s=self.config.authzen_timeout_s)
+        return CedarAuthorizer("", lambda pid: self.catalog.current.principals.get(pid))
+
+    def _load_policies(self) -> None:
+        """The embedded authorizer takes the catalog's policies (parsed once per change); a remote one has its own."""
+        if not isinstance(self.authorizer, CedarAuthorizer):
             return
         policies = self.catalog.current.policies
         if not policies.strip():
             log.warning("no Cedar policies: every request is denied until a bootstrap declares some")
-        self.authorizer = CedarAuthorizer(policies, lambda pid: self.catalog.current.principals.get(pid))
+        self.authorizer.load(policies)

@@ -49,8 +49,8 @@ async def metrics(request: web.Request) -> web.Response:
         "# TYPE berth_bindings gauge", f"berth_bindings {node['bindings']}",
         "# TYPE berth_node_heartbeat_age_seconds gauge",
         *[f'berth_node_heartbeat_age_seconds{{node="{nid}"}} {age:.3f}' for nid, age in sorted(ages.items())],
-        "# TYPE berth_store_groups_total counter", f"berth_store_groups_total {cp.store.writer.groups}",
-        "# TYPE berth_store_jobs_total counter", f"berth_store_jobs_total {cp.store.writer.jobs}",
+        "# TYPE berth_store_groups_total counter", f"berth_store_groups_total {cp.store.groups}",
+        "# TYPE berth_store_jobs_total counter", f"berth_store_jobs_total {cp.store.jobs}",
         "# TYPE berth_reconciler_passes_total counter", f"berth_reconciler_passes_total {cp.reconciler.passes}",
         "# TYPE berth_reconciler_transitions_total counter", f"berth_reconciler_transitions_total {cp.reconciler.transitions}",
     ]
@@ -74,7 +74,7 @@ def create_app(config: Config, control_plane: ControlPlane | None = None) -> web
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await cp.reservations.drain()
+        await cp.reconciler.drain()
         if hasattr(cp.authorizer, "close"):
             await cp.authorizer.close()
         if control_plane is None:

@@ -1,21 +1,11 @@
-"""Bearer tokens: each names a tenant's principal (or the admin, or a pool's node bootstrap); stored hashed."""
+"""Bearer tokens on HTTP: the Authorization header read, and resolved to a principal through the token table."""
 from __future__ import annotations
 
 from aiohttp import web
 
 from controlplane.domain.errors import UNAUTHENTICATED, DomainError
-from controlplane.domain.ids import token_hash
 from controlplane.domain.model import Principal
-
-
-class Tokens:
-    """token hash -> (kind, subject), kept in memory; the store holds the same rows."""
-
-    def __init__(self, rows: dict[str, tuple[str, str]] | None = None):
-        self.rows = dict(rows or {})
-
-    def resolve(self, token: str) -> tuple[str, str] | None:
-        return self.rows.get(token_hash(token))
+from controlplane.tokens import Tokens
 
 
 def bearer(request: web.Request) -> str:

@@ -34,7 +34,8 @@ async def operation_wait(request: web.Request) -> web.Response:
 
 async def quote(request: web.Request) -> web.Response:
     body = schemas.decode(await request.read(), schemas.CreateBody)
-    return json_response({"quote": await request.app[RESERVATIONS].quote(request["principal"], body)})
+    command = schemas.create_command(body, None)
+    return json_response({"quote": await request.app[RESERVATIONS].quote(request["principal"], command)})
 
 
 async def usage(request: web.Request) -> web.Response:

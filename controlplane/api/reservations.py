@@ -24,12 +24,8 @@ def _one(answer: Answer, status: int = 200) -> web.Response:
 
 async def create(request: web.Request) -> web.Response:
     body = schemas.decode(await request.read(), schemas.CreateBody)
-    key = request.headers.get("Idempotency-Key")
-    if key is not None and not 1 <= len(key) <= 255:
-        raise schemas.DomainError(schemas.INVALID_INPUT, "Idempotency-Key: must be 1 to 255 characters",
-                                  {"field": "Idempotency-Key", "rule": "1 to 255 characters"})
-    answer = await request.app[SERVICE].create(request["principal"], body, key)
-    return _one(answer, 202)
+    command = schemas.create_command(body, request.headers.get("Idempotency-Key"))
+    return _one(await request.app[SERVICE].create(request["principal"], command), 202)
 
 
 async def get(request: web.Request) -> web.Response:
@@ -39,8 +35,7 @@ async def get(request: web.Request) -> web.Response:
 
 async def list_(request: web.Request) -> web.Response:
     body = schemas.decode(await request.read(), schemas.ListBody)
-    schemas.check_state_filter(body.state)
-    answers, cursor = await request.app[SERVICE].list(request["principal"], body)
+    answers, cursor = await request.app[SERVICE].list(request["principal"], schemas.list_query(body))
     return json_response({
         "reservations": [schemas.reservation_to_wire(a.reservation, a.operation) for a in answers],
         "nextCursor": cursor,
@@ -59,7 +54,7 @@ async def cancel(request: web.Request) -> web.Response:
 
 async def extend(request: web.Request) -> web.Response:
     body = schemas.decode(await request.read(), schemas.ExtendBody)
-    return _one(await request.app[SERVICE].extend(request["principal"], body))
+    return _one(await request.app[SERVICE].extend(request["principal"], schemas.extend_command(body)))
 
 
 async def renew(request: web.Request) -> web.Response:
@@ -69,10 +64,7 @@ async def renew(request: web.Request) -> web.Response:
 
 async def events(request: web.Request) -> web.Response:
     body = schemas.decode(await request.read(), schemas.EventsBody)
-    service = request.app[SERVICE]
-    principal = request["principal"]
-    await service.authorize_tenant_read(principal)
-    rows = service.store.events(principal.tenant_id, body.after, body.limit)
+    rows = await request.app[SERVICE].events(request["principal"], body.after, body.limit)
     return json_response({"events": rows, "nextCursor": rows[-1]["seq"] if rows else body.after})
 
 

@@ -52,6 +52,14 @@ def tenant_resource(tenant_id: str) -> Resource:
 
 
 class Authorizer(Protocol):
+    """Decides requests. `embedded` says where: True, in this process in microseconds, so `decide_now` may be
+    called inside a store transaction (a create's draft, decision and admission are then one job); False, by a
+    remote service, awaited outside any transaction (`decide_now` is then refused)."""
+
+    embedded: bool
+
+    def decide_now(self, request: AuthzRequest) -> Decision: ...
+
     async def decide(self, request: AuthzRequest) -> Decision: ...
 
     async def decide_many(self, requests: Sequence[AuthzRequest]) -> list[Decision]: ...

@@ -51,6 +51,11 @@ def _decision(body: Any) -> Decision:
 
 
 class AuthZenAuthorizer:
+    embedded = False
+
+    def decide_now(self, request: AuthzRequest) -> Decision:
+        raise TypeError("a remote decision is awaited (decide), never taken inside a transaction")
+
     def __init__(self, base_url: str, timeout_s: float = 2.0, headers: dict[str, str] | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)

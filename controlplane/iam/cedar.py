@@ -49,12 +49,19 @@ def _attr(value: Any) -> Any:
 
 
 class CedarAuthorizer:
+    embedded = True
+
     def __init__(self, policies: str, principal_lookup: Callable[[str], Principal | None]):
+        self._lookup = principal_lookup
+        self.load(policies)
+
+    def load(self, policies: str) -> None:
+        """Take a new policy set (parsed once); the memo and the cached entities go with the old one."""
         try:
-            self._policies = cedarpy.PolicySet.from_str(policies)
+            parsed = cedarpy.PolicySet.from_str(policies)
         except Exception as exc:  # cedarpy raises ValueError/RuntimeError variants
             raise PolicyError(f"policies do not parse: {exc}") from exc
-        self._lookup = principal_lookup
+        self._policies = parsed
         self._entities: dict[tuple, cedarpy.Entities] = {}
         self._memo: OrderedDict | None = None if _NAMES_AN_ENTITY.search(policies) else OrderedDict()
 
@@ -113,7 +120,7 @@ class CedarAuthorizer:
         diagnostics = result.diagnostics
         return Decision(bool(result.allowed), tuple(diagnostics.reasons), tuple(str(e) for e in diagnostics.errors))
 
-    def decide_sync(self, req: AuthzRequest) -> Decision:
+    def decide_now(self, req: AuthzRequest) -> Decision:
         key = self._memo_key(req)
         if key is not None:
             hit = self._memo.get(key)  # type: ignore[union-attr]
@@ -134,7 +141,7 @@ class CedarAuthorizer:
             return Decision(False, (), (f"decision failed: {exc}",))
 
     async def decide(self, request: AuthzRequest) -> Decision:
-        return self.decide_sync(request)
+        return self.decide_now(request)
 
     async def decide_many(self, requests: Sequence[AuthzRequest]) -> list[Decision]:
         if not requests:

@@ -1,14 +1,14 @@
-"""The SQLite store: schema, reads on the caller's thread, and one writer thread with group commit.
+"""The SQLite engine of the store port (store/port.py): schema, committed reads, and one writer with group commit.
 
 Every mutation is a job `fn(tx)` run by the writer inside one transaction
 shared by all jobs that arrived while the previous group was committing
 (group commit: one fsync for the whole group); each job has its own
-savepoint, so a job that refuses rolls back alone. A job's caller is answered only after the commit,
-so an acknowledged change survives a kill -9. A job that changes the
-writer's in-memory state (calendar, quota ledger) marks its Tx dirty first;
-if such a job fails, or a commit fails, the memory is rebuilt from the
-database (as the transaction then stands), so memory and database never
-disagree.
+savepoint, so a job that refuses rolls back alone. A job's caller is answered
+only after the commit, so an acknowledged change survives a kill -9. A job
+that changes the writer's in-memory state (calendar, quota ledger) marks its
+Tx dirty first; if such a job fails, or a commit fails, the memory is rebuilt
+from the database (as the transaction then stands), so memory and database
+never disagree. Every SQL statement of the control plane is in this module.
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterable
 
 import structlog
 
+from common.share import Share
 from controlplane.domain.calendar import Booking
 from controlplane.domain.errors import PROVIDER_UNAVAILABLE, DomainError
-from common.share import Share
-from controlplane.domain.model import Operation, Reservation
+from controlplane.domain.model import Confirmation, Operation, Reservation
 from controlplane.domain.states import TERMINAL
 from controlplane.store import codec
 
@@ -123,15 +123,6 @@ def connect(path: str, synchronous: str = "FULL") -> sqlite3.Connection:
     return conn
 
 
-class Commit:
-    """A job's answer that keeps its writes and still reports a refusal (a draft that stays)."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: DomainError):
-        self.error = error
-
-
 def _reservation(doc: bytes, seq: int) -> Reservation:
     res = codec.decode_reservation(doc)
     res.seq = seq
@@ -151,31 +142,37 @@ class Reads:
         row = self.conn.execute("SELECT doc FROM operations WHERE id = ?", (op_id,)).fetchone()
         return codec.decode_operation(row[0]) if row else None
 
-    def confirmation(self, conf_id: str):
+    def confirmation(self, conf_id: str) -> Confirmation | None:
         row = self.conn.execute("SELECT doc FROM confirmations WHERE id = ?", (conf_id,)).fetchone()
         return codec.decode_confirmation(row[0]) if row else None
 
+    def quote(self, quote_id: str) -> tuple[str, int, bytes] | None:
+        row = self.conn.execute("SELECT tenant_id, expires_at, doc FROM quotes WHERE id = ?", (quote_id,)).fetchone()
+        return (row[0], row[1], row[2]) if row else None
 
-class Tx(Reads):
-    """The writer's view of the open transaction: the domain's writes, as small methods."""
 
-    __slots__ = ("conn", "dirty", "committed")
+class SqliteTx(Reads):
+    """The writer's view of the open transaction (port.Tx): the domain's writes, as small methods."""
+
+    __slots__ = ("conn", "dirty", "committed", "refused")
 
     def __init__(self, conn: sqlite3.Connection):
         self.conn = conn
         self.dirty = False
         self.committed: list[Callable[[], None]] = []
+        self.refused: DomainError | None = None
 
     def on_commit(self, fn: Callable[[], None]) -> None:
-        """Call fn on the event loop once this job's group is committed (never if it is not)."""
         self.committed.append(fn)
 
     def touch(self) -> None:
-        """Say that this job is about to change the writer's memory (undone by a rebuild if it fails)."""
         self.dirty = True
 
+    def refuse(self, error: DomainError) -> None:
+        self.refused = error
+
     # reservations
-    def insert_reservation(self, res: Reservation) -> None:
+    def _insert_reservation(self, res: Reservation) -> None:
         cur = self.conn.execute(
             "INSERT INTO reservations (id, tenant_id, principal_id, pool_id, state, doc) VALUES (?, ?, ?, ?, ?, ?)",
             (res.id, res.tenant_id, res.principal_id, res.pool_id, res.state, codec.encode(res)),
@@ -185,11 +182,11 @@ class Tx(Reads):
     def save_reservation(self, res: Reservation) -> None:
         """Insert a reservation never stored (seq 0), else update it."""
         if res.seq == 0:
-            self.insert_reservation(res)
+            self._insert_reservation(res)
         else:
-            self.update_reservation(res)
+            self._update_reservation(res)
 
-    def update_reservation(self, res: Reservation) -> None:
+    def _update_reservation(self, res: Reservation) -> None:
         self.conn.execute(
             "UPDATE reservations SET state = ?, doc = ? WHERE id = ?", (res.state, codec.encode(res), res.id)
         )
@@ -278,6 +275,26 @@ class Tx(Reads):
     def delete_tokens(self, kind: str, subject: str) -> None:
         self.conn.execute("DELETE FROM tokens WHERE kind = ? AND subject = ?", (kind, subject))
 
+    # what the writer's memory is built from
+    def live_reservations(self) -> list[Reservation]:
+        rows = self.conn.execute("SELECT doc, seq FROM reservations WHERE state NOT IN ('released', 'cancelled') ORDER BY seq")
+        return [res for res in (_reservation(doc, seq) for doc, seq in rows) if res.state not in TERMINAL]
+
+    def live_bookings(self) -> list[Booking]:
+        rows = self.conn.execute(
+            "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib,"
+            " b.hugepages_1g FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
+            " WHERE r.state IN ('placed', 'binding', 'active') AND b.end_ms > b.start_ms"
+        )
+        return [Booking(r[0], r[1], r[2], tuple(r[3].split(",")) if r[3] else (), r[4], r[5], Share(r[6], r[7], r[8]))
+                for r in rows]
+
+    def catalog_docs(self, kind: str) -> list[bytes]:
+        return [row[0] for row in self.conn.execute("SELECT doc FROM catalog WHERE kind = ? ORDER BY id", (kind,))]
+
+    def tokens(self) -> dict[str, tuple[str, str]]:
+        return {h: (k, s) for h, k, s in self.conn.execute("SELECT hash, kind, subject FROM tokens")}
+
 
 class Writer:
     """The single writer: jobs run on the event loop in groups, each group committed by one fsync.
@@ -289,10 +306,10 @@ class Writer:
     at a time. Answers are given after the commit.
     """
 
-    def __init__(self, path: str, synchronous: str, on_reset: Callable[[Tx], None]):
+    def __init__(self, path: str, synchronous: str, on_reset: Callable[[SqliteTx], None]):
         self._conn = connect(path, synchronous)
         self._on_reset = on_reset
-        self._pending: list[tuple[Callable[[Tx], Any], asyncio.Future]] = []
+        self._pending: list[tuple[Callable[[SqliteTx], Any], asyncio.Future]] = []
         self._busy = False
         self._commit_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="berth-store-commit")
         self._lock = threading.Lock()  # call_sync against a group run by the loop
@@ -300,7 +317,7 @@ class Writer:
         self.groups = 0
         self.jobs = 0
 
-    def call(self, fn: Callable[[Tx], Any]) -> "asyncio.Future[Any]":
+    def call(self, fn: Callable[[SqliteTx], Any]) -> "asyncio.Future[Any]":
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append((fn, fut))
@@ -309,7 +326,7 @@ class Writer:
             loop.call_soon(self._start_group, loop)
         return fut
 
-    def call_sync(self, fn: Callable[[Tx], Any]) -> Any:
+    def call_sync(self, fn: Callable[[SqliteTx], Any]) -> Any:
         """Run one job now, outside any event loop (start-up, tools); returns once committed."""
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
@@ -322,8 +339,6 @@ class Writer:
         _, value, error = answers[0]
         if error is not None:
             raise error
-        if isinstance(value, Commit):
-            raise value.error
         return value
 
     def close(self) -> None:
@@ -371,7 +386,7 @@ class Writer:
         conn = self._conn
         answers: list[tuple[Any, Any, BaseException | None]] = []
         for fn, fut in group:
-            tx = Tx(conn)
+            tx = SqliteTx(conn)
             conn.execute("SAVEPOINT job")
             try:
                 value = fn(tx)
@@ -382,12 +397,12 @@ class Writer:
                     log.exception("store job failed", job=getattr(fn, "__qualname__", repr(fn)))
                     exc = _unavailable("the control plane could not complete this request")
                 if tx.dirty:
-                    self._on_reset(Tx(conn))
+                    self._on_reset(SqliteTx(conn))
                 answers.append((fut, None, exc))
                 continue
             conn.execute("RELEASE job")
             self._hooks.extend(tx.committed)
-            answers.append((fut, value, None))
+            answers.append((fut, None, tx.refused) if tx.refused is not None else (fut, value, None))
         return answers
 
     def _commit(self, answers: list) -> bool:
@@ -409,7 +424,7 @@ class Writer:
         """Rebuild the writer's memory from the database, on the thread that owns the memory."""
         self._conn.execute("BEGIN")
         try:
-            self._on_reset(Tx(self._conn))
+            self._on_reset(SqliteTx(self._conn))
         finally:
             self._conn.execute("COMMIT")
 
@@ -427,8 +442,6 @@ def _resolve(items) -> None:
             continue
         if error is not None:
             fut.set_exception(error)
-        elif isinstance(value, Commit):
-            fut.set_exception(value.error)
         else:
             fut.set_result(value)
 
@@ -442,7 +455,8 @@ def _unavailable(message: str) -> DomainError:
 
 
 class SqliteStore(Reads):
-    """Reads on the caller's thread (a connection that sees committed data only) and the writer."""
+    """The store port on one SQLite file: reads on the caller's thread (a connection that sees committed data
+    only) and the writer."""
 
     def __init__(self, path: str, synchronous: str = "FULL"):
         if path != ":memory:":
@@ -457,9 +471,24 @@ class SqliteStore(Reads):
         self.conn = connect(path, synchronous)
         self.writer: Writer | None = None
 
-    def start_writer(self, on_reset: Callable[[Tx], None]) -> Writer:
+    def start(self, on_reset: Callable[[SqliteTx], None]) -> None:
         self.writer = Writer(self.path, self._synchronous, on_reset)
-        return self.writer
+
+    def call(self, job: Callable[[SqliteTx], Any]) -> "asyncio.Future[Any]":
+        assert self.writer is not None, "start() the store first"
+        return self.writer.call(job)
+
+    def call_sync(self, job: Callable[[SqliteTx], Any]) -> Any:
+        assert self.writer is not None, "start() the store first"
+        return self.writer.call_sync(job)
+
+    @property
+    def groups(self) -> int:
+        return self.writer.groups if self.writer else 0
+
+    @property
+    def jobs(self) -> int:
+        return self.writer.jobs if self.writer else 0
 
     def close(self) -> None:
         if self.writer is not None:
@@ -531,32 +560,3 @@ class SqliteStore(Reads):
             "SELECT doc FROM reservations WHERE tenant_id = ? AND state IN ('pending', 'placed', 'binding', 'active')",
             (tenant_id,))
         return [codec.decode_reservation(r[0]) for r in rows]
-
-    def quote(self, quote_id: str) -> tuple[str, int, bytes] | None:
-        row = self.conn.execute("SELECT tenant_id, expires_at, doc FROM quotes WHERE id = ?", (quote_id,)).fetchone()
-        return (row[0], row[1], row[2]) if row else None
-
-    def token(self, token_hash: str) -> tuple[str, str] | None:
-        row = self.conn.execute("SELECT kind, subject FROM tokens WHERE hash = ?", (token_hash,)).fetchone()
-        return (row[0], row[1]) if row else None
-
-
-# ---- loading what the writer keeps in memory (used by the writer's reset and at start)
-
-def live_reservations(conn: sqlite3.Connection) -> list[Reservation]:
-    rows = conn.execute("SELECT doc, seq FROM reservations WHERE state NOT IN ('released', 'cancelled') ORDER BY seq")
-    return [res for res in (_reservation(doc, seq) for doc, seq in rows) if res.state not in TERMINAL]
-
-
-def live_bookings(conn: sqlite3.Connection) -> list[Booking]:
-    rows = conn.execute(
-        "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib, b.hugepages_1g"
-        " FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
-        " WHERE r.state IN ('placed', 'binding', 'active') AND b.end_ms > b.start_ms"
-    )
-    return [Booking(r[0], r[1], r[2], tuple(r[3].split(",")) if r[3] else (), r[4], r[5], Share(r[6], r[7], r[8]))
-            for r in rows]
-
-
-def catalog_docs(conn: sqlite3.Connection, kind: str) -> list[bytes]:
-    return [row[0] for row in conn.execute("SELECT doc FROM catalog WHERE kind = ? ORDER BY id", (kind,))]

@@ -126,9 +126,9 @@ class Api:
         """Move the fake clock, run the reconciler until nothing is due, and let background work finish."""
         if advance_ms:
             self.clock.advance(advance_ms)
-        await self.cp.reservations.drain()
+        await self.cp.reconciler.drain()
         moved = await self.cp.reconciler.settle()
-        await self.cp.reservations.drain()
+        await self.cp.reconciler.drain()
         return moved
 
     async def events(self, who: str = "alice", after: int | None = None) -> list[dict]:

@@ -91,7 +91,7 @@ async def test_release_ends_bookings_now_refunds_quota_and_wakes_pending(api):
     res = await api.ok("release", "alice", {"reservationId": big["id"]})
     assert (res["state"], res["reason"]) == ("released", "release")
     assert res["operation"]["kind"] == "release" and res["operation"]["status"] == "succeeded"
-    await api.cp.reservations.drain()
+    await api.cp.reconciler.drain()
     woken = await api.ok("get", "alice", {"reservationId": waiting["id"]})
     assert woken["state"] == "placed" and woken["conditions"] == []
     assert api.cp.state.ledger.usage("acme")["gpu:H100_80GB"] == 2

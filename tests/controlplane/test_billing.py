@@ -186,6 +186,6 @@ async def test_spent_budget_is_spend_limit_reached_and_an_uncoverable_exposure_i
     assert status == 202
     status, doc = await api.create(key="more", poolId="budget", gpuCount=1, durationHours=5)  # 50 > 40 left
     assert doc["error"]["code"] == "INSUFFICIENT_FUNDS" and doc["error"]["details"]["committedUsd"] == "60.000000"
-    cp.reservations.spent_usd = lambda tenant: Decimal("100")
+    cp.billing.spent_usd = lambda tenant: Decimal("100")
     status, doc = await api.create(key="any", poolId="budget", gpuCount=1, durationHours=1)
     assert (status, doc["error"]["code"]) == (402, "SPEND_LIMIT_REACHED")

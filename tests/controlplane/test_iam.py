@@ -39,33 +39,33 @@ def test_a_policy_with_an_unknown_attribute_does_not_validate():
 
 
 def test_nothing_is_allowed_unless_a_policy_permits_it():
-    assert not _authorizer("").decide_sync(AuthzRequest(ALICE, CREATE, _res())).allowed
+    assert not _authorizer("").decide_now(AuthzRequest(ALICE, CREATE, _res())).allowed
 
 
 def test_agent_limits_and_tenant_scoping():
     az = _authorizer(POLICIES)
-    assert az.decide_sync(AuthzRequest(ALICE, CREATE, _res(gpuCount=8))).allowed
-    assert not az.decide_sync(AuthzRequest(AGENT, CREATE, _res(gpuCount=3, principal=AGENT))).allowed
-    assert not az.decide_sync(AuthzRequest(ALICE, READ, _res(tenant="globex"))).allowed
+    assert az.decide_now(AuthzRequest(ALICE, CREATE, _res(gpuCount=8))).allowed
+    assert not az.decide_now(AuthzRequest(AGENT, CREATE, _res(gpuCount=3, principal=AGENT))).allowed
+    assert not az.decide_now(AuthzRequest(ALICE, READ, _res(tenant="globex"))).allowed
 
 
 def test_memoized_decisions_equal_fresh_ones():
     az = _authorizer(POLICIES)
     for count in (1, 2, 3, 1, 3):
         req = AuthzRequest(AGENT, CREATE, _res(gpuCount=count, principal=AGENT))
-        assert az.decide_sync(req).allowed == az._decide(req).allowed == (count <= 2)
+        assert az.decide_now(req).allowed == az._decide(req).allowed == (count <= 2)
 
 
 def test_a_policy_naming_a_reservation_turns_the_memo_off():
     az = _authorizer('permit (principal, action, resource) when { resource == Reservation::"r1" };')
     assert az._memo is None
-    assert az.decide_sync(AuthzRequest(ALICE, READ, _res("r1"))).allowed
-    assert not az.decide_sync(AuthzRequest(ALICE, READ, _res("r2"))).allowed
+    assert az.decide_now(AuthzRequest(ALICE, READ, _res("r1"))).allowed
+    assert not az.decide_now(AuthzRequest(ALICE, READ, _res("r2"))).allowed
 
 
 def test_a_failed_decision_is_a_deny_with_the_reason():
     az = _authorizer(POLICIES)
-    decision = az.decide_sync(AuthzRequest(ALICE, CREATE, _res(vcpu=1.5)))  # Cedar has no float
+    decision = az.decide_now(AuthzRequest(ALICE, CREATE, _res(vcpu=1.5)))  # Cedar has no float
     assert not decision.allowed and decision.errors
 
 

@@ -225,7 +225,7 @@ async def test_a_policy_that_caps_duration_caps_extensions_and_the_refusal_clear
 
 async def test_extend_is_spend_limited_like_create(api):
     res = (await api.create(key="b", poolId="budget"))[1]["reservation"]
-    api.cp.reservations.spent_usd = lambda tenant: Decimal("100")
+    api.cp.billing.spent_usd = lambda tenant: Decimal("100")
     status, doc = await api.call("extend", "alice", {"reservationId": res["id"], "by": HOUR})
     assert (status, doc["error"]["code"]) == (402, "SPEND_LIMIT_REACHED")
 

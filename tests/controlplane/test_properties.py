@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from controlplane.domain import states
 from controlplane.domain.clock import FakeClock
 from controlplane.domain.errors import DomainError
-from controlplane.schemas import CreateBody, ExtendBody, Resources
+from controlplane.schemas import CreateBody, ExtendBody, Resources, create_command, extend_command
 from controlplane.state import WriterState
 from controlplane.store import sqlite as sq
 from controlplane.wiring import Config, ControlPlane
@@ -61,7 +61,7 @@ def check_invariants(cp: ControlPlane) -> None:
         assert cp.state.calendar.overlaps() == []
         # Quota held equals the charges of the live reservations.
         expected: dict[str, Counter] = {}
-        for res in sq.live_reservations(conn):
+        for res in sq.SqliteTx(conn).live_reservations():
             if res.state in states.CHARGED:
                 expected.setdefault(res.tenant_id, Counter()).update(res.charge)
         for tenant in ("acme", "initech"):
@@ -81,7 +81,7 @@ def check_invariants(cp: ControlPlane) -> None:
         for rid, state in conn.execute("SELECT id, state FROM reservations WHERE state NOT IN ('draft', 'awaiting-confirmation')"):
             assert path[rid][-1] == state, (rid, path[rid], state)
         fresh = WriterState()
-        fresh.rebuild(cp.catalog.current, sq.live_reservations(conn), sq.live_bookings(conn))
+        fresh.rebuild(cp.catalog.current, sq.SqliteTx(conn).live_reservations(), sq.SqliteTx(conn).live_bookings())
         mine = {k: sorted((b.node_id, b.units, b.start, b.end) for b in v) for k, v in cp.state.calendar.by_reservation.items()}
         theirs = {k: sorted((b.node_id, b.units, b.start, b.end) for b in v) for k, v in fresh.calendar.by_reservation.items()}
         assert mine == theirs
@@ -106,21 +106,21 @@ async def run(cp: ControlPlane, steps: list[dict]) -> None:
                     resources=Resources(vcpu=step["vcpu"]) if step["vcpu"] else None,
                     spot=step["spot"], leaseSeconds=step["lease"],
                 )
-                answer = await svc.create(principals[step["who"]], body, f"k{step['key']}")
+                answer = await svc.create(principals[step["who"]], create_command(body, f"k{step['key']}"))
                 made.append((step["who"], answer.reservation.id))
             elif step["op"] in ("release", "cancel", "renew") and made:
                 who, rid = made[step["pick"] % len(made)]
                 await getattr(svc, step["op"])(principals[who], rid)
             elif step["op"] == "extend" and made:
                 who, rid = made[step["pick"] % len(made)]
-                await svc.extend(principals[who], ExtendBody(reservationId=rid, by=step["hours"] * HOUR))
+                await svc.extend(principals[who], extend_command(ExtendBody(reservationId=rid, by=step["hours"] * HOUR)))
             elif step["op"] == "tick":
                 cp.clock.advance(step["minutes"] * 60_000)
-                await svc.drain()
+                await cp.reconciler.drain()
                 await cp.reconciler.settle()
         except DomainError:
             pass
-        await svc.drain()
+        await cp.reconciler.drain()
         check_invariants(cp)
 
 

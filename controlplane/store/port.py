@@ -1,0 +1,134 @@
+"""The store port: what the services may ask of storage, as protocols. Every SQL statement lives behind it.
+
+Two sides. `Store` is the store as a whole: reads of committed data (for
+answers that need no transaction) and `call(job)`, which runs `job(tx)` in the
+single writer's transaction and answers once that transaction is durably
+committed. `Tx` is the open transaction a job gets: keyed reads that see the
+job's own writes, the domain's writes as small methods, and the loaders the
+writer's memory (calendar, quota ledger, queues) is rebuilt from.
+
+A job answers with a plain value, or raises DomainError to roll back its own
+writes. `tx.refuse(error)` keeps the job's writes and still answers the
+caller with the refusal (a draft that stays so the same key can be retried).
+An unexpected exception in a job rolls back that job only and answers
+PROVIDER_UNAVAILABLE. Engines: store/sqlite.py (embedded, the default).
+"""
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, Iterable, Protocol, TypeVar
+
+from controlplane.domain.calendar import Booking
+from controlplane.domain.errors import DomainError
+from controlplane.domain.model import Confirmation, Operation, Reservation
+
+T = TypeVar("T")
+
+
+class Reads(Protocol):
+    """Reads by key; on the Store they see committed data, on a Tx also the job's own writes."""
+
+    def reservation(self, reservation_id: str) -> Reservation | None: ...
+
+    def operation(self, operation_id: str) -> Operation | None: ...
+
+    def confirmation(self, confirmation_id: str) -> Confirmation | None: ...
+
+    def quote(self, quote_id: str) -> tuple[str, int, bytes] | None:
+        """(tenant, expires at, document) of a stored quote."""
+
+
+class Tx(Reads, Protocol):
+    """One job's view of the writer's open transaction."""
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Call fn on the event loop once this job's group is committed (never if it is not)."""
+
+    def touch(self) -> None:
+        """Say that this job is about to change the writer's memory (rebuilt from the database if the job fails)."""
+
+    def refuse(self, error: DomainError) -> None:
+        """Keep this job's writes and answer its caller with `error` once they are committed."""
+
+    # reservations
+    def save_reservation(self, res: Reservation) -> None:
+        """Insert a reservation never stored (seq 0), else update it."""
+
+    def move_if(self, res: Reservation, expected_state: str) -> bool:
+        """Write the reservation only if its stored state is still expected_state; False if it moved meanwhile."""
+
+    # bookings
+    def insert_bookings(self, bookings: Iterable[Booking]) -> None: ...
+
+    def end_bookings(self, reservation_id: str, at: int) -> None:
+        """Bookings end at `at`; one not yet started ends where it starts (kept, empty, for history)."""
+
+    def set_bookings_end(self, reservation_id: str, end: int) -> None: ...
+
+    # operations, events, confirmations
+    def put_operation(self, op: Operation) -> None: ...
+
+    def event(self, tenant_id: str, reservation_id: str | None, type_: str, at: int, data: dict[str, Any]) -> None: ...
+
+    def put_confirmation(self, conf: Confirmation) -> None: ...
+
+    # billing and quotes
+    def bill_from(self, res: Reservation, start: int) -> None: ...
+
+    def bill_until(self, reservation_id: str, end: int) -> None: ...
+
+    def put_quote(self, quote_id: str, tenant_id: str, expires_at: int, doc: bytes) -> None: ...
+
+    # catalog and tokens
+    def put_catalog(self, kind: str, ident: str, doc: bytes) -> None: ...
+
+    def put_token(self, token_hash: str, kind: str, subject: str) -> None: ...
+
+    def delete_tokens(self, kind: str, subject: str) -> None: ...
+
+    # what the writer's memory is built from (at start, and after a failed job or commit)
+    def live_reservations(self) -> list[Reservation]: ...
+
+    def live_bookings(self) -> list[Booking]:
+        """Bookings of placed, binding and active reservations that still cover time."""
+
+    def catalog_docs(self, kind: str) -> list[bytes]: ...
+
+    def tokens(self) -> dict[str, tuple[str, str]]:
+        """token hash -> (kind, subject)."""
+
+
+class Store(Reads, Protocol):
+    """Committed reads, and the single writer."""
+
+    groups: int  # writer groups committed (metrics)
+    jobs: int  # jobs run
+
+    def start(self, on_reset: Callable[[Tx], None]) -> None:
+        """Start the writer; on_reset(tx) rebuilds the writer's memory from the database."""
+
+    def call(self, job: Callable[[Tx], T]) -> Awaitable[T]:
+        """Run job(tx) in the writer's next group; the answer comes after the group's commit."""
+
+    def call_sync(self, job: Callable[[Tx], T]) -> T:
+        """Run one job now, outside any event loop (start-up, tools); returns once committed."""
+
+    def close(self) -> None: ...
+
+    # reads of committed data
+    def reservations_page(self, tenant_id: str, principal_id: str | None, state: str | None, pool_id: str | None,
+                          before_seq: int | None, limit: int) -> list[Reservation]:
+        """The tenant's public reservations newest first, before `before_seq` (a page of list)."""
+
+    def operations(self, operation_ids: list[str]) -> dict[str, Operation]: ...
+
+    def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]: ...
+
+    def confirmations(self, tenant_id: str, user_id: str | None, agent_id: str | None, status: str | None,
+                      limit: int) -> list[Confirmation]: ...
+
+    def billing(self, tenant_id: str, reservation_id: str | None = None) -> list[tuple[str, str, str, int, int | None]]:
+        """(reservation, pool, hourly USD, start, end or None) of the tenant's billed reservations."""
+
+    def state_counts(self) -> list[tuple[str, int]]: ...
+
+    def live_of_tenant(self, tenant_id: str) -> list[Reservation]: ...
