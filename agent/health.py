@@ -177,10 +177,6 @@ class ScriptedEvents:
         self._events = list(events)
         self._lock = threading.Lock()
 
-    def push(self, event: XidEvent) -> None:
-        with self._lock:
-            self._events.append(event)
-
     def wait(self, timeout_ms: int) -> XidEvent | None:
         with self._lock:
             if self._events:

@@ -90,10 +90,6 @@ class NodeCalendar:
         self.host: list[HostBooking] = []  # sorted by start
         self.count = 0  # live bookings (one per reservation on this node)
 
-    def free_units(self, start: int, end: int, candidates: Iterable[str]) -> list[str]:
-        devices = self.devices
-        return [u for u in candidates if devices[u].is_free(start, end)]
-
     def host_peak(self, start: int, end: int) -> Share:
         """The most host resources booked at any instant of [start, end)."""
         hi = bisect_left(self.host, end, key=lambda b: b.start)

@@ -7,7 +7,6 @@ tree (`own_cgroup2` kills and removes what is below it), namespaces (their veths
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.netns import Namespaces
 from tests.cgroups.conftest import (bpf_works, hugetlb_for_own_cgroup, own_cgroup2,  # noqa: F401 (fixtures)
                                     reserved_1g_hugepages)
 
@@ -34,9 +34,7 @@ BOB = "acme-bob-token-000001"
 H100_TOKEN = "node-bootstrap-h100-0001"
 MIG_TOKEN = "node-bootstrap-mig-00001"
 NODE_TOKEN = "node-bootstrap-node-001"
-CLONE_NEWNET = 0x40000000
 
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 def bootstrap_doc() -> dict:
@@ -93,102 +91,57 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01, what: str
 # -- network namespaces --------------------------------------------------------------------------------------
 
 
-def _ip(*args: str) -> None:
-    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
-    if out.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
-
-
 class NetLab:
     """A namespace for the control plane and one per agent, each agent joined to it by a veth pair (/30)."""
 
     def __init__(self) -> None:
-        self.tag = uuid.uuid4().hex[:6]
-        self.namespaces: list[str] = []
-        self.cp_ns = self._ns("cp")
+        self.spaces = Namespaces()
+        self.tag = self.spaces.tag
+        self.cp_ns = self.spaces.add("cp")
         self.links: dict[str, tuple[str, str, str]] = {}  # agent -> (agent ns, agent ifname, control plane address)
-
-    def _ns(self, role: str) -> str:
-        name = f"berth-test-{self.tag}-{role}"
-        _ip("netns", "add", name)
-        self.namespaces.append(name)
-        _ip("-n", name, "link", "set", "lo", "up")
-        return name
 
     def add_agent(self, role: str) -> str:
         """A namespace for one agent and its link to the control plane's; returns the control plane's address."""
         n = len(self.links) + 1
-        ns = self._ns(role)
+        ns = self.spaces.add(role)
         cp_if, ag_if = f"bt{self.tag}c{n}", f"bt{self.tag}a{n}"
-        _ip("link", "add", cp_if, "netns", self.cp_ns, "type", "veth", "peer", "name", ag_if, "netns", ns)
         cp_addr, ag_addr = f"10.200.{n}.1", f"10.200.{n}.2"
-        _ip("-n", self.cp_ns, "addr", "add", f"{cp_addr}/30", "dev", cp_if)
-        _ip("-n", ns, "addr", "add", f"{ag_addr}/30", "dev", ag_if)
-        _ip("-n", self.cp_ns, "link", "set", cp_if, "up")
-        _ip("-n", ns, "link", "set", ag_if, "up")
+        self.spaces.link(self.cp_ns, cp_if, cp_addr, ns, ag_if, ag_addr)
         self.links[role] = (ns, ag_if, cp_addr)
         return cp_addr
 
     def ns_path(self, name: str) -> str:
-        return f"/run/netns/{name}"
+        return self.spaces.path(name)
 
     def cut(self, role: str) -> None:
         ns, ifname, _ = self.links[role]
-        _ip("-n", ns, "link", "set", ifname, "down")
+        self.spaces.set_link(ns, ifname, up=False)
 
     def restore(self, role: str) -> None:
         ns, ifname, _ = self.links[role]
-        _ip("-n", ns, "link", "set", ifname, "up")
+        self.spaces.set_link(ns, ifname, up=True)
 
-    def listen(self, ns: str, host: str = "0.0.0.0") -> socket.socket:
-        """A listening TCP socket created inside namespace ns (setns in a short-lived thread: it is per thread)."""
-        box: dict = {}
-
-        def inside() -> None:
-            try:
-                fd = os.open(self.ns_path(ns), os.O_RDONLY)
-                try:
-                    if _libc.setns(fd, CLONE_NEWNET) != 0:
-                        raise OSError(ctypes.get_errno(), "setns")
-                finally:
-                    os.close(fd)
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind((host, 0))
-                s.listen(1024)
-                s.setblocking(False)
-                box["sock"] = s
-            except Exception as exc:  # noqa: BLE001
-                box["error"] = exc
-
-        t = threading.Thread(target=inside)
-        t.start()
-        t.join()
-        if "error" in box:
-            raise box["error"]
-        return box["sock"]
+    def listen(self, ns: str, host: str = "0.0.0.0"):
+        return self.spaces.listen(ns, host)
 
     def close(self) -> None:
-        for name in reversed(self.namespaces):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
-        self.namespaces.clear()
+        self.spaces.close()
 
 
 @pytest.fixture
 def netlab():
     require_kernel()
-    if shutil.which("ip") is None or shutil.which("nsenter") is None:
-        pytest.skip("iproute2 (ip) and util-linux (nsenter) are needed for network namespaces")
+    if shutil.which("nsenter") is None:
+        pytest.skip("util-linux (nsenter) is needed to start agents in network namespaces")
     try:
         lab = NetLab()
-    except RuntimeError as exc:
+    except OSError as exc:
         pytest.skip(f"cannot create network namespaces here: {exc}")
     try:
         yield lab
     finally:
         lab.close()
-        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert f"berth-test-{lab.tag}" not in left, left
+        assert lab.spaces.left() == []
 
 
 # -- the control plane ---------------------------------------------------------------------------------------
