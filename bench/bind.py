@@ -1,10 +1,12 @@
 """Bench: how long the kernel boundary takes to bind and unbind a share, over many cgroups on the real cgroup2.
 
-apply = mkdir + record + limits + device program attached + one process moved in;
-remove = cgroup.kill + wait until empty + rmdir. Prints medians and p99, and the
-median apply cost of the first 10 against the last 10 cgroups (it should not grow
-with the number that already exist). Everything is made below a fresh directory
-under this process's own cgroup and removed at the end.
+apply = mkdir + record + limits + device program attached + one process moved in,
+in cgroup2 and, on a hybrid host, in each v1 hierarchy that enforces part of the
+share (cpu, cpuset, memory, the devices list); remove = cgroup.kill + wait until
+empty + rmdir in every hierarchy. Prints medians and p99, and the median apply
+cost of the first 10 against the last 10 cgroups (it should not grow with the
+number that already exist). Everything is made below a fresh directory under this
+process's own cgroup in each hierarchy and removed at the end.
 
     python bench/bind.py [--count 100]
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cgroups import bpf, host  # noqa: E402
+from cgroups import bpf, host, probe_layout  # noqa: E402
 from cgroups.devices import harmless_rules, rule  # noqa: E402
 from cgroups.share import CgroupShare  # noqa: E402
 from cgroups.tree import ALL_CONTROLLERS, Subtree  # noqa: E402
@@ -70,7 +72,8 @@ def main() -> int:
         return 2
     own = mount / host.own_cgroup2().lstrip("/")
     offered = set((own / "cgroup.controllers").read_text().split())
-    controllers = tuple(c for c in ALL_CONTROLLERS if c in offered)
+    layout = probe_layout()
+    controllers = tuple(c for c in ALL_CONTROLLERS if c in offered or layout.place(c) == "v1")
     enabled_before = set((own / "cgroup.subtree_control").read_text().split())
     root = own / f"berth-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     st = Subtree(root, controllers=controllers, enable_from=own if host.own_cgroup2() == "/" else None)
@@ -108,12 +111,12 @@ def main() -> int:
         for name in names:
             if (root / name).exists():
                 st.remove(name, timeout=10.0)
-        if root.exists():
-            root.rmdir()
+        st.remove_roots()
         if st.enable_from is not None:
-            restore(own, [c for c in controllers if c not in enabled_before])
+            restore(own, [c for c in controllers if layout.place(c) == "v2" and c not in enabled_before])
     first, last = statistics.median(apply_s[:10]), statistics.median(apply_s[-10:])
-    print(f"bench/bind.py: {args.count} cgroups below {own} (controllers enforced: {', '.join(controllers) or 'none'}; "
+    where = ", ".join(f"{c} ({p})" for c, p in st.places.items()) or "none"
+    print(f"bench/bind.py: {args.count} cgroups below {own} (enforced: {where}; "
           f"{len(rules)} device rules; kernel {os.uname().release})")
     print(show("apply (bind)", apply_s))
     print(show("re-apply (no change)", reapply_s))

@@ -27,12 +27,13 @@ class FileMissing(CgroupError):
 
 
 class NotCgroup2(CgroupError):
-    """The root is not on a cgroup2 filesystem; there is no cgroup v1 fallback."""
+    """The root is not on a cgroup2 filesystem (v1 hierarchies are used beside a cgroup2 root, never instead)."""
 
     def __init__(self, path: Path | str, found: str) -> None:
         super().__init__(
-            f"{path} is not on a cgroup v2 filesystem (found {found}); Berth enforces shares with cgroup v2 only "
-            "and has no v1 fallback: mount cgroup2 (a unified or hybrid host) and point the root below it",
+            f"{path} is not on a cgroup v2 filesystem (found {found}); a subtree's root is a cgroup2 directory "
+            "(on a hybrid host the controllers bound to cgroup v1 get a directory of the same name in their own "
+            "hierarchy beside it): mount cgroup2 (a unified or hybrid host) and point the root below it",
             path=path,
         )
         self.found = found
@@ -44,6 +45,15 @@ class ControllerMissing(CgroupError):
     def __init__(self, controller: str, hint: str, *, path: Path | str | None = None) -> None:
         super().__init__(f"cgroup controller {controller!r} is not available: {hint}", path=path)
         self.controller = controller
+        self.hint = hint
+
+
+class NotEnforceable(CgroupError):
+    """A share field this host's layout has no file for (memory.high where memory is a cgroup v1 controller)."""
+
+    def __init__(self, field: str, hint: str, *, path: Path | str | None = None) -> None:
+        super().__init__(f"share field {field} cannot be enforced here: {hint}", path=path)
+        self.field = field
         self.hint = hint
 
 
@@ -91,7 +101,6 @@ class BpfError(CgroupError):
 
 class RecordCorrupt(CgroupError):
     """A recovery record exists but cannot be trusted (bad checksum, unknown version, unparsable)."""
-
 
 
 class Exists(CgroupError):

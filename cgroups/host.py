@@ -1,4 +1,4 @@
-"""Facts about the host's cgroup filesystems: filesystem type, mounts, a process's own cgroup, v1 controllers.
+"""Facts about the host's cgroup filesystems: filesystem type, mounts, /proc/cgroups, a process's cgroups.
 
 One short function per kernel file, the roots (/proc, /sys) as parameters so
 tests point them at a hand-made tree. OSError becomes CgroupError (with the
@@ -46,6 +46,7 @@ class Mount:
     mount_point: Path
     fstype: str
     super_options: tuple[str, ...]
+    root: str = "/"  # the path inside the filesystem that is mounted there (a cgroup namespace shows less)
 
 
 def _read(path: Path) -> str:
@@ -64,7 +65,7 @@ def read_mountinfo(proc: Path = Path("/proc")) -> list[Mount]:
         if len(fields) < 5 or len(rfields) < 3:
             continue
         point = fields[4].replace("\\040", " ")
-        out.append(Mount(Path(point), rfields[0], tuple(rfields[2].split(","))))
+        out.append(Mount(Path(point), rfields[0], tuple(rfields[2].split(",")), fields[3].replace("\\040", " ")))
     return out
 
 
@@ -83,6 +84,48 @@ def v1_controllers(proc: Path = Path("/proc")) -> frozenset[str]:
         if m.fstype == "cgroup":
             out.update(o for o in m.super_options if o not in ("rw", "ro") and "=" not in o)
     return frozenset(out)
+
+
+@dataclass(frozen=True)
+class ControllerRow:
+    """One line of /proc/cgroups: the v1 hierarchy a controller is bound to (0: none, so cgroup2 may have it)."""
+
+    name: str
+    hierarchy: int
+    enabled: bool
+
+
+def read_proc_cgroups(proc: Path = Path("/proc")) -> dict[str, ControllerRow]:
+    """/proc/cgroups by controller name; empty where the kernel has no such file (it lists v1-capable ones)."""
+    path = Path(proc) / "cgroups"
+    if not path.exists():
+        return {}
+    out = {}
+    for line in _read(path).splitlines():
+        parts = line.split()
+        if len(parts) == 4 and not line.startswith("#") and parts[1].isdigit():
+            out[parts[0]] = ControllerRow(parts[0], int(parts[1]), parts[3] == "1")
+    return out
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One line of /proc/<pid>/cgroup: hierarchy id (0 for cgroup2), its controllers, the process's path there."""
+
+    hierarchy: int
+    controllers: tuple[str, ...]
+    path: str
+
+
+def read_memberships(proc: Path = Path("/proc"), pid: str = "self") -> list[Membership]:
+    """/proc/<pid>/cgroup: where the process is in each hierarchy ('4:memory:/a/b', '0::/a')."""
+    out = []
+    for line in _read(Path(proc) / str(pid) / "cgroup").splitlines():
+        hid, _, rest = line.partition(":")
+        names, _, path = rest.partition(":")
+        if hid.isdigit():
+            out.append(Membership(int(hid), tuple(n for n in names.split(",") if n), path))
+    return out
 
 
 def own_cgroup2(proc: Path = Path("/proc"), pid: str = "self") -> str:

@@ -44,7 +44,17 @@ class MemoryStat:
     max: int | None
     high: int | None
     swap_current: int
-    events: dict[str, int]  # low, high, max, oom, oom_kill (memory.events)
+    events: dict[str, int]  # low, high, max, oom, oom_kill (memory.events); v1: max (failcnt), oom_kill
+
+    @property
+    def oom_kills(self) -> int:
+        """Processes the OOM killer ended in this cgroup (memory.events, or v1 memory.oom_control's oom_kill)."""
+        return self.events.get("oom_kill", 0)
+
+    @property
+    def limit_hits(self) -> int:
+        """Times usage hit the limit (memory.events 'max', or v1 memory.failcnt)."""
+        return self.events.get("max", 0)
 
 
 def stat_memory(dir: Path) -> MemoryStat:

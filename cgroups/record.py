@@ -6,6 +6,9 @@ refused), so that cgroupfs alone is enough to recover after a crash and the
 record disappears with the cgroup. cgroupfs accepts no regular files inside a
 cgroup, which rules out a file there. Hosts whose cgroupfs takes no xattrs
 (before Linux 5.7 for user.*) use `DirRecords` under a state directory.
+The record is kept once, beside the cgroup2 directory, also on a hybrid
+host: the cgroup's directories in the v1 hierarchies carry none and are
+found again by name below the subtree's v1 roots.
 """
 from __future__ import annotations
 

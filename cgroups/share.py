@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Mapping
 
 from common import hostfacts
 
@@ -151,40 +152,49 @@ def _host_facts(proc: Path, sys: Path) -> tuple[frozenset[int], frozenset[int], 
 
 
 def read_capacity(parent: Path, *, proc: Path = Path("/proc"), sys: Path = Path("/sys"),
-                  fields: frozenset[str] = CAPACITY_FIELDS) -> Capacity:
+                  fields: frozenset[str] = CAPACITY_FIELDS, dirs: Mapping[str, Path] | None = None) -> Capacity:
     """The host's CPUs, nodes, memory and 1 GiB pool, narrowed by the parent cgroup's own files where present.
 
-    Only `fields` are read (see CgroupShare.asks). The parent's files and the 1 GiB pool are read on every
-    call; the host's CPUs, nodes and MemTotal once per process.
+    Only `fields` are read (see CgroupShare.asks). `dirs` names, per controller (cpuset, memory, hugetlb), the
+    parent's directory in the hierarchy that enforces it, when that is a cgroup v1 one (its files have the v1
+    names); the others are read in `parent`. The parent's files and the 1 GiB pool are read on every call; the
+    host's CPUs, nodes and MemTotal once per process.
     """
     online, nodes, memory = _host_facts(Path(proc), Path(sys))
+    dirs = dirs or {}
+    cpuset, mem, huge = (Path(dirs.get(c, parent)) for c in ("cpuset", "memory", "hugetlb"))
     out: dict = {}
     if "cpus" in fields:
-        out["cpus"] = _effective(parent, "cpuset.cpus.effective") or online
+        out["cpus"] = _effective(cpuset, "cpuset.cpus.effective", "cpuset.effective_cpus") or online
     if "mems" in fields:
-        out["mems"] = _effective(parent, "cpuset.mems.effective") or nodes
+        out["mems"] = _effective(cpuset, "cpuset.mems.effective", "cpuset.effective_mems") or nodes
     if "memory_bytes" in fields:
-        parent_max = _limit(parent, "memory.max")
+        parent_max = _limit(mem, "memory.max", "memory.limit_in_bytes")
         out["memory_bytes"] = memory if parent_max is None else min(memory, parent_max)
     if "hugepages_1g" in fields:
         try:
             pages = hostfacts.hugepages_total(hostfacts.SIZE_1G_KIB, str(sys)) or 0
         except hostfacts.HostReadError as exc:
             raise CgroupError(f"reading the 1 GiB hugepage pool: {exc}", path=Path(exc.path)) from None
-        parent_pages = _limit(parent, "hugetlb.1GB.max")
+        parent_pages = _limit(huge, "hugetlb.1GB.max", "hugetlb.1GB.limit_in_bytes")
         out["hugepages_1g"] = pages if parent_pages is None else min(pages, parent_pages // host.GIB)
     return Capacity(**out)
 
 
-def _effective(dir: Path, name: str) -> frozenset[int] | None:
-    try:
-        return parse_cpulist(read_file(dir, name)) or None
-    except FileMissing:
-        return None
+def _effective(dir: Path, *names: str) -> frozenset[int] | None:
+    """The first of the names (the cgroup2 one, then the v1 one) that exists in dir, as a set; empty is None."""
+    for name in names:
+        try:
+            return parse_cpulist(read_file(dir, name)) or None
+        except FileMissing:
+            continue
+    return None
 
 
-def _limit(dir: Path, name: str) -> int | None:
-    try:
-        return parse_max(read_file(dir, name))
-    except FileMissing:
-        return None
+def _limit(dir: Path, *names: str) -> int | None:
+    for name in names:
+        try:
+            return parse_max(read_file(dir, name))
+        except FileMissing:
+            continue
+    return None

@@ -1,13 +1,20 @@
-"""The owner of one cgroup v2 subtree: create, limit, fill, freeze, kill, remove, list, check drift and repair.
+"""The owner of one cgroup subtree: create, limit, fill, freeze, kill, remove, list, check drift and repair.
 
-A Subtree writes inside its root and nowhere else (above the root only when
-the caller names an `enable_from` ancestor it may write, to switch
-controllers on down the path). Each child is one share, named `<prefix><id>`
-with a checked charset; beside it lives a record (see record.py) of the share
-and device rules, so that `list()` after a restart rebuilds everything from
-cgroupfs and the kernel alone, and `drift()` / `repair()` put back a limit or
-a device program changed behind the subtree's back. Domain-free: a name and a
-share, nothing about reservations.
+The root is a cgroup2 directory. On a hybrid host, each controller the
+subtree enforces that is bound to a cgroup v1 hierarchy (cpu, cpuset,
+memory, hugetlb, and devices for the v1 device lists) gets a root of its own
+in that hierarchy (`v1_roots`, see layout.v1_roots_for), and every child
+exists with the same name in each of them; a process is joined to all. A
+Subtree writes inside its roots and nowhere else (above the cgroup2 root
+only when the caller names an `enable_from` ancestor it may write, to switch
+controllers on down the path). Each child is one share, named
+`<prefix><id>` with a checked charset; beside its cgroup2 directory lives a
+record (record.py) of the share and device rules, kept once, so that
+`list()` after a restart rebuilds everything from cgroupfs and the kernel
+alone, and `drift()` / `repair()` put back a limit (in any hierarchy) or a
+device program changed behind the subtree's back. The kernel-facing
+operations that a test replaces are in the `kernel` object it is given
+(kernel.py). Domain-free: a name and a share, nothing about reservations.
 """
 from __future__ import annotations
 
@@ -18,48 +25,38 @@ import re
 import select
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Iterable, Mapping
 
-from . import bpf, host
 from .bpf_program import build
-from .cpu import CpuStat, apply_cpu, desired_cpu, stat_cpu
-from .cpuset import CpusetStat, apply_cpuset, desired_cpuset, stat_cpuset
+from .cpu import CpuStat
+from .cpuset import CpusetStat
 from .devices import DeviceRule, normalise
-from .errors import (Busy, CgroupError, ControllerMissing, Exists, FileMissing, InvalidName, NotCgroup2, NotFound,
-                     RecordCorrupt)
+from .enforce import V1, V2
+from .errors import (Busy, CgroupError, ControllerMissing, Exists, FileMissing, InvalidName, NotFound, RecordCorrupt)
 from .files import Drift, drift_values, has_file, parse_keyed, parse_list, parse_pids, read_file, write_file
-from .hugetlb import HugetlbStat, apply_hugetlb, desired_hugetlb, features, stat_hugetlb
-from .memory import MemoryStat, apply_memory, desired_memory, has_swap, stat_memory
+from .hugetlb import HugetlbStat
+from .kernel import Kernel, LinuxKernel
+from .layout import Layout, Place, probe_layout, v1_roots_for
+from .memory import MemoryStat
 from .record import DirRecords, Record, RecordStore, XattrRecords
 from .share import CgroupShare, read_capacity
+from .v1 import cpuset as cpuset_v1
+from .v1 import devices as devices_v1
 
 log = logging.getLogger(__name__)
 
 ALL_CONTROLLERS = ("cpuset", "cpu", "memory", "hugetlb")
+V1_ORDER = ("cpuset", "cpu", "memory", "hugetlb", "devices")  # cpuset first: a v1 cpuset refuses tasks until filled
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 POLL_SLICE_S = 0.001  # cgroup.events notifications are rate-limited (10 ms); re-read at least this often
 
 
-class DirOps(Protocol):
-    """How directories appear and go: the kernel's mkdir/rmdir, or a test's stand-in that fills a plain tree."""
-
-    def mkdir(self, path: Path) -> None: ...
-    def rmdir(self, path: Path) -> None: ...
-
-
-class KernelDirs:
-    def mkdir(self, path: Path) -> None:
-        os.mkdir(path, 0o755)
-
-    def rmdir(self, path: Path) -> None:
-        os.rmdir(path)
-
-
 @dataclass(frozen=True)
 class Cgroup:
-    """A child of the subtree as found: its share and rules (None when there is no usable record) and programs."""
+    """A child of the subtree as found: its share and rules (None when there is no usable record), programs, and
+    its directories in the v1 hierarchies (controller -> directory, those that exist)."""
 
     name: str
     path: Path
@@ -67,6 +64,7 @@ class Cgroup:
     rules: tuple[DeviceRule, ...] | None
     program_ids: tuple[int, ...] = ()
     problem: str | None = None  # why share is None: no record, or a corrupt one
+    parts: dict[str, Path] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -81,42 +79,70 @@ class CgroupStat:
 
 
 class Subtree:
-    """One delegated root and the share cgroups below it."""
+    """One delegated cgroup2 root (and its counterparts in the v1 hierarchies) and the share cgroups below it."""
 
     def __init__(self, root: Path | str, *, controllers: Iterable[str] = ALL_CONTROLLERS, prefix: str = "rsv-",
                  state_dir: Path | str | None = None, enable_from: Path | str | None = None,
-                 fake_tree: DirOps | None = None, proc: Path = Path("/proc"), sys: Path = Path("/sys")) -> None:
-        """root: the delegated cgroup (created if missing). controllers: what to enforce (a subset of
-        ALL_CONTROLLERS; leave out those the host cannot give). enable_from: an ancestor the subtree may
-        also write, from which controllers are switched on down to root. fake_tree: a plain directory stands
-        in for cgroupfs (tests only): no cgroup2 check and no device programs."""
+                 kernel: Kernel | None = None, layout: Layout | None = None,
+                 v1_roots: Mapping[str, Path | str] | None = None, anchor_pid: int | None = None,
+                 proc: Path = Path("/proc"), sys: Path = Path("/sys")) -> None:
+        """root: the delegated cgroup2 directory (created if missing). controllers: what to enforce (a subset of
+        ALL_CONTROLLERS), each where the host has it: on cgroup2, or on its v1 hierarchy. enable_from: an
+        ancestor the subtree may also write, from which controllers are switched on down to root. kernel: the
+        kernel-facing operations (LinuxKernel; tests pass a stand-in). layout: where each controller lives
+        (probed from proc when None). v1_roots: the subtree's root per v1 controller, where the default (the
+        same place relative to anchor_pid's cgroups, see layout.v1_path_for) is not wanted. anchor_pid: whose
+        cgroups anchor that default (this process). Writes nothing."""
         self.root = Path(root)
-        self.controllers = tuple(c for c in ALL_CONTROLLERS if c in set(controllers))
         unknown = set(controllers) - set(ALL_CONTROLLERS)
         if unknown:
             raise ValueError(f"unknown controllers {sorted(unknown)}; known: {ALL_CONTROLLERS}")
+        self.controllers = tuple(c for c in ALL_CONTROLLERS if c in set(controllers))
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}", prefix):
             raise InvalidName(f"bad prefix {prefix!r}: letters, digits, '_', '.', '-', 32 at most")
         self.prefix = prefix
         self.enable_from = Path(enable_from) if enable_from is not None else None
-        self.fake = fake_tree is not None
-        self._dirs: DirOps = fake_tree or KernelDirs()
+        self.kernel: Kernel = kernel or LinuxKernel()
         self._state_dir = Path(state_dir) if state_dir is not None else None
         self._records: RecordStore | None = None
         self._proc, self._sys = proc, sys
-        if not self.fake:
-            probe = self.root
-            while not probe.exists() and probe != probe.parent:
-                probe = probe.parent
-            if not host.is_cgroup2(probe):
-                raise NotCgroup2(self.root, host.describe_fs(probe))
+        self.kernel.check_cgroup2(self.root)
+        self.layout = layout or probe_layout(proc)
+        self.v1_roots = self._find_v1_roots(dict(v1_roots or {}), anchor_pid)
+
+    def _find_v1_roots(self, explicit: dict[str, Path | str], anchor_pid: int | None) -> dict[str, Path]:
+        used = [c for c in V1_ORDER if (c in self.controllers or c == "devices") and self.layout.place(c) == "v1"]
+        stray = set(explicit) - set(used)
+        if stray:
+            raise ValueError(f"v1_roots names {sorted(stray)}, which this subtree does not enforce on a cgroup v1 "
+                             f"hierarchy here ({self.layout.summary()})")
+        computed = v1_roots_for(self.layout, self.root, tuple(c for c in used if c not in explicit),
+                                proc=self._proc, pid=anchor_pid or "self")
+        roots = {c: Path(explicit[c]) if c in explicit else computed[c] for c in used}
+        for d in roots.values():
+            self.kernel.check_cgroup1(d)
+        return roots
+
+    @property
+    def places(self) -> dict[str, Place]:
+        """Where each enforced controller (and 'devices') is enforced: 'v2' or 'v1'. Absent ones are left out."""
+        return {c: p for c in (*self.controllers, "devices") if (p := self.layout.place(c)) is not None}
+
+    def _place(self, controller: str) -> Place:
+        place = self.layout.place(controller)
+        if place is None:
+            raise ControllerMissing(controller, self.layout.why_absent(controller))
+        return place
 
     # -- set-up -------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Create the root if needed, switch the controllers on down to it, pick the record store. Idempotent."""
+        """Create the roots if needed, switch the controllers on down to the cgroup2 root, fill new v1 cpusets,
+        pick the record store. Idempotent."""
         if self._records is not None:
             return
+        for c in self.controllers:
+            self._place(c)
         top = self.enable_from or self.root
         try:
             rel = self.root.relative_to(top)
@@ -128,6 +154,8 @@ class Subtree:
         for d in chain:
             self._mkdir(d)
             self._enable(d)
+        for c, root in self.v1_roots.items():
+            self._make_v1_root(c, root)
         if self._state_dir is not None:
             self._records = DirRecords(self._state_dir)
         else:
@@ -137,26 +165,41 @@ class Subtree:
                                   "Subtree with state_dir= to keep recovery records in a directory", path=self.root)
             self._records = found
 
+    def _make_v1_root(self, controller: str, root: Path) -> None:
+        """mkdir -p of a v1 root, from its nearest existing ancestor; a cpuset directory made is filled at once."""
+        made = []
+        d = root
+        while not d.is_dir() and d != d.parent:
+            made.append(d)
+            d = d.parent
+        for d in reversed(made):
+            self._mkdir(d)
+            if controller == "cpuset":
+                cpuset_v1.fill_from_parent(d)
+        if controller == "cpuset" and not made and cpuset_v1.is_empty(root):
+            cpuset_v1.fill_from_parent(root)  # a root left empty by a crash right after its mkdir
+
     def _mkdir(self, d: Path) -> None:
         """mkdir unless there; OSError becomes CgroupError with the path."""
         if d.is_dir():
             return
         try:
-            self._dirs.mkdir(d)
+            self.kernel.mkdir(d)
         except FileExistsError:
             pass
         except OSError as exc:
             raise CgroupError(f"mkdir {d}: [Errno {exc.errno}] {exc.strerror}", path=d, errno=exc.errno) from None
 
     def _enable(self, d: Path) -> None:
-        if not self.controllers:
+        wanted = [c for c in self.controllers if self.layout.place(c) == "v2"]
+        if not wanted:
             return
         offered = set(parse_list(read_file(d, "cgroup.controllers")))
-        for c in self.controllers:
+        for c in wanted:
             if c not in offered:
                 raise ControllerMissing(c, self._hint(c, d), path=d / "cgroup.controllers")
         enabled = set(parse_list(read_file(d, "cgroup.subtree_control")))
-        todo = [c for c in self.controllers if c not in enabled]
+        todo = [c for c in wanted if c not in enabled]
         if not todo:
             return
         try:
@@ -168,12 +211,6 @@ class Subtree:
             raise
 
     def _hint(self, c: str, d: Path) -> str:
-        if c in host.v1_controllers(self._proc):
-            return (f"{c} is bound to a cgroup v1 hierarchy on this host (hybrid mode); boot with "
-                    f"systemd.unified_cgroup_hierarchy=1 or cgroup_no_v1={c}, or build the Subtree without {c!r}")
-        mount = host.cgroup2_mount(self._proc)
-        if mount is not None and c not in parse_list(read_file(mount, "cgroup.controllers")):
-            return f"the kernel offers no {c} controller ({mount}/cgroup.controllers lacks it)"
         if c == "hugetlb":
             return (f"systemd does not delegate hugetlb (it is not one of its controllers); the operator enables it "
                     f"on every cgroup above {d}, from the cgroup2 root down: `echo +hugetlb > <dir>/"
@@ -200,6 +237,7 @@ class Subtree:
                               "'_', '.', '-' (128 at most)")
 
     def path(self, name: str) -> Path:
+        """The child's cgroup2 directory."""
         self._check_name(name)
         return self.root / name
 
@@ -209,67 +247,83 @@ class Subtree:
             raise NotFound(f"no cgroup {name!r} in {self.root}", path=path)
         return path
 
+    def parts(self, name: str) -> dict[str, Path]:
+        """The child's directories in the v1 hierarchies, controller -> directory, those that exist."""
+        self._check_name(name)
+        return {c: root / name for c, root in self.v1_roots.items() if (root / name).is_dir()}
+
+    def _part(self, controller: str, name: str) -> Path:
+        return self.v1_roots[controller] / name
+
+    def procs_paths(self, name: str) -> list[Path]:
+        """Every cgroup.procs file of the child, cgroup2's first: what a process writes its pid to, in this order,
+        to join the child in every hierarchy (what `berth exec` does as root before it execs)."""
+        paths = [self._existing(name)] + list(dict.fromkeys(self.parts(name).values()))
+        return [d / "cgroup.procs" for d in paths]
+
     # -- limits and devices -------------------------------------------------
 
     def create(self, name: str, share: CgroupShare, rules: Iterable[DeviceRule] | None = None) -> Cgroup:
-        """A new child with the share and (unless rules is None) a default-deny device program; Exists if there."""
+        """A new child with the share and (unless rules is None) a default-deny device filter; Exists if there."""
         if self.path(name).exists():
             raise Exists(f"cgroup {name!r} already exists in {self.root}; apply() adopts it", path=self.path(name))
         return self.apply(name, share, rules)
 
     def apply(self, name: str, share: CgroupShare, rules: Iterable[DeviceRule] | None = None) -> Cgroup:
-        """Make the child match the share and rules, creating it if needed; writes only what differs.
+        """Make the child match the share and rules in every hierarchy, creating it if needed; writes only what
+        differs.
 
-        Order: validate the share against the root's capacity (nothing is
-        written for a share the host cannot give), mkdir, record, limits,
-        device program. A crash part-way leaves a record that drift() and
-        repair() complete.
+        Order: refuse what the host cannot give or enforce (nothing is written
+        then), mkdir in cgroup2, record, mkdir in each v1 hierarchy, limits,
+        v1 device list, device program. A crash part-way leaves a record that
+        drift() and repair() complete.
         """
         self.prepare()
         path = self.path(name)
-        share.check_fits(read_capacity(self.root, proc=self._proc, sys=self._sys, fields=share.asks()))
+        for c in self.controllers:
+            if self._place(c) == "v1":
+                V1[c].check(share)
+        share.check_fits(read_capacity(self.root, proc=self._proc, sys=self._sys, fields=share.asks(),
+                                       dirs=self.v1_roots))
         rules_n = normalise(rules) if rules is not None else None
-        if rules_n is not None and self.fake:
-            raise CgroupError("device programs need a real cgroup2 directory, not a fake tree", path=path)
         insns = build(rules_n) if rules_n is not None else None
         self._mkdir(path)
         record = Record(name, share, rules_n)
         if self.records.read_raw(path) != record.encode():
             self.records.write(path, record)
-        self._apply_limits(path, share)
+        for c in self.v1_roots:
+            if c != "devices" or rules_n is not None:
+                self._mkdir(self._part(c, name))
+        self._apply_limits(name, share)
+        if "devices" in self.v1_roots and self._part("devices", name).is_dir():
+            devices_v1.apply_devices(self._part("devices", name), rules_n)
         programs: tuple[int, ...] = ()
         if insns is not None:
-            programs = (bpf.install(path, insns).id,)
-        elif not self.fake:
-            stale = bpf.attached(path)
+            programs = (self.kernel.install_program(path, insns),)
+        else:
+            stale = self.kernel.program_ids(path)
             if stale:
-                bpf.detach_ids(path, [p.id for p in stale])
-        return Cgroup(name, path, share, rules_n, programs)
+                self.kernel.detach_programs(path, stale)
+        return Cgroup(name, path, share, rules_n, programs, parts=self.parts(name))
 
-    def _apply_limits(self, path: Path, share: CgroupShare) -> list[str]:
+    def _dir_of(self, controller: str, name: str) -> tuple[Path, Place]:
+        place = self._place(controller)
+        return (self.root / name if place == "v2" else self._part(controller, name)), place
+
+    def _apply_limits(self, name: str, share: CgroupShare) -> list[str]:
         written: list[str] = []
         for c in self.controllers:
-            written += {"cpuset": apply_cpuset, "cpu": apply_cpu, "memory": apply_memory,
-                        "hugetlb": apply_hugetlb}[c](path, share)
+            d, place = self._dir_of(c, name)
+            written += (V2 if place == "v2" else V1)[c].apply(d, share)
         return written
-
-    def _desired(self, path: Path, share: CgroupShare) -> dict[str, str]:
-        out: dict[str, str] = {}
-        if "cpuset" in self.controllers:
-            out |= desired_cpuset(share)
-        if "cpu" in self.controllers:
-            out |= desired_cpu(share)
-        if "memory" in self.controllers:
-            out |= desired_memory(share, has_swap=has_swap(path))
-        if "hugetlb" in self.controllers:
-            out |= desired_hugetlb(share, **features(path))
-        return out
 
     # -- processes ----------------------------------------------------------
 
     def move(self, name: str, pid: int) -> None:
-        """Move a whole process (all its threads) into the child."""
-        write_file(self._existing(name), "cgroup.procs", str(int(pid)))
+        """Move a whole process (all its threads) into the child, in every hierarchy: cgroup2 first (the device
+        program and cgroup.kill then cover it), then each v1 one."""
+        for procs in self.procs_paths(name):
+            write_file(procs.parent, procs.name, str(int(pid)))
 
     def procs(self, name: str, recursive: bool = False) -> list[int]:
         path = self._existing(name)
@@ -288,36 +342,56 @@ class Subtree:
             raise Busy(f"{path} did not report thawed within {timeout}s", path=path)
 
     def kill(self, name: str) -> None:
-        """SIGKILL every process of the child and its descendants (cgroup.kill, or the freeze-and-signal fallback)."""
+        """SIGKILL every process of the child and its descendants: cgroup.kill (or the freeze-and-signal
+        fallback) on the cgroup2 directory, which holds every process joined by move(); then any process found
+        only in a v1 part (joined there by someone else)."""
         kill_cgroup(self._existing(name))
+        for d in dict.fromkeys(self.parts(name).values()):
+            _signal_pids(_procs(d, recursive=True))
 
     def remove(self, name: str, timeout: float = 5.0) -> None:
-        """Kill, wait until empty (bounded), remove the child and its record. Absent already: nothing to do."""
+        """Kill, wait until empty (bounded), remove the child from every hierarchy (v1 first, cgroup2 and its
+        record last, so a failure part-way leaves it listed) and its record. Absent already: nothing to do."""
         path = self.path(name)
-        if not path.exists():
+        parts = list(dict.fromkeys(self.parts(name).values()))
+        if not path.exists() and not parts:
             self.records.delete(path)
             return
         deadline = time.monotonic() + timeout
-        kill_cgroup(path, timeout=timeout)
-        if not wait_event(path, "populated", 0, max(0.0, deadline - time.monotonic())):
-            raise Busy(f"{path} still has processes {timeout}s after cgroup.kill: {_procs(path, True)[:20]}",
-                       path=path)
-        below = sorted((Path(d) for d, _, _ in os.walk(path) if Path(d) != path), key=lambda p: -len(p.parts))
-        for d in below + [path]:
-            _rmdir(self._dirs, d, deadline)
+        if path.exists():
+            kill_cgroup(path, timeout=timeout)
+            if not wait_event(path, "populated", 0, max(0.0, deadline - time.monotonic())):
+                raise Busy(f"{path} still has processes {timeout}s after cgroup.kill: {_procs(path, True)[:20]}",
+                           path=path)
+        for d in parts:
+            _empty(d, deadline)
+            _rmtree(self.kernel, d, deadline)
+        if path.exists():
+            _rmtree(self.kernel, path, deadline)
         self.records.delete(path)
+
+    def remove_roots(self) -> None:
+        """rmdir the subtree's roots in every hierarchy (they must hold no children): for tests and benches that
+        made a subtree of their own. Levels above a root are the caller's."""
+        deadline = time.monotonic() + 5.0
+        for d in [*dict.fromkeys(self.v1_roots.values()), self.root]:
+            if d.is_dir():
+                _rmdir(self.kernel, d, deadline)
 
     # -- recovery -----------------------------------------------------------
 
     def list(self) -> list[Cgroup]:
-        """Every child with the subtree's prefix, as found in cgroupfs (record, programs) after any restart."""
+        """Every child with the subtree's prefix, as found in cgroupfs (record, programs, v1 parts) after any
+        restart; one found only in v1 hierarchies is listed with a problem, for the caller to remove."""
         self.prepare()
-        out = []
-        with os.scandir(self.root) as it:
-            for entry in it:
-                if entry.is_dir(follow_symlinks=False) and entry.name.startswith(self.prefix) and \
-                        NAME_RE.fullmatch(entry.name):
-                    out.append(self._load(entry.name))
+        names = _children(self.root, self.prefix)
+        out = [self._load(n) for n in names]
+        v1_only = {n for root in self.v1_roots.values() for n in _children(root, self.prefix)} - set(names)
+        for n in sorted(v1_only):
+            parts = self.parts(n)
+            out.append(Cgroup(n, self.root / n, None, None, (), parts=parts,
+                              problem=f"only in cgroup v1 hierarchies ({', '.join(map(str, parts.values()))}): no "
+                                      "cgroup2 directory, no record"))
         return sorted(out, key=lambda c: c.name)
 
     def get(self, name: str) -> Cgroup:
@@ -326,29 +400,40 @@ class Subtree:
 
     def _load(self, name: str) -> Cgroup:
         path = self.root / name
-        programs = tuple(bpf.query_ids(path)) if not self.fake else ()
+        programs = tuple(self.kernel.program_ids(path))
+        parts = self.parts(name)
         try:
             record = self.records.read(path)
         except RecordCorrupt as exc:
-            return Cgroup(name, path, None, None, programs, problem=str(exc))
+            return Cgroup(name, path, None, None, programs, problem=str(exc), parts=parts)
         if record is None:
-            return Cgroup(name, path, None, None, programs, problem="no record (created by someone else, or a crash "
-                                                                    "between mkdir and the record)")
-        return Cgroup(name, path, record.share, record.rules, programs)
+            return Cgroup(name, path, None, None, programs, parts=parts,
+                          problem="no record (created by someone else, or a crash between mkdir and the record)")
+        return Cgroup(name, path, record.share, record.rules, programs, parts=parts)
 
     def drift(self, name: str) -> list[Drift]:
-        """Where the kernel's state differs from the record: limit files, and the device program (exactly one,
-        with the tag of the program the rules build)."""
+        """Where the kernel's state differs from the record: limit files in every hierarchy, a v1 part that is
+        missing, the v1 device list, and the device program (exactly one, with the tag the rules build)."""
         c = self.get(name)
         if c.share is None:
             return [Drift("record", "present", c.problem or "missing")]
-        out = drift_values(c.path, self._desired(c.path, c.share))
-        if self.fake:
-            return out
-        infos = bpf.attached(c.path)
+        out: list[Drift] = []
+        for ctrl in self.controllers:
+            d, place = self._dir_of(ctrl, name)
+            if not d.is_dir():
+                out.append(Drift(f"{ctrl} cgroup", str(d), "missing"))
+                continue
+            out += drift_values(d, (V2 if place == "v2" else V1)[ctrl].desired(d, c.share))
+        if "devices" in self.v1_roots:
+            d = self._part("devices", name)
+            if d.is_dir():
+                out += devices_v1.drift_devices(d, c.rules)
+            elif c.rules is not None:
+                out.append(Drift("devices cgroup", str(d), "missing"))
+        infos = self.kernel.programs(c.path)
         got = ", ".join(i.tag.hex() for i in infos) or "none"
         if c.rules is not None:
-            want = bpf.expected_tag(build(c.rules))
+            want = self.kernel.expected_tag(build(c.rules))
             if [i.tag for i in infos] != [want]:
                 out.append(Drift("devices", f"1 program, tag {want.hex()}", f"{len(infos)} program(s): {got}"))
         elif infos:
@@ -367,20 +452,21 @@ class Subtree:
         return found
 
     def stat(self, name: str) -> CgroupStat:
+        """Usage and limits in one shape for both layouts (v1 figures where a controller is on v1)."""
         path = self._existing(name)
         events = parse_keyed(read_file(path, "cgroup.events"))
 
-        def get(controller: str, fn):
+        def get(controller: str):
             if controller not in self.controllers:
                 return None
+            d, place = self._dir_of(controller, name)
             try:
-                return fn(path)
+                return (V2 if place == "v2" else V1)[controller].stat(d, path)
             except FileMissing:
                 return None
 
         return CgroupStat(bool(events.get("populated")), bool(events.get("frozen")), tuple(_procs(path, False)),
-                          get("cpu", stat_cpu), get("cpuset", stat_cpuset), get("memory", stat_memory),
-                          get("hugetlb", stat_hugetlb))
+                          get("cpu"), get("cpuset"), get("memory"), get("hugetlb"))
 
 
 # -- free functions over one cgroup directory ------------------------------
@@ -449,11 +535,7 @@ def signal_cgroup(path: Path, sig: int = signal.SIGKILL, timeout: float = 5.0) -
             pids = _procs(path, recursive=True)
             if not pids:
                 return
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+            _signal_pids(pids, sig)
             if sig != signal.SIGKILL or time.monotonic() > deadline:
                 return
             if wait_event(path, "populated", 0, 0.05):
@@ -466,11 +548,44 @@ def signal_cgroup(path: Path, sig: int = signal.SIGKILL, timeout: float = 5.0) -
                 pass
 
 
-def _rmdir(dirs: DirOps, d: Path, deadline: float) -> None:
+def _children(root: Path, prefix: str) -> list[str]:
+    """Names of the directories below root with the prefix and a valid name (none when root is missing)."""
+    if not root.is_dir():
+        return []
+    with os.scandir(root) as it:
+        return sorted(e.name for e in it if e.is_dir(follow_symlinks=False) and e.name.startswith(prefix)
+                      and NAME_RE.fullmatch(e.name))
+
+
+def _signal_pids(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _empty(d: Path, deadline: float) -> None:
+    """SIGKILL what is still in a v1 part (a process joined there alone), until it is empty or the deadline."""
+    while pids := _procs(d, recursive=True):
+        if time.monotonic() > deadline:
+            raise Busy(f"{d} still has processes: {pids[:20]}", path=d)
+        _signal_pids(pids)
+        time.sleep(POLL_SLICE_S)
+
+
+def _rmtree(kernel: Kernel, path: Path, deadline: float) -> None:
+    """rmdir path and any directories below it, bottom-up."""
+    below = sorted((Path(d) for d, _, _ in os.walk(path) if Path(d) != path), key=lambda p: -len(p.parts))
+    for d in below + [path]:
+        _rmdir(kernel, d, deadline)
+
+
+def _rmdir(kernel: Kernel, d: Path, deadline: float) -> None:
     """rmdir, retried on EBUSY (a dying task can hold the cgroup a moment after populated 0)."""
     while True:
         try:
-            dirs.rmdir(d)
+            kernel.rmdir(d)
             return
         except FileNotFoundError:
             return

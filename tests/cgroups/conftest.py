@@ -1,5 +1,6 @@
-"""Fixtures for cgroups/: a private cgroup v2 directory below the test's own, 1 GiB pages lent and given back,
-hugetlb switched on for the test's cgroup and back off, and a plain directory tree laid out like cgroupfs.
+"""Fixtures for cgroups/: a private cgroup v2 directory below the test's own (and its counterpart below the test's
+own cgroup in every v1 hierarchy, removed with it), 1 GiB pages lent and given back, hugetlb switched on for the
+test's cgroup and back off, the host's layout, and plain directory trees laid out like cgroupfs (fakefs.py).
 
 Everything a fixture makes it removes in its teardown, also when the test fails.
 """
@@ -16,6 +17,8 @@ import pytest
 
 from cgroups import bpf, host
 from cgroups.errors import CgroupError
+from cgroups.layout import Layout, probe_layout
+from tests.cgroups.fakefs import FakeCgroupfs  # noqa: F401 (also imported from here by the agent's tests)
 
 HUGE_1G = Path("/sys") / "kernel/mm/hugepages/hugepages-1048576kB"
 
@@ -36,23 +39,24 @@ def _own_cgroup2_dir() -> Path:
 
 
 def remove_tree(path: Path, timeout: float = 10.0) -> None:
-    """Kill everything below path, wait until it is empty, remove it bottom-up. For teardown only."""
+    """Kill everything below path, wait until it is empty, remove it bottom-up. For teardown only. A cgroup v1
+    directory (no cgroup.events) is emptied by signalling the pids of its cgroup.procs files."""
     if not path.exists():
         return
     deadline = time.monotonic() + timeout
     kill = path / "cgroup.kill"
     if kill.exists():
         kill.write_text("1")
+    events = path / "cgroup.events"
     while time.monotonic() < deadline:
-        events = (path / "cgroup.events").read_text()
-        if "populated 0" in events:
+        pids = [int(p) for d, _, _ in os.walk(path) for p in (Path(d) / "cgroup.procs").read_text().split()]
+        if ("populated 0" in events.read_text()) if events.exists() else not pids:
             break
-        for d, _, _ in os.walk(path):  # kernels without cgroup.kill
-            for pid in (Path(d) / "cgroup.procs").read_text().split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for pid in pids:  # kernels without cgroup.kill, and v1
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         time.sleep(0.005)
     dirs = sorted((Path(d) for d, _, _ in os.walk(path)), key=lambda p: -len(p.parts))
     for d in dirs:
@@ -64,6 +68,17 @@ def remove_tree(path: Path, timeout: float = 10.0) -> None:
                 if exc.errno != errno.EBUSY or time.monotonic() > deadline:
                     raise
                 time.sleep(0.005)
+
+
+def v1_mirrors(name: str) -> list[Path]:
+    """Where a directory `name` made right below this process's own cgroup2 cgroup stands in each mounted v1
+    hierarchy: the same name below this process's own cgroup there (what a Subtree rooted at it uses)."""
+    own = {m.hierarchy: m.path for m in host.read_memberships()}
+    out = []
+    for h in probe_layout().v1:
+        if h.id in own:
+            out.append(h.dir_of(own[h.id]) / name)
+    return out
 
 
 @pytest.fixture
@@ -78,7 +93,24 @@ def own_cgroup2() -> Path:
     try:
         yield path
     finally:
+        for mirror in v1_mirrors(path.name):
+            remove_tree(mirror)
         remove_tree(path)
+
+
+@pytest.fixture(scope="session")
+def host_layout() -> Layout:
+    return probe_layout()
+
+
+@pytest.fixture
+def hybrid(host_layout) -> Layout:
+    """Skip unless cpu, cpuset and memory are cgroup v1 controllers here (the hybrid layout)."""
+    for c in ("cpu", "cpuset", "memory"):
+        if host_layout.place(c) != "v1":
+            pytest.skip(f"{c} is not a cgroup v1 controller on this host ({host_layout.summary()}); the v1 backend "
+                        "is tested on the fake v1 tree here")
+    return host_layout
 
 
 @pytest.fixture(scope="session")
@@ -153,89 +185,14 @@ def reserved_1g_hugepages():
 # -- a plain tree laid out like cgroupfs ---------------------------------------
 
 
-CORE = {"cgroup.procs": "", "cgroup.threads": "", "cgroup.events": "populated 0\nfrozen 0\n", "cgroup.freeze": "0",
-        "cgroup.kill": "", "cgroup.type": "domain", "cgroup.subtree_control": "", "cgroup.max.depth": "max",
-        "cgroup.stat": "nr_descendants 0\nnr_dying_descendants 0\n"}
-PER_CONTROLLER = {
-    "cpu": {"cpu.max": "max 100000", "cpu.weight": "100",
-            "cpu.stat": "usage_usec 0\nuser_usec 0\nsystem_usec 0\nnr_periods 0\nnr_throttled 0\nthrottled_usec 0\n"},
-    "cpuset": {"cpuset.cpus": "", "cpuset.mems": ""},
-    "memory": {"memory.max": "max", "memory.high": "max", "memory.low": "0", "memory.min": "0",
-               "memory.swap.max": "max", "memory.current": "0", "memory.swap.current": "0",
-               "memory.events": "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n"},
-    "hugetlb": {f"hugetlb.{size}.{f}": v for size in ("2MB", "1GB")
-                for f, v in (("max", "max"), ("rsvd.max", "max"), ("current", "0"), ("rsvd.current", "0"),
-                             ("events", "max 0\n"), ("events.local", "max 0\n"), ("numa_stat", "total=0\n"))},
-}
-
-
-class FakeCgroupfs:
-    """What the kernel does on mkdir/rmdir in cgroupfs, on a plain directory: the interface files of the
-    controllers the parent enables appear, and go with the directory."""
-
-    def __init__(self, base: Path, controllers=("cpuset", "cpu", "io", "memory", "hugetlb", "pids"), *,
-                 cpus: str = "0-7", mems: str = "0-1", mem_total_kib: int = 64 * 1024 * 1024,
-                 pages_1g: int = 4) -> None:
-        self.base = base
-        self.mount = base / "cgroup"
-        self.proc = base / "proc"
-        self.sys = base / "sys"
-        self.mount.mkdir(parents=True)
-        for name, value in CORE.items():
-            (self.mount / name).write_text(value)
-        (self.mount / "cgroup.controllers").write_text(" ".join(controllers) + "\n")
-        (self.mount / "cpuset.cpus.effective").write_text(cpus + "\n")
-        (self.mount / "cpuset.mems.effective").write_text(mems + "\n")
-        (self.proc / "self").mkdir(parents=True)
-        (self.proc / "meminfo").write_text(f"MemTotal:       {mem_total_kib} kB\nMemFree:        1 kB\n")
-        (self.proc / "self/mountinfo").write_text(
-            f"41 31 0:38 / {self.mount} rw,relatime - cgroup2 cgroup2 rw\n")
-        (self.sys / "devices/system/cpu").mkdir(parents=True)
-        (self.sys / "devices/system/cpu/online").write_text(cpus + "\n")
-        (self.sys / "devices/system/node").mkdir(parents=True)
-        (self.sys / "devices/system/node/online").write_text(mems + "\n")
-        (self.sys / "kernel/mm/hugepages/hugepages-1048576kB").mkdir(parents=True)
-        (self.sys / "kernel/mm/hugepages/hugepages-1048576kB" / "nr_hugepages").write_text(f"{pages_1g}\n")
-
-    def mkdir(self, path: Path) -> None:
-        os.mkdir(path)
-        parent = path.parent
-        enabled = [t.lstrip("+") for t in (parent / "cgroup.subtree_control").read_text().split()
-                   if not t.startswith("-")]
-        for name, value in CORE.items():
-            (path / name).write_text(value)
-        (path / "cgroup.controllers").write_text(" ".join(enabled) + "\n")
-        for c in enabled:
-            for name, value in PER_CONTROLLER.get(c, {}).items():
-                (path / name).write_text(value)
-            if c == "cpuset":
-                for f in ("cpuset.cpus.effective", "cpuset.mems.effective"):
-                    (path / f).write_text((parent / f).read_text())
-
-    def rmdir(self, path: Path) -> None:
-        if any(p.is_dir() for p in path.iterdir()):
-            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
-        for p in path.iterdir():
-            p.unlink()
-        os.rmdir(path)  # its xattrs, if any, go with it
-
-    def child(self, name: str) -> Path:
-        """A child of the mount made the way the kernel would (for a Subtree root)."""
-        path = self.mount / name
-        self.mkdir(path)
-        return path
-
-    def subtree(self, root: Path | None = None, **kw):
-        from cgroups.tree import Subtree
-
-        from cgroups.record import XattrRecords
-
-        kw.setdefault("controllers", ("cpuset", "cpu", "memory", "hugetlb"))
-        if XattrRecords.probe(self.mount) is None:  # a filesystem without xattrs (some CI sandboxes)
-            kw.setdefault("state_dir", self.base / "state")
-        return Subtree(root or self.mount, fake_tree=self, proc=self.proc, sys=self.sys, **kw)
+@pytest.fixture
+def fake_cgroupfs(tmp_path: Path) -> FakeCgroupfs:
+    """A pure cgroup2 host: cpuset, cpu, memory and hugetlb all on cgroup2."""
+    return FakeCgroupfs(tmp_path)
 
 
 @pytest.fixture
-def fake_cgroupfs(tmp_path: Path) -> FakeCgroupfs:
-    return FakeCgroupfs(tmp_path)
+def fake_hybrid(tmp_path: Path) -> FakeCgroupfs:
+    """A hybrid host like the test machines: cpu, cpuset, memory on v1 (the process at /process_api/t1 in the
+    memory hierarchy, at the root of the others), hugetlb and the device program on cgroup2."""
+    return FakeCgroupfs(tmp_path, v1=("cpuset", "cpu", "memory"), own_v1={"memory": "/process_api/t1"})

@@ -1,8 +1,8 @@
-"""cgroups.tree and the controller modules on a plain tree laid out like cgroupfs.
+"""cgroups.tree and the cgroup2 controller modules on a plain tree laid out like a pure cgroup2 host (fakefs.py).
 
 cpu, cpuset and memory are cgroup v1 controllers on the machines these tests
-run on, so their v2 files are verified here; test_kernel.py does the rest on
-the real kernel.
+run on, so their cgroup2 files are verified here; test_kernel.py does the
+rest on the real kernel, test_tree_fake_v1.py the v1 backend on a v1 tree.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from cgroups import cpu, cpuset, hugetlb, memory
 from cgroups.errors import ControllerMissing, Exists, InvalidName, NotCgroup2, NotFound, ShareTooLarge
 from cgroups.files import Drift, read_file
 from cgroups.record import XattrRecords
+from cgroups.devices import rule
 from cgroups.share import CgroupShare
 from cgroups.tree import Subtree
 
@@ -116,9 +117,14 @@ def test_a_controller_the_kernel_lacks_says_so(fake_cgroupfs):
         fake_cgroupfs.subtree(controllers=("hugetlb",)).prepare()
 
 
-def test_a_plain_directory_is_refused_without_the_fake_tree_flag(tmp_path):
-    with pytest.raises(NotCgroup2, match="no v1 fallback"):
+def test_a_plain_directory_is_refused_by_the_kernel_check(tmp_path):
+    with pytest.raises(NotCgroup2, match="not on a cgroup v2 filesystem"):
         Subtree(tmp_path)
+
+
+def test_a_root_outside_the_fake_mount_is_refused_by_the_fake_kernel(fake_cgroupfs, tmp_path):
+    with pytest.raises(NotCgroup2):
+        fake_cgroupfs.subtree(tmp_path / "elsewhere")
 
 
 def test_a_share_the_host_cannot_give_writes_nothing(fake_cgroupfs):
@@ -216,3 +222,23 @@ def test_stat_reads_usage_of_the_enforced_controllers(fake_cgroupfs):
     assert (100000, 10, 1) == (s.cpu.max.quota_us, s.cpu.usage_usec, s.cpu.nr_throttled)
     assert (4096, GIB, None, 1) == (s.memory.current, s.memory.max, s.memory.high, s.memory.events["oom_kill"])
     assert (0, GIB, GIB) == (s.hugetlb.current_bytes, s.hugetlb.max_bytes, s.hugetlb.rsvd_max_bytes)
+
+
+def test_device_programs_go_through_the_kernel_object_and_drift_sees_them(fake_cgroupfs):
+    st = fake_cgroupfs.subtree(controllers=())
+    c = st.apply("rsv-1", CgroupShare(), [rule("c", 195, 0, "rw")])
+    assert (1, []) == (len(c.program_ids), st.drift("rsv-1"))
+    assert c.program_ids == st.apply("rsv-1", CgroupShare(), [rule("c", 195, 0, "rw")]).program_ids
+    fake_cgroupfs.detach_programs(c.path, c.program_ids)
+    assert ["devices"] == [d.what for d in st.drift("rsv-1")]
+    st.repair("rsv-1")
+    assert [] == st.drift("rsv-1")
+    assert () == st.apply("rsv-1", CgroupShare(), None).program_ids and [] == fake_cgroupfs.program_ids(c.path)
+
+
+def test_on_a_pure_cgroup2_host_everything_is_v2_and_a_child_has_no_v1_parts(fake_cgroupfs):
+    st = fake_cgroupfs.subtree()
+    assert ({}, {"cpuset": "v2", "cpu": "v2", "memory": "v2", "hugetlb": "v2", "devices": "v2"}) == (
+        st.v1_roots, st.places)
+    c = st.apply("rsv-1", CgroupShare(vcpu_milli=1000))
+    assert ({}, [c.path / "cgroup.procs"]) == (c.parts, st.procs_paths("rsv-1"))
