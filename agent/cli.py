@@ -1,6 +1,6 @@
 """`berth agent ...`: the node agent's runtime, and `berth agent discover`, which prints this host's inventory.
 
-`main(argv)` is called by controlplane/cli.py with the arguments after
+`main(argv)` is called by berth/main.py with the arguments after
 `berth agent`. `berth agent discover ...` prints the inventory and exits;
 anything else runs the runtime (agent/runtime.py) until SIGTERM or SIGINT:
 `berth agent --control-plane URL --bootstrap-token TOKEN [--simulate

@@ -194,7 +194,7 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
 
 def serve_berth(db: Path, boot: Path, port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--listen", f"127.0.0.1:{port}",
+        [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", f"127.0.0.1:{port}",
          "--db", f"sqlite:///{db}", "--bootstrap", str(boot), "--log-level", "warning"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

@@ -95,7 +95,7 @@ class ControlPlaneProcess:
         self.url = ""
 
     def start(self) -> "ControlPlaneProcess":
-        cmd = [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--listen", "127.0.0.1:0",
+        cmd = [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
                "--db", f"sqlite:///{self.workdir / 'cp.db'}", "--bootstrap", str(self.workdir / "bootstrap.json"),
                "--log-format", "json", "--synchronous", "NORMAL", "--node-grace", "60"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=str(REPO))
@@ -278,7 +278,7 @@ def real_agent(args, cp: ControlPlaneProcess, workdir: Path, results: dict) -> N
     top = workdir / "real.json"
     top.write_text(json.dumps({**TOPOLOGY, "hostname": "fleet-real"}))
     log = open(workdir / "real-agent.log", "w")
-    cmd = [sys.executable, "-m", "controlplane.cli", "agent", "--control-plane", cp.url, "--bootstrap-token",
+    cmd = [sys.executable, "-m", "berth", "agent", "--control-plane", cp.url, "--bootstrap-token",
            REAL_TOKEN, "--simulate", str(top), "--cgroup-root", str(base / "workloads.scope" / "workloads"),
            "--cgroup-enable-from", str(base), "--state-dir", str(workdir / "real-state"), "--log-format", "json"]
     proc = subprocess.Popen(["/bin/sh", "-c", f'echo $$ > "{unit}/cgroup.procs" && exec "$@"', "sh", *cmd],

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    berth = [sys.executable, "-m", "controlplane.cli", "agent", "discover"]
+    berth = [sys.executable, "-m", "berth", "agent", "discover"]
     sections: list[tuple[str, str]] = []
 
     sections.append(("machine", f"{platform.platform()}, python {platform.python_version()}, "

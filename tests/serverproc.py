@@ -26,7 +26,7 @@ class ServerProcess:
         self.lines: list[str] = []
 
     def start(self, timeout: float = 20) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--listen", "127.0.0.1:0",
+        cmd = [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
                "--db", f"sqlite:///{self.db}", "--bootstrap", str(self.bootstrap), "--log-format", "json", *self.extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})

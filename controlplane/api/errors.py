@@ -1,4 +1,4 @@
-"""The error envelope and the one table from error codes to HTTP statuses.
+"""The error envelope; statuses come from the one table of error codes (common/errors.py).
 
 Every refusal leaves as `{"error": {"code", "message", "details"}}`. An
 unexpected failure is logged with a reference and answered as
@@ -13,28 +13,12 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from common import errors as error_table
 from controlplane.domain import errors as e
 
 log = structlog.get_logger("berth.api")
 
-STATUS = {
-    e.INVALID_INPUT: 400,
-    e.UNAUTHENTICATED: 401,
-    e.SPEND_LIMIT_REACHED: 402,
-    e.INSUFFICIENT_FUNDS: 402,
-    e.ACCESS_DENIED: 403,
-    e.CONFIRMATION_REQUIRED: 403,
-    e.NOT_FOUND: 404,
-    e.CONFLICT: 409,
-    e.INVALID_STATE: 409,
-    e.NO_CAPACITY: 409,
-    e.PRICE_CHANGED: 409,
-    e.QUOTE_EXPIRED: 410,
-    e.UNSUPPORTED: 422,
-    e.QUOTA_EXCEEDED: 429,
-    e.PROVIDER_UNAVAILABLE: 503,
-}
-assert set(STATUS) == set(e.CODES)
+STATUS = error_table.STATUS  # the one table of codes to statuses (common/errors.py)
 
 _encoder = msgspec.json.Encoder(decimal_format="string")
 

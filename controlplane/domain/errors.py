@@ -1,11 +1,13 @@
 """The domain's refusals: one exception type carrying a code from the seeds and structured details.
 
-The HTTP layer maps each code to a status in one table (controlplane/api/errors.py);
-nothing here knows about HTTP.
+The codes, with their HTTP statuses and actors, are defined once in
+common/errors.py; nothing here knows about HTTP.
 """
 from __future__ import annotations
 
 from typing import Any
+
+from common.errors import CODES
 
 INVALID_INPUT = "INVALID_INPUT"
 UNAUTHENTICATED = "UNAUTHENTICATED"
@@ -22,12 +24,8 @@ PRICE_CHANGED = "PRICE_CHANGED"
 QUOTE_EXPIRED = "QUOTE_EXPIRED"
 INSUFFICIENT_FUNDS = "INSUFFICIENT_FUNDS"
 PROVIDER_UNAVAILABLE = "PROVIDER_UNAVAILABLE"
-
-CODES = (
-    INVALID_INPUT, UNAUTHENTICATED, NOT_FOUND, CONFLICT, INVALID_STATE, ACCESS_DENIED,
-    CONFIRMATION_REQUIRED, QUOTA_EXCEEDED, SPEND_LIMIT_REACHED, UNSUPPORTED, NO_CAPACITY,
-    PRICE_CHANGED, QUOTE_EXPIRED, INSUFFICIENT_FUNDS, PROVIDER_UNAVAILABLE,
-)
+COMPUTE_ACCESS_REQUIRED = "COMPUTE_ACCESS_REQUIRED"
+assert set(CODES) == {v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str)}, "see common/errors.py"
 
 
 class DomainError(Exception):

@@ -16,7 +16,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "topologies"
 
 def _berth(*args, env=None):
     clean = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "BERTH_NVML_LIBRARY")}
-    return subprocess.run([sys.executable, "-m", "controlplane.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "berth", *args], capture_output=True, text=True,
                           env=env or clean, timeout=60)
 
 

@@ -30,7 +30,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 
 
 def berth_exec(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "controlplane.cli", "exec", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "berth", "exec", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=str(REPO))
 
 

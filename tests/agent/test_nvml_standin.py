@@ -171,7 +171,7 @@ def test_xid_events_reach_the_policy_through_the_nvml_event_set(standin, standin
 
 
 def _run_cli(args, env):
-    return subprocess.run([sys.executable, "-m", "controlplane.cli", "agent", "discover", *args],
+    return subprocess.run([sys.executable, "-m", "berth", "agent", "discover", *args],
                           capture_output=True, text=True, env=env, timeout=60)
 
 

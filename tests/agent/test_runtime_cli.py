@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def berth(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "controlplane.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "berth", *args], capture_output=True, text=True,
                           timeout=60, cwd=str(REPO), env=env)
 
 

@@ -46,7 +46,7 @@ def test_a_bad_bootstrap_stops_the_start_naming_the_field(tmp_path, change, mess
     change(doc)
     (tmp_path / "b.json").write_text(json.dumps(doc))
     out = subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
          "--db", f"sqlite:///{tmp_path / 'cp.db'}", "--bootstrap", str(tmp_path / "b.json")],
         capture_output=True, text=True, timeout=30,
     )
@@ -56,7 +56,7 @@ def test_a_bad_bootstrap_stops_the_start_naming_the_field(tmp_path, change, mess
 
 def test_an_unsupported_database_url_says_what_to_use(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "controlplane.cli", "controlplane", "serve", "--db", "mysql://x"],
+        [sys.executable, "-m", "berth", "controlplane", "serve", "--db", "mysql://x"],
         capture_output=True, text=True, timeout=30,
     )
     assert out.returncode == 2 and "sqlite:///PATH" in out.stderr

@@ -297,7 +297,7 @@ class AgentProc:
         self.starts = 0
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "controlplane.cli", "agent", "--control-plane", self.url,
+        cmd = [sys.executable, "-m", "berth", "agent", "--control-plane", self.url,
                "--bootstrap-token", self.token, "--simulate", str(self.topology), "--cgroup-root", str(self.root),
                "--state-dir", str(self.state_dir), "--log-format", "json", "--backoff-max-seconds", "0.5",
                *self.extra]
@@ -426,7 +426,7 @@ PROBE = ("import errno, os, sys\n"
 def exec_open(state_dir: Path, rid: str, paths: list[Path], python: str = sys.executable,
               timeout: float = 20) -> dict[str, str]:
     """`berth exec RID -- python -c PROBE paths...`: what opening each path gave inside the reservation."""
-    out = subprocess.run([sys.executable, "-m", "controlplane.cli", "exec", "--state-dir", str(state_dir), rid, "--",
+    out = subprocess.run([sys.executable, "-m", "berth", "exec", "--state-dir", str(state_dir), rid, "--",
                           python, "-c", PROBE, *map(str, paths)], capture_output=True, text=True, timeout=timeout,
                          cwd=str(REPO))
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
@@ -435,7 +435,7 @@ def exec_open(state_dir: Path, rid: str, paths: list[Path], python: str = sys.ex
 
 def spawn_in(state_dir: Path, rid: str, *command: str) -> subprocess.Popen:
     """A long-running `berth exec RID -- command` (the caller ends it, or the release does)."""
-    return subprocess.Popen([sys.executable, "-m", "controlplane.cli", "exec", "--state-dir", str(state_dir), rid,
+    return subprocess.Popen([sys.executable, "-m", "berth", "exec", "--state-dir", str(state_dir), rid,
                              "--", *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, cwd=str(REPO))
 

@@ -77,7 +77,7 @@ def test_the_kernel_refuses_a_process_in_a_cgroup_that_passes_controllers_down(o
 def test_a_second_agent_on_the_same_state_dir_exits_naming_the_first(cp, agents, bpf_works):
     a = agents("one", cp.url, H100_TOKEN, extra=FAST)
     a.wait_event("agent ready")
-    out = subprocess.run([sys.executable, "-m", "controlplane.cli", "agent", "--control-plane", cp.url,
+    out = subprocess.run([sys.executable, "-m", "berth", "agent", "--control-plane", cp.url,
                           "--bootstrap-token", H100_TOKEN, "--cgroup-root", str(a.root), "--state-dir",
                           str(a.state_dir)], capture_output=True, text=True, timeout=30, cwd=str(REPO))
     assert 1 == out.returncode

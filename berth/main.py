@@ -1,4 +1,4 @@
-"""The `berth` command: one entry point, each subcommand owned by the package it drives."""
+"""The `berth` command: one entry point; each subcommand is owned by the package it drives."""
 from __future__ import annotations
 
 import sys
@@ -15,7 +15,7 @@ commands:
   usage                charge history (tenants)
   confirmations        list|get|approve|deny what delegated agents ask (tenants)
 
-Run `berth <command> --help` for the options of one command.
+Run `berth <command> --help` for the options of one command; `berth --version` prints the version.
 """
 
 
@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
+        return 0
+    if argv[0] in ("--version", "version"):
+        from berth.version import VERSION
+
+        print(f"berth {VERSION}")
         return 0
     command, rest = argv[0], argv[1:]
     if command == "controlplane":
@@ -38,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return agent_exec.main(rest)
     if command in ("reservations", "operations", "usage", "confirmations"):
-        from controlplane import tenant_cli
+        from berth import cli
 
-        return tenant_cli.main([command, *rest])
+        return cli.main([command, *rest])
     print(f"berth: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

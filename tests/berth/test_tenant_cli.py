@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from controlplane import client as c
-from controlplane import tenant_cli
+from berth import client as c
+from berth import cli as tenant_cli
+from berth.cli import advice
+from berth.cli.parser import build_parser
 from tests.controlplane.conftest import TOKENS, bootstrap_doc
 from tests.serverproc import ServerProcess, wait_until
 
@@ -77,7 +79,7 @@ def berth(server, config_home):
             environ["BERTH_TOKEN"] = TOKENS.get(token, token)
         environ.update(env or {})
         environ = {k: v for k, v in environ.items() if v is not None}
-        out = subprocess.run([sys.executable, "-m", "controlplane.cli", *argv], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "berth", *argv], capture_output=True, text=True,
                              env=environ, timeout=60)
         return Run(out.returncode, out.stdout, out.stderr)
 
@@ -231,12 +233,12 @@ def test_an_unreachable_server_is_retried_then_exits_5_with_the_key_to_retry(ber
 
 
 def test_provider_unavailable_advice_keeps_the_key_and_the_reference():
-    args = tenant_cli.build_parser().parse_args(["reservations", "create", *ONE, "--idempotency-key", "k-1"])
+    args = build_parser().parse_args(["reservations", "create", *ONE, "--idempotency-key", "k-1"])
     ctx = tenant_cli.Context(args, c.Settings("http://x", "t", {"url": "env BERTH_URL"}), None, sys.stdout,  # type: ignore[arg-type]
                              sys.stderr, json=False, progress=False, key="k-1")
     err = c.ProviderUnavailable("PROVIDER_UNAVAILABLE", "pool lost", {"actor": "platform", "reference": "pool-lost:h100:1"}, 503)
-    said = tenant_cli.advice(ctx, err, [])
-    assert 5 == tenant_cli.exit_code_of(err)
+    said = advice.advice(ctx, err, [])
+    assert 5 == advice.exit_code_of(err)
     assert "reference: pool-lost:h100:1 (quote it to support if this persists)" in said
     assert ("next: retry later with the same key: berth reservations create " + " ".join(ONE)
             + " --idempotency-key k-1") in said
@@ -327,7 +329,7 @@ def test_operations_wait_on_a_terminal_shows_a_spinner_and_a_table(server, confi
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
     env.update({"BERTH_URL": server.url, "BERTH_TOKEN": TOKENS["alice"], "XDG_CONFIG_HOME": str(config_home)})
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "operations", "wait", res.operation.id,
+    proc = subprocess.Popen([sys.executable, "-m", "berth", "operations", "wait", res.operation.id,
                              "--timeout-sec", "1"], stdin=follower, stdout=follower, stderr=follower, env=env)
     os.close(follower)
     chunks = []

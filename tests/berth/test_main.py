@@ -4,12 +4,12 @@ import sys
 
 
 def test_berth_help_lists_the_commands():
-    out = subprocess.run([sys.executable, "-m", "controlplane.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "berth", "--help"], capture_output=True, text=True, check=True)
     assert "controlplane serve" in out.stdout
     assert "agent" in out.stdout
 
 
 def test_unknown_command_exits_2_and_says_so():
-    out = subprocess.run([sys.executable, "-m", "controlplane.cli", "frobnicate"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "berth", "frobnicate"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "unknown command 'frobnicate'" in out.stderr

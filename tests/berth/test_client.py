@@ -13,7 +13,7 @@ from decimal import Decimal
 import pytest
 from aiohttp import web
 
-from controlplane import client as c
+from berth import client as c
 from controlplane.api.app import create_app
 from controlplane.wiring import Config
 from tests.controlplane.conftest import HOUR, T0, TOKENS, Api, bootstrap_doc

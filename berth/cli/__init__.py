@@ -1,0 +1,61 @@
+"""The tenant CLI (`berth reservations|operations|usage|confirmations ...`), built on the typed client.
+
+parser.py (the arguments), context.py (one invocation and the commands it
+suggests), commands.py (one function per command), render.py (tables),
+advice.py (refusals: what to do next, and the exit code).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from typing import Sequence, TextIO
+
+from berth.cli.advice import EXIT_CLI, EXIT_INTERRUPTED, EXIT_USAGE
+from berth.cli.commands import run
+from berth.cli.context import Context, forced_tty
+from berth.cli.parser import build_parser
+from berth.client import AsyncClient, BerthError, ConfigError, new_idempotency_key, resolve_settings
+from berth.version import VERSION
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None,
+         environ: dict[str, str] | None = None) -> int:
+    """Run one tenant command; argv starts with the group (`reservations`, `operations`, `usage`, `confirmations`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out, err = stdout or sys.stdout, stderr or sys.stderr
+    env = dict(os.environ if environ is None else environ)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or bad arguments (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        settings = resolve_settings(args.url, args.token, args.config, env)
+    except ConfigError as exc:
+        print(f"berth: {exc}", file=err)
+        return EXIT_USAGE
+    forced = forced_tty(env)
+    as_json = args.output == "json" or (args.output is None and not (forced or out.isatty()))
+    def retrying(attempt: int, error: BerthError, delay: float) -> None:
+        cause = error.details.get("cause") or error.code
+        same = "the same idempotency key" if args.group == "reservations" and args.command == "create" else "the same request"
+        print(f"berth: {cause}; retrying in {delay:.1f}s with {same} (attempt {attempt + 1} of {args.retries + 1})",
+              file=err)
+
+    client = AsyncClient.from_settings(settings, retries=max(0, args.retries), timeout=args.request_timeout,
+                                           user_agent=f"berth-cli/{VERSION}", on_retry=retrying)
+    ctx = Context(args, settings, client, out, err, as_json, progress=forced or err.isatty())
+    if args.group == "reservations" and args.command == "create":
+        ctx.key = args.idempotency_key or new_idempotency_key("cli")
+    try:
+        return asyncio.run(run(ctx, argv))
+    except KeyboardInterrupt:
+        print("berth: interrupted" + (f"; retry with --idempotency-key {ctx.key}" if ctx.key else ""), file=err)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug of the CLI: say so plainly, with what to report
+        print(f"berth: unexpected {type(exc).__name__}: {exc}", file=err)
+        return EXIT_CLI
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

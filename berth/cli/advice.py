@@ -1,0 +1,172 @@
+"""What the CLI says about a refusal: whose move it is (the exit code), the details that matter, the next command.
+
+Exit codes (docs/cli.md) follow the actor of the API's error code
+(common/errors.py): 3 the customer's (the request itself), 4 the provider's
+(no capacity), 5 the platform's (retry later with the same key); 0 done,
+1 the CLI itself failed, 2 bad arguments or configuration (nothing was sent),
+6 an operation wait timed out, 130 interrupted.
+"""
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from typing import Any, Sequence
+
+from berth.cli.context import Context, request_command, same_command
+from berth.cli.parser import FLAG_OF_FIELD
+from berth.cli.render import money_rate, when
+from berth.client import TERMINAL, BadAnswer, BerthError, Operation, TransportError
+from common import errors as error_table
+
+EXIT_OK, EXIT_CLI, EXIT_USAGE, EXIT_CUSTOMER, EXIT_PROVIDER, EXIT_PLATFORM, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5, 6
+EXIT_INTERRUPTED = 130
+
+EXIT_OF_ACTOR = {"customer": EXIT_CUSTOMER, "provider": EXIT_PROVIDER, "platform": EXIT_PLATFORM}
+
+
+def exit_code_of(err: BerthError) -> int:
+    """The exit code of a refusal: whose move it is."""
+    known = error_table.BY_CODE.get(err.code)
+    if known is not None:
+        return EXIT_OF_ACTOR[known.actor]
+    if isinstance(err, TransportError):
+        return EXIT_PLATFORM
+    if err.status is not None and err.status >= 500:
+        return EXIT_PLATFORM
+    if isinstance(err, BadAnswer) or err.status is None:
+        return EXIT_CLI
+    return EXIT_CUSTOMER  # a 4xx code this CLI does not know yet: still the request's
+
+
+def exit_code_of_operation(op: Operation) -> int:
+    if op.status == "succeeded":
+        return EXIT_OK
+    if op.status not in TERMINAL:
+        return EXIT_TIMEOUT
+    actor = op.failure.actor if op.failure else ("customer" if op.status == "cancelled" else None)
+    return EXIT_OF_ACTOR.get(actor or "", EXIT_CLI)
+
+
+def _capacity_advice(ctx: Context, err: BerthError) -> list[str]:
+    lines: list[str] = []
+    alts = err.alternatives
+    cheapest = err.cheapest_eligible_usd_per_hour
+    if err.reason:
+        lines.append(f"reason: {err.reason}")
+    if cheapest is not None:
+        lines.append(f"cheapest eligible rate: {money_rate(cheapest)}")
+    for alt in alts:
+        start = f", fits from {when(alt.earliest_start)}" if alt.earliest_start is not None else ""
+        lines.append(f"alternative: pool {alt.pool_id} ({alt.region}) at {money_rate(alt.total_running_usd_per_hour)}{start}")
+    if ctx.args.command != "create":
+        if alts:
+            lines.append("next: " + request_command(ctx, "quote", {"pool_id": alts[0].pool_id}))
+        return lines
+    here = Decimal(err.details["totalRunningUsdPerHour"]) if "totalRunningUsdPerHour" in err.details else None
+    if err.reason == "price_ceiling" and cheapest is not None:
+        cheaper = [a for a in alts if a.total_running_usd_per_hour == cheapest]
+        if cheaper and (here is None or here > cheapest):
+            lines.append("next: " + request_command(ctx, "create", {"pool_id": cheaper[0].pool_id, "max_hourly_price": f"{cheapest}", "quote_id": None}))
+            if here is not None:
+                lines.append("  or: " + request_command(ctx, "create", {"max_hourly_price": f"{here}", "quote_id": None}))
+        else:
+            lines.append("next: " + request_command(ctx, "create", {"max_hourly_price": f"{cheapest}", "quote_id": None}))
+    elif alts:
+        change: dict[str, Any] = {"pool_id": alts[0].pool_id, "quote_id": None}
+        ceiling = ctx.args.max_hourly_price
+        price = alts[0].total_running_usd_per_hour
+        if ceiling is not None and price is not None and Decimal(ceiling) < price:
+            change["max_hourly_price"] = f"{price}"
+        lines.append("next: " + request_command(ctx, "create", change, keep=("max_hourly_price",)))
+    else:
+        lines.append("next: change --gpu-model, --gpu-count or --node-count and quote again: "
+                     + request_command(ctx, "quote"))
+    return lines
+
+
+def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
+    """What to tell the user about a refusal, beyond its message: the details that matter and the next command."""
+    d = err.details
+    code = err.code
+    create = ctx.args.group == "reservations" and ctx.args.command == "create"
+    retry_same = (request_command(ctx, "create", {"idempotency_key": ctx.key}, keep=("quote_id", "max_hourly_price", "wait_ms", "idempotency_key"))
+                  if create else same_command(ctx, argv))
+    if code == "NO_CAPACITY":
+        return _capacity_advice(ctx, err)
+    if code in ("QUOTE_EXPIRED", "PRICE_CHANGED"):
+        lines = []
+        if "quotedUsdPerHour" in d:
+            lines.append(f"quoted {money_rate(d['quotedUsdPerHour'])}, now {money_rate(d.get('totalRunningUsdPerHour'))}")
+        lines.append("next: " + request_command(ctx, "quote"))
+        lines.append("then: " + request_command(ctx, "create", {"quote_id": "QUOTE_ID"}, keep=("max_hourly_price",)))
+        return lines
+    if code == "CONFIRMATION_REQUIRED":
+        return [f"approval needed: {err.approver} must approve confirmation {err.confirmation_id} "
+                f"before {when(d.get('expiresAt'))}",
+                f"  ({err.approver} runs: berth confirmations approve {err.confirmation_id})",
+                "then retry with the same key: " + retry_same]
+    if code == "QUOTA_EXCEEDED":
+        resource = str(d.get("resource", ""))
+        flag = ("--gpu-count or --node-count" if resource.startswith("gpu:") else
+                "--vcpu" if resource == "vcpu" else "--memory-gib or --hugepages" if resource == "memoryGiB" else "the request")
+        return [f"quota {resource}: requested {d.get('requested')}, used {d.get('used')} of {d.get('limit')}",
+                f"next: reduce {flag}, or ask an admin to raise the tenant's {resource} quota",
+                "  after the quota is raised, the same key continues the request: " + retry_same]
+    if code == "PROVIDER_UNAVAILABLE":
+        return [f"the platform's doing (actor {err.actor or 'platform'}): nothing of yours needs to change",
+                f"reference: {err.reference} (quote it to support if this persists)",
+                "next: retry later with the same key: " + retry_same]
+    if isinstance(err, TransportError):
+        lines = [f"no answer from {ctx.settings.url} (url from {ctx.settings.sources.get('url')})"]
+        if create and d.get("sent", True):
+            lines.append("the request may have been accepted: do not use a new key for it")
+        lines.append("next: retry with the same key: " + retry_same if create else "next: retry: " + retry_same)
+        return lines
+    if code == "INVALID_INPUT":
+        flag = FLAG_OF_FIELD.get(str(err.field), "")
+        return [f"next: fix {flag} ({d.get('rule', err.message)})" if flag else f"next: fix the request ({err.message})"]
+    if code == "UNAUTHENTICATED":
+        return [f"the token (from {ctx.settings.sources.get('token')}) is not accepted: check --token, BERTH_TOKEN "
+                "or the config file"]
+    if code == "ACCESS_DENIED":
+        lines = ["your principal may not do this: ask a tenant admin to change the policy"]
+        if create:
+            lines.append("a refused key stays refused: a new request needs a new key (drop --idempotency-key)")
+        return lines
+    if code == "SPEND_LIMIT_REACHED":
+        return [f"spent {d.get('spentUsd')} of {d.get('budgetUsd')} USD: ask an admin to raise the budget"]
+    if code == "INSUFFICIENT_FUNDS":
+        return [f"{d.get('leftUsd')} USD left, this may bill {d.get('exposureUsd')} USD: "
+                "ask for fewer GPUs or hours, or have the budget raised"]
+    if code == "CONFLICT":
+        if d.get("reason") == "extend-in-flight":
+            return [f"next: retry in {err.retry_after_seconds or 1:g} s: " + same_command(ctx, argv)]
+        rid = err.reservation_id
+        return [f"the key belongs to another request (reservation {rid}): a new request needs a new key "
+                "(drop --idempotency-key)", f"see it: berth reservations get {rid}"]
+    if code == "INVALID_STATE":
+        rid = d.get("reservationId") or getattr(ctx.args, "reservation_id", None)
+        lines = [f"state: {d.get('state')}"]
+        if d.get("next") == "release":
+            lines.append(f"next: berth reservations release {rid}")
+        return lines
+    if code == "NOT_FOUND":
+        return ["next: check the id: berth reservations list" if d.get("field") != "poolId"
+                else "next: the pool is not yours or offered to you"]
+    if code == "UNSUPPORTED":
+        return ["next: use --binding hold, node or kubernetes"]
+    return []
+
+
+def report_refusal(ctx: Context, err: BerthError, argv: Sequence[str]) -> int:
+    code = exit_code_of(err)
+    if ctx.json:
+        print(json.dumps({"error": {"code": err.code, "message": err.message, "details": err.details}}, indent=2),
+              file=ctx.out)
+    status = f" (HTTP {err.status})" if err.status else ""
+    ctx.say(f"berth: {err.code}{status}: {err.message}")
+    for line in advice(ctx, err, argv):
+        ctx.say(line)
+    return code
+
+

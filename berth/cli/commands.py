@@ -1,0 +1,193 @@
+"""The tenant commands, each over one typed client method: `berth reservations|operations|usage|confirmations ...`.
+
+Output is a readable table when stdout is a terminal (or BERTH_FORCE_TTY=1,
+or --table) and the API's JSON otherwise (or --json): the typed answer
+encoded with its wire names. A refusal prints what happened, why, and the
+command to run next, on stderr; the exit code says whose move it is
+(berth/cli/advice.py, docs/cli.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import shlex
+import time
+from typing import Any, Awaitable, Callable, Sequence, TextIO
+
+import msgspec
+
+from berth.cli.advice import EXIT_OK, EXIT_TIMEOUT, exit_code_of_operation, report_refusal
+from berth.cli.context import Context, connection_flags
+from berth.cli.parser import DEFAULT_WAIT_S, request_of
+from berth.cli.render import (render_confirmation, render_list, render_operation, render_quote, render_reservation,
+                              render_usage, table, when)
+from berth.client import WAIT_STEP_MS, BerthError
+
+
+def wire(answer: Any) -> Any:
+    """A typed answer as the API's JSON (wire names)."""
+    return msgspec.to_builtins(answer)
+
+
+async def cmd_create(ctx: Context, argv: Sequence[str]) -> int:
+    r = await ctx.client.create(request=request_of(ctx.args), idempotency_key=ctx.key)
+    text = render_reservation(r)
+    if r.operation is not None and not r.operation.done:
+        text += "\nnext: " + shlex.join(["berth", "operations", "wait", r.operation.id, "--timeout-sec",
+                                         str(DEFAULT_WAIT_S), *connection_flags(ctx)])
+    ctx.emit({"reservation": wire(r)}, text)
+    return EXIT_OK
+
+
+async def cmd_quote(ctx: Context, argv: Sequence[str]) -> int:
+    q = await ctx.client.quote(request=request_of(ctx.args))
+    ctx.emit({"quote": wire(q)}, render_quote(q, ctx))
+    return EXIT_OK
+
+
+def _one(method: str) -> Callable[[Context, Sequence[str]], Awaitable[int]]:
+    async def run(ctx: Context, argv: Sequence[str]) -> int:
+        r = await getattr(ctx.client, method)(ctx.args.reservation_id)
+        ctx.emit({"reservation": wire(r)}, render_reservation(r))
+        return EXIT_OK
+
+    return run
+
+
+async def cmd_extend(ctx: Context, argv: Sequence[str]) -> int:
+    args = ctx.args
+    x = await ctx.client.extend(args.reservation_id, until=args.until, by_ms=args.by)
+    head = (f"extended to {when(x.reservation.end)}" if x.extended else
+            f"not extended: the bookings can reach {when(x.available_until)} at most")
+    ctx.emit(wire(x), head + "\n" + render_reservation(x.reservation))
+    return EXIT_OK
+
+
+async def cmd_list(ctx: Context, argv: Sequence[str]) -> int:
+    a = ctx.args
+    page = await ctx.client.list(scope=a.scope, state=a.state, pool_id=a.pool, limit=a.limit, cursor=a.cursor)
+    ctx.emit(wire(page), render_list(page, ctx, argv))
+    return EXIT_OK
+
+
+async def cmd_operation_get(ctx: Context, argv: Sequence[str]) -> int:
+    op = await ctx.client.get_operation(ctx.args.operation_id)
+    ctx.emit({"operation": wire(op)}, render_operation(op))
+    return EXIT_OK
+
+
+class Progress:
+    """A spinner with the elapsed time and the operation's status, redrawn on one stderr line."""
+
+    FRAMES = "|/-\\"
+
+    def __init__(self, stream: TextIO, label: str, timeout_s: float):
+        self.stream = stream
+        self.label = label
+        self.timeout_s = timeout_s
+        self.status = "waiting"
+        self.started = time.monotonic()
+        self._task: asyncio.Task | None = None
+
+    async def _spin(self) -> None:
+        for frame in itertools.cycle(self.FRAMES):
+            elapsed = time.monotonic() - self.started
+            self.stream.write(f"\r\033[K{frame} {self.label} {self.status}  {elapsed:.0f}s of {self.timeout_s:g}s")
+            self.stream.flush()
+            await asyncio.sleep(0.1)
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._spin())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            elapsed = time.monotonic() - self.started
+            self.stream.write(f"\r\033[K{self.label} {self.status} after {elapsed:.1f}s\n")
+            self.stream.flush()
+
+
+async def cmd_operation_wait(ctx: Context, argv: Sequence[str]) -> int:
+    """Poll /operations/wait in bounded steps until the operation ends or --timeout-sec passes."""
+    op_id, timeout_s = ctx.args.operation_id, max(0.0, ctx.args.timeout_sec)
+    progress = Progress(ctx.err, op_id, timeout_s) if ctx.progress else None
+    deadline = time.monotonic() + timeout_s
+    if progress:
+        progress.start()
+    first = True
+    try:
+        while True:  # the first step answers at once (the status for the display), then bounded long polls
+            step_ms = 0 if first else max(0, min(WAIT_STEP_MS, int((deadline - time.monotonic()) * 1000)))
+            first = False
+            answer = await ctx.client.wait_operation(op_id, step_ms)
+            if progress:
+                progress.status = answer.operation.status
+            if answer.done or time.monotonic() >= deadline:
+                break
+    finally:
+        if progress:
+            await progress.stop()
+    op = answer.operation
+    text = render_operation(op)
+    code = exit_code_of_operation(op)
+    if not answer.done:
+        text += f"\nstill {op.status} after {timeout_s:g}s; wait again: " + shlex.join(
+            ["berth", "operations", "wait", op_id, "--timeout-sec", f"{timeout_s:g}", *connection_flags(ctx)])
+        code = EXIT_TIMEOUT
+    ctx.emit(wire(answer), text)
+    return code
+
+
+async def cmd_usage(ctx: Context, argv: Sequence[str]) -> int:
+    a = ctx.args
+    u = await ctx.client.list_usage(reservation_id=a.reservation, since=a.since, until=a.until, limit=a.limit,
+                                    cursor=a.cursor)
+    ctx.emit(wire(u), render_usage(u, ctx, argv))
+    return EXIT_OK
+
+
+async def cmd_confirmations_list(ctx: Context, argv: Sequence[str]) -> int:
+    items = await ctx.client.list_confirmations(status=ctx.args.status, limit=ctx.args.limit)
+    text = table(("ID", "STATUS", "AGENT", "APPROVER", "EXPIRES"),
+                 [(c.id, c.status, c.agent_id, c.approver, when(c.expires_at)) for c in items]) if items else "no confirmations"
+    ctx.emit({"confirmations": wire(items)}, text)
+    return EXIT_OK
+
+
+def _confirmation(method: str) -> Callable[[Context, Sequence[str]], Awaitable[int]]:
+    async def run(ctx: Context, argv: Sequence[str]) -> int:
+        c = await getattr(ctx.client, method)(ctx.args.confirmation_id)
+        ctx.emit({"confirmation": wire(c)}, render_confirmation(c))
+        return EXIT_OK
+
+    return run
+
+
+COMMANDS: dict[tuple[str, str | None], Callable[[Context, Sequence[str]], Awaitable[int]]] = {
+    ("reservations", "create"): cmd_create,
+    ("reservations", "quote"): cmd_quote,
+    ("reservations", "get"): _one("get"),
+    ("reservations", "release"): _one("release"),
+    ("reservations", "cancel"): _one("cancel"),
+    ("reservations", "renew"): _one("renew"),
+    ("reservations", "extend"): cmd_extend,
+    ("reservations", "list"): cmd_list,
+    ("operations", "get"): cmd_operation_get,
+    ("operations", "wait"): cmd_operation_wait,
+    ("usage", None): cmd_usage,
+    ("confirmations", "list"): cmd_confirmations_list,
+    ("confirmations", "get"): _confirmation("get_confirmation"),
+    ("confirmations", "approve"): _confirmation("approve_confirmation"),
+    ("confirmations", "deny"): _confirmation("deny_confirmation"),
+}
+
+
+async def run(ctx: Context, argv: Sequence[str]) -> int:
+    handler = COMMANDS[(ctx.args.group, getattr(ctx.args, "command", None))]
+    try:
+        return await handler(ctx, argv)
+    except BerthError as err:
+        return report_refusal(ctx, err, argv)
+    finally:
+        await ctx.client.close()

@@ -1,0 +1,189 @@
+"""The tenant CLI's arguments: one parser, its request flags made from the client's ReservationRequest fields."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import Field, fields
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from berth.client import ReservationRequest, parse_time
+
+DEFAULT_WAIT_S = 600
+
+# ---- argument types -----------------------------------------------------------
+
+def _time_text(text: str) -> str:
+    """A time as typed (epoch ms or ISO 8601), checked now and parsed when the body is built."""
+    try:
+        parse_time(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _price_text(text: str) -> str:
+    try:
+        amount = Decimal(text)
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a decimal price in USD per hour, e.g. 3.420000") from None
+    if not amount.is_finite() or amount < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a non-negative decimal price, e.g. 3.420000")
+    return text
+
+
+_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def _duration_ms(text: str) -> int:
+    """90m, 2h, 1d, 3600s or 500ms as milliseconds."""
+    for unit in sorted(_UNITS_MS, key=len, reverse=True):
+        if text.endswith(unit):
+            number = text[: -len(unit)]
+            try:
+                value = Decimal(number)
+            except InvalidOperation:
+                break
+            if value.is_finite() and value > 0:
+                return int(value * _UNITS_MS[unit])
+            break
+    raise argparse.ArgumentTypeError(f"{text!r}: give a duration with a unit, e.g. 30m, 2h, 1d")
+
+
+# ---- the request's flags: one per ReservationRequest field ----------------------------
+
+
+def flag_of(f: Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+_KIND_TYPES = {"time": _time_text, "price": _price_text}
+
+
+def _add_field(p, f: Field, required: bool = False) -> None:
+    kind = f.metadata["kind"]
+    kw: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"]}
+    annotation = str(f.type)
+    if annotation.startswith("bool"):
+        p.add_argument(flag_of(f), action="store_true", default=None, **kw)
+        return
+    if f.metadata["metavar"]:
+        kw["metavar"] = f.metadata["metavar"]
+    if kind in _KIND_TYPES:
+        kw["type"] = _KIND_TYPES[kind]
+    elif annotation.startswith("int"):
+        kw["type"] = int
+    elif annotation.startswith("float"):
+        kw["type"] = float
+    if f.name == "sharing":
+        kw["choices"] = ("exclusive", "mig", "slots")
+    p.add_argument(flag_of(f), required=required, **kw)
+
+
+WINDOW = ("duration_hours", "end")  # one of them is required
+
+
+def _request_flags(p: argparse.ArgumentParser, create: bool) -> None:
+    window = p.add_mutually_exclusive_group(required=True)
+    for f in fields(ReservationRequest):
+        if f.metadata["create_only"] and not create:
+            continue
+        _add_field(window if f.name in WINDOW else p, f, required=f.name in ("pool_id", "gpu_model"))
+
+
+def request_of(args: argparse.Namespace) -> ReservationRequest:
+    """The request this invocation's flags give."""
+    return ReservationRequest(**{f.name: getattr(args, f.name, None) for f in fields(ReservationRequest)})
+
+
+# API fields named in INVALID_INPUT details -> the flag that sets them.
+FLAG_OF_FIELD = {
+    **{f.metadata["wire"]: flag_of(f) for f in fields(ReservationRequest)},
+    "resources": "--vcpu/--memory-gib/--hugepages", "idempotencyKey": "--idempotency-key",
+    "Idempotency-Key": "--idempotency-key", "until": "--until", "by": "--by", "since": "--since",
+    "cursor": "--cursor", "limit": "--limit", "state": "--state", "scope": "--scope", "Authorization": "--token",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *a: Any, **kw: Any):
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*a, **kw)
+
+
+def _common() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    conn = common.add_argument_group("connection (flag, then environment, then config file)")
+    conn.add_argument("--url", help="the control plane, e.g. http://127.0.0.1:8080 (env BERTH_URL)")
+    conn.add_argument("--token", help="your bearer token (env BERTH_TOKEN)")
+    conn.add_argument("--config", metavar="PATH",
+                      help='JSON {"url": ..., "token": ...} (default $XDG_CONFIG_HOME/berth/config.json '
+                           "or ~/.config/berth/config.json)")
+    conn.add_argument("--retries", type=int, default=4, metavar="N",
+                      help="retries of transport errors and PROVIDER_UNAVAILABLE, same idempotency key (default 4)")
+    conn.add_argument("--request-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="seconds per attempt (default 30)")
+    out = common.add_mutually_exclusive_group()
+    out.add_argument("--json", dest="output", action="store_const", const="json",
+                     help="print the API's JSON (the default when stdout is not a terminal)")
+    out.add_argument("--table", dest="output", action="store_const", const="table",
+                     help="print a table (the default on a terminal)")
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    parser = _Parser(prog="berth", description="Berth's tenant commands")
+    groups = parser.add_subparsers(dest="group", required=True, metavar="GROUP")
+
+    res = groups.add_parser("reservations", help="create, read and end reservations").add_subparsers(
+        dest="command", required=True, metavar="COMMAND")
+    create = res.add_parser("create", parents=[common], help="reserve GPUs (202 Accepted; then wait on the operation)")
+    _request_flags(create, create=True)
+    create.add_argument("--idempotency-key", metavar="KEY",
+                        help="the request's key; default: a new one per invocation, kept across its retries")
+    quote = res.add_parser("quote", parents=[common], help="price a request now (creates nothing)")
+    _request_flags(quote, create=False)
+    for name, text in (("get", "show a reservation"), ("release", "end a reservation now, refunding its quota"),
+                       ("cancel", "withdraw a pending or placed reservation"),
+                       ("renew", "move the lease deadline to now plus leaseSeconds")):
+        sub = res.add_parser(name, parents=[common], help=text)
+        sub.add_argument("reservation_id", metavar="RESERVATION")
+    extend = res.add_parser("extend", parents=[common], help="move the end later, all or nothing")
+    extend.add_argument("reservation_id", metavar="RESERVATION")
+    how = extend.add_mutually_exclusive_group(required=True)
+    how.add_argument("--until", type=_time_text, metavar="TIME", help="the new end: epoch ms or ISO 8601 (safe to retry)")
+    how.add_argument("--by", type=_duration_ms, metavar="DURATION", help="extend by, e.g. 30m, 2h (repeats extend again)")
+    lst = res.add_parser("list", parents=[common], help="your reservations, newest first")
+    lst.add_argument("--scope", choices=("mine", "all"), help="mine (default) or the whole tenant's you may read")
+    lst.add_argument("--state", help="pending, placed, binding, active, released or cancelled")
+    lst.add_argument("--pool", help="only this pool")
+    lst.add_argument("--limit", type=int, help="1 to 200 (default 50)")
+    lst.add_argument("--cursor", help="the nextCursor of the previous page")
+
+    ops = groups.add_parser("operations", help="the long-running record of each mutation").add_subparsers(
+        dest="command", required=True, metavar="COMMAND")
+    get_op = ops.add_parser("get", parents=[common], help="show an operation")
+    get_op.add_argument("operation_id", metavar="OPERATION")
+    wait = ops.add_parser("wait", parents=[common], help="wait until the operation ends (exit code by failure.actor)")
+    wait.add_argument("operation_id", metavar="OPERATION")
+    wait.add_argument("--timeout-sec", type=float, default=DEFAULT_WAIT_S, metavar="N",
+                      help=f"give up after N seconds with exit code 6 (default {DEFAULT_WAIT_S})")
+
+    usage = groups.add_parser("usage", parents=[common], help="charge history: lines per reservation and UTC day, totals")
+    usage.add_argument("--reservation", metavar="RESERVATION", help="only this reservation")
+    usage.add_argument("--since", type=_time_text, metavar="DAY", help="UTC days starting at or after (2026-12-01 or epoch ms)")
+    usage.add_argument("--until", type=_time_text, metavar="DAY", help="UTC days starting before")
+    usage.add_argument("--limit", type=int, help="lines per page, 1 to 500 (default 100)")
+    usage.add_argument("--cursor", help="the nextCursor of the previous page")
+
+    conf = groups.add_parser("confirmations", help="approvals asked by your delegated agents").add_subparsers(
+        dest="command", required=True, metavar="COMMAND")
+    conf_list = conf.add_parser("list", parents=[common], help="confirmations you asked or are asked")
+    conf_list.add_argument("--status", choices=("pending", "approved", "denied", "expired"))
+    conf_list.add_argument("--limit", type=int)
+    for name in ("get", "approve", "deny"):
+        sub = conf.add_parser(name, parents=[common], help=f"{name} a confirmation")
+        sub.add_argument("confirmation_id", metavar="CONFIRMATION")
+    return parser
+
+

@@ -1,0 +1,30 @@
+"""Berth's Python client: one typed method per API method, async (`AsyncClient`, aiohttp) and sync (`Client`).
+
+Answers decode into msgspec Structs (answers.py); refusals raise a BerthError
+subclass per code that keeps every structured detail (errors.py); settings
+come from flags, the environment or the config file (config.py); a create's
+fields are `ReservationRequest` (requests.py). docs/python-client.md lists
+the result types and their fields.
+"""
+from berth.client.aio import WAIT_STEP_MS, AsyncClient
+from berth.client.answers import (TERMINAL, Alternative, Bound, Condition, Confirmation, Event, EventPage, ExtendResult,
+                                  Failure, Operation, OperationWait, Placement, Quote, Reservation, ReservationPage,
+                                  ReservationTotal, Resources, Usage, UsageLine, decode)
+from berth.client.config import ConfigError, Settings, default_config_path, read_config_file, resolve_settings
+from berth.client.errors import (ERRORS, AccessDenied, BadAnswer, BerthError, ComputeAccessRequired, Conflict,
+                                 ConfirmationRequired, InsufficientFunds, InvalidInput, InvalidState, NoCapacity,
+                                 NotFound, PriceChanged, ProviderUnavailable, QuotaExceeded, QuoteExpired,
+                                 SpendLimitReached, TransportError, Unauthenticated, Unsupported, error_of)
+from berth.client.requests import ReservationRequest, create_body, new_idempotency_key, parse_time, price_text
+from berth.client.sync import Client
+
+__all__ = [
+    "WAIT_STEP_MS", "AsyncClient", "TERMINAL", "Alternative", "Bound", "Condition", "Confirmation", "Event", "EventPage",
+    "ExtendResult", "Failure", "Operation", "OperationWait", "Placement", "Quote", "Reservation", "ReservationPage",
+    "ReservationTotal", "Resources", "Usage", "UsageLine", "decode", "ConfigError", "Settings",
+    "default_config_path", "read_config_file", "resolve_settings", "ERRORS", "AccessDenied", "BadAnswer",
+    "BerthError", "ComputeAccessRequired", "Conflict", "ConfirmationRequired", "InsufficientFunds", "InvalidInput",
+    "InvalidState", "NoCapacity", "NotFound", "PriceChanged", "ProviderUnavailable", "QuotaExceeded",
+    "QuoteExpired", "SpendLimitReached", "TransportError", "Unauthenticated", "Unsupported", "error_of",
+    "ReservationRequest", "create_body", "new_idempotency_key", "parse_time", "price_text", "Client",
+]

@@ -1,0 +1,244 @@
+"""The async client: one typed method per API method over one retrying transport (aiohttp).
+
+Retries: a transport error (no answer: refused, reset, timed out) and
+`503 PROVIDER_UNAVAILABLE` are retried a bounded number of times with
+exponential backoff and jitter, with the SAME idempotency key. A create
+without a key gets one from the client before the first attempt, so its
+retries can never create a second reservation. Calls that are not safe to
+repeat (extend with `by`) are retried only when the request was certainly
+not sent (the connection could not be made).
+"""
+from __future__ import annotations
+
+import asyncio
+import builtins
+import random
+from datetime import datetime
+from typing import Any, Callable, Mapping
+
+import aiohttp
+import msgspec
+
+from berth.client.answers import (Confirmation, EventPage, ExtendResult, Operation, OperationWait, Quote, Reservation,
+                                  ReservationPage, Usage, decode)
+from berth.client.config import Settings
+from berth.client.errors import BadAnswer, BerthError, TransportError, error_of
+from berth.client.requests import ReservationRequest, new_idempotency_key, parse_time
+from berth.version import VERSION
+
+USER_AGENT = f"berth-python/{VERSION}"
+WAIT_STEP_MS = 25_000  # one /operations/wait call: well under the server's 60 s cap and most proxies' idle timeouts
+
+
+def _drop_none(**fields: Any) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+_SENT_MAYBE = (aiohttp.ClientError, asyncio.TimeoutError)  # the request may have reached the server
+_NOT_SENT = (aiohttp.ClientConnectorError,)  # the connection was never made: safe to repeat anything
+
+
+class AsyncClient:
+    """The tenant API over aiohttp. Use `async with AsyncClient(url, token) as c:` or call `close()`.
+
+    retries: extra attempts after the first for transport errors and 503
+    PROVIDER_UNAVAILABLE; backoff: the first delay in seconds, doubled per
+    attempt up to max_backoff, with jitter (at least a refusal's
+    retryAfterSeconds); timeout: seconds per attempt (long polls add their
+    own wait); on_retry(attempt, error, delay) is called before each retry.
+    """
+
+    def __init__(self, url: str, token: str, *, timeout: float = 30.0, retries: int = 4, backoff: float = 0.25,
+                 max_backoff: float = 4.0, session: aiohttp.ClientSession | None = None,
+                 user_agent: str = USER_AGENT,
+                 on_retry: Callable[[int, BerthError, float], Any] | None = None):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.user_agent = user_agent
+        self.on_retry = on_retry
+        self._session = session
+        self._own_session = session is None
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **kw: Any) -> "AsyncClient":
+        return cls(settings.url, settings.token, **kw)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None and self._own_session:
+            await self._session.close()
+            self._session = None
+
+    def _delay(self, attempt: int, err: BerthError) -> float:
+        after = err.retry_after_seconds
+        base = min(self.max_backoff, self.backoff * (2 ** (attempt - 1)))
+        delay = base * (0.5 + random.random() / 2)
+        return min(self.max_backoff, max(delay, after or 0.0))
+
+    async def _post(self, url: str, data: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        async with self._session.post(url, data=data, headers=headers,
+                                      timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            return resp.status, await resp.read()
+
+    async def call(self, path: str, body: Mapping[str, Any] | None = None, *, idempotency_key: str | None = None,
+                   idempotent: bool = True, wait_s: float = 0.0) -> dict[str, Any]:
+        """POST /api/<path> and return the answer's JSON; the one path every method takes.
+
+        Retries transport errors (for non-idempotent calls only when nothing
+        was sent) and 503 PROVIDER_UNAVAILABLE, with the same body and key.
+        """
+        url = f"{self.url}/api/{path}"
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json",
+                   "Accept": "application/json", "User-Agent": self.user_agent}
+        if idempotency_key is not None:
+            headers["Idempotency-Key"] = idempotency_key
+        data = msgspec.json.encode(dict(body or {}))
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                status, raw = await self._post(url, data, headers, self.timeout + wait_s)
+            except _SENT_MAYBE as exc:
+                err: BerthError = TransportError(
+                    "TRANSPORT_ERROR", f"no answer from {self.url} after {attempt} attempt(s): "
+                    f"{type(exc).__name__}: {exc or 'timed out'}",
+                    {"url": url, "attempts": attempt, "cause": type(exc).__name__,
+                     "sent": not isinstance(exc, _NOT_SENT)},
+                    None, idempotency_key=idempotency_key)
+                if (idempotent or isinstance(exc, _NOT_SENT)) and attempt <= self.retries:
+                    await self._pause(attempt, err)
+                    continue
+                raise err from exc
+            try:
+                doc = msgspec.json.decode(raw) if raw else {}
+            except msgspec.DecodeError:
+                doc = None
+            if 200 <= status < 300 and isinstance(doc, dict):
+                return doc
+            err = error_of(status, doc, raw) if status >= 300 else BadAnswer(
+                "BAD_ANSWER", f"HTTP {status} with a body that is not a JSON object", {}, status)
+            err.idempotency_key = idempotency_key
+            transient = err.code == "PROVIDER_UNAVAILABLE" or (isinstance(err, BadAnswer) and status in (502, 503, 504))
+            if transient and idempotent and attempt <= self.retries:
+                await self._pause(attempt, err)
+                continue
+            raise err
+
+    async def _pause(self, attempt: int, err: BerthError) -> None:
+        delay = self._delay(attempt, err)
+        if self.on_retry is not None:
+            self.on_retry(attempt, err, delay)
+        await asyncio.sleep(delay)
+
+    # reservations
+    async def create(self, pool_id: str = "", gpu_model: str = "", *, request: ReservationRequest | None = None,
+                     idempotency_key: str | None = None, **fields: Any) -> Reservation:
+        """Create a reservation (202 Accepted) from a ReservationRequest or its fields as keywords (pool_id,
+        gpu_model, gpu_count, ...: see berth.client.ReservationRequest); without idempotency_key the client makes
+        one, kept across its retries, so they can never create a second reservation."""
+        request = request or ReservationRequest(pool_id, gpu_model, **fields)
+        key = idempotency_key or new_idempotency_key()
+        wait_s = (request.wait_ms or 0) / 1000
+        doc = await self.call("compute/reservations/create", request.to_body(), idempotency_key=key, wait_s=wait_s)
+        return decode(doc.get("reservation"), Reservation)
+
+    async def get(self, reservation_id: str) -> Reservation:
+        doc = await self.call("compute/reservations/get", {"reservationId": reservation_id})
+        return decode(doc.get("reservation"), Reservation)
+
+    async def list(self, *, scope: str | None = None, state: str | None = None, pool_id: str | None = None,
+                   limit: int | None = None, cursor: str | None = None) -> ReservationPage:
+        body = _drop_none(scope=scope, state=state, poolId=pool_id, limit=limit, cursor=cursor)
+        return decode(await self.call("compute/reservations/list", body), ReservationPage)
+
+    async def release(self, reservation_id: str) -> Reservation:
+        doc = await self.call("compute/reservations/release", {"reservationId": reservation_id})
+        return decode(doc.get("reservation"), Reservation)
+
+    async def cancel(self, reservation_id: str) -> Reservation:
+        doc = await self.call("compute/reservations/cancel", {"reservationId": reservation_id})
+        return decode(doc.get("reservation"), Reservation)
+
+    async def extend(self, reservation_id: str, *, until: str | int | datetime | None = None,
+                     by_ms: int | None = None) -> ExtendResult:
+        """Move the end later: `until` (safe to retry) or `by_ms` (extends again when repeated: not retried once sent)."""
+        body = _drop_none(reservationId=reservation_id, until=None if until is None else parse_time(until), by=by_ms)
+        doc = await self.call("compute/reservations/extend", body, idempotent=by_ms is None)
+        return decode(doc, ExtendResult)
+
+    async def renew(self, reservation_id: str) -> Reservation:
+        doc = await self.call("compute/reservations/renew", {"reservationId": reservation_id})
+        return decode(doc.get("reservation"), Reservation)
+
+    async def quote(self, pool_id: str = "", gpu_model: str = "", *, request: ReservationRequest | None = None,
+                    **fields: Any) -> Quote:
+        """The price of a request now; creates and charges nothing, holds no capacity, expires after 120 s."""
+        request = (request or ReservationRequest(pool_id, gpu_model, **fields)).without_create_only()
+        doc = await self.call("compute/reservations/quote", request.to_body())
+        return decode(doc.get("quote"), Quote)
+
+    # operations
+    async def get_operation(self, operation_id: str) -> Operation:
+        doc = await self.call("compute/operations/get", {"operationId": operation_id})
+        return decode(doc.get("operation"), Operation)
+
+    async def wait_operation(self, operation_id: str, timeout_ms: int = WAIT_STEP_MS) -> OperationWait:
+        """One bounded wait on the server (at most 60000 ms): the operation, finished or not."""
+        doc = await self.call("compute/operations/wait", {"operationId": operation_id, "timeoutMs": timeout_ms},
+                              wait_s=timeout_ms / 1000)
+        return decode(doc, OperationWait)
+
+    async def wait_until_done(self, operation_id: str, timeout_s: float, *, step_ms: int = WAIT_STEP_MS,
+                              on_poll: Callable[[OperationWait], Any] | None = None) -> OperationWait:
+        """Wait in bounded steps until the operation is done or timeout_s passed; `done` tells which."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            left_ms = max(0, int((deadline - loop.time()) * 1000))
+            answer = await self.wait_operation(operation_id, min(step_ms, left_ms))
+            if on_poll is not None:
+                on_poll(answer)
+            if answer.done or loop.time() >= deadline:
+                return answer
+
+    # usage and events
+    async def list_usage(self, *, reservation_id: str | None = None, since: str | int | datetime | None = None,
+                         until: str | int | datetime | None = None, limit: int | None = None,
+                         cursor: str | None = None) -> Usage:
+        body = _drop_none(reservationId=reservation_id, since=None if since is None else parse_time(since),
+                          until=None if until is None else parse_time(until), limit=limit, cursor=cursor)
+        return decode(await self.call("compute/usage/list", body), Usage)
+
+    async def list_events(self, *, after: int | None = None, limit: int | None = None) -> EventPage:
+        return decode(await self.call("compute/events/list", _drop_none(after=after, limit=limit)), EventPage)
+
+    # confirmations
+    async def list_confirmations(self, *, status: str | None = None,
+                                 limit: int | None = None) -> builtins.list[Confirmation]:
+        doc = await self.call("iam/confirmations/list", _drop_none(status=status, limit=limit))
+        return decode(doc.get("confirmations"), list[Confirmation])
+
+    async def get_confirmation(self, confirmation_id: str) -> Confirmation:
+        doc = await self.call("iam/confirmations/get", {"confirmationId": confirmation_id})
+        return decode(doc.get("confirmation"), Confirmation)
+
+    async def approve_confirmation(self, confirmation_id: str) -> Confirmation:
+        doc = await self.call("iam/confirmations/approve", {"confirmationId": confirmation_id})
+        return decode(doc.get("confirmation"), Confirmation)
+
+    async def deny_confirmation(self, confirmation_id: str) -> Confirmation:
+        doc = await self.call("iam/confirmations/deny", {"confirmationId": confirmation_id})
+        return decode(doc.get("confirmation"), Confirmation)
+
+

@@ -1,0 +1,211 @@
+"""The client's answer types: the API's JSON decoded into typed, frozen msgspec Structs.
+
+Unknown extra fields are ignored, so a newer server does not break an older
+client; money is Decimal, never float. docs/python-client.md lists them.
+"""
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any, TypeVar
+
+import msgspec
+from msgspec import Struct, field
+
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+
+
+class Resources(Struct, kw_only=True, frozen=True):
+    vcpu: float | None = None
+    memory_gib: float | None = field(default=None, name="memoryGiB")
+    hugepages_1gi: int | None = field(default=None, name="hugepages1Gi")
+
+
+class Placement(Struct, rename="camel", kw_only=True, frozen=True):
+    node_id: str
+    devices: list[str] = []
+
+
+class Condition(Struct, rename="camel", kw_only=True, frozen=True):
+    type: str
+    status: str
+    reason: str | None = None
+    message: str | None = None
+    last_transition_time: int | None = None
+
+
+class Failure(Struct, kw_only=True, frozen=True):
+    """Why an operation failed or was cancelled; `actor` is customer, provider or platform."""
+
+    code: str
+    actor: str
+    message: str = ""
+    next: str | None = None
+
+
+class Operation(Struct, rename="camel", kw_only=True, frozen=True):
+    id: str
+    kind: str
+    status: str  # running, succeeded, failed, cancelled
+    reservation_id: str
+    created_at: int
+    updated_at: int
+    failure: Failure | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL
+
+
+class Bound(Struct, rename="camel", kw_only=True, frozen=True):
+    """What one node reported bound: when, the cgroup it made, the device nodes it opened."""
+
+    node_id: str
+    at: int | None = None
+    cgroup: str | None = None
+    devices: list[str] = []
+
+
+class Reservation(Struct, rename="camel", kw_only=True, frozen=True):
+    id: str
+    tenant_id: str
+    principal_id: str
+    pool_id: str
+    state: str
+    gpu_model: str
+    region: str | None = None
+    binding: str = "hold"
+    sharing: str | None = None
+    mig_profile: str | None = None
+    gpu_count: int | None = None
+    node_count: int = 1
+    start: int | None = None
+    end: int | None = None
+    duration_hours: float | None = None
+    spot: bool = False
+    lease_seconds: int | None = None
+    lease_deadline: int | None = None
+    resources: Resources = Resources()
+    placements: list[Placement] = []
+    conditions: list[Condition] = []
+    bound: list[Bound] = []
+    operation: Operation | None = None
+    hourly_usd: Decimal | None = None
+    idempotency_key: str | None = None
+    created_at: int | None = None
+    updated_at: int | None = None
+    reason: str | None = None
+
+
+class ExtendResult(Struct, rename="camel", kw_only=True, frozen=True):
+    reservation: Reservation
+    extended: bool
+    available_until: int | None = None
+
+
+class ReservationPage(Struct, rename="camel", kw_only=True, frozen=True):
+    reservations: list[Reservation]
+    next_cursor: str | None = None
+
+
+class Alternative(Struct, rename="camel", kw_only=True, frozen=True):
+    """Another pool offered to the tenant that could hold the request, at its running price."""
+
+    pool_id: str
+    region: str | None = None
+    total_running_usd_per_hour: Decimal | None = None
+    earliest_start: int | None = None
+
+
+class Quote(Struct, rename="camel", kw_only=True, frozen=True):
+    id: str
+    created_at: int
+    expires_at: int
+    pool_id: str
+    gpu_model: str
+    total_running_usd_per_hour: Decimal
+    total_usd: Decimal
+    currency: str = "USD"
+    region: str | None = None
+    gpu_count: int | None = None
+    node_count: int = 1
+    resources: Resources = Resources()
+    window_hours: float | None = None
+    earliest_start: int | None = None
+    fits_now: bool = False
+    alternatives: list[Alternative] = []
+    priced: dict[str, Any] = {}
+
+
+class OperationWait(Struct, kw_only=True, frozen=True):
+    operation: Operation
+    done: bool
+
+
+class UsageLine(Struct, rename="camel", kw_only=True, frozen=True):
+    """What one reservation billed on one UTC day, prorated to the second."""
+
+    reservation_id: str
+    pool_id: str
+    day: str
+    start: int = field(name="from")
+    end: int = field(name="to")
+    seconds: int
+    hourly_usd: Decimal
+    amount_usd: Decimal
+    running: bool = False
+
+
+class ReservationTotal(Struct, rename="camel", kw_only=True, frozen=True):
+    reservation_id: str
+    total_usd: Decimal
+
+
+class Usage(Struct, rename="camel", kw_only=True, frozen=True):
+    lines: list[UsageLine]
+    page_total_usd: Decimal
+    total_usd: Decimal
+    by_reservation: list[ReservationTotal] = []
+    next_cursor: str | None = None
+
+
+class Event(Struct, rename="camel", kw_only=True, frozen=True):
+    seq: int
+    type: str
+    at: int
+    reservation_id: str | None = None
+    data: dict[str, Any] = {}
+
+
+class EventPage(Struct, rename="camel", kw_only=True, frozen=True):
+    events: list[Event]
+    next_cursor: int | None = None
+
+
+class Confirmation(Struct, rename="camel", kw_only=True, frozen=True):
+    id: str
+    status: str  # pending, approved, denied, expired
+    reservation_id: str | None = None
+    agent_id: str | None = None
+    approver: str | None = None
+    created_at: int | None = None
+    expires_at: int | None = None
+    message: str = ""
+    asked: dict[str, Any] = {}
+    decided_at: int | None = None
+    interval: int | None = None
+
+
+T = TypeVar("T")
+
+
+def decode(doc: Any, type_: type[T]) -> T:
+    """An answer's JSON (already parsed) as the typed result; BadAnswer when it does not fit."""
+    from berth.client.errors import BadAnswer
+
+    try:
+        return msgspec.convert(doc, type_)
+    except msgspec.ValidationError as exc:
+        raise BadAnswer("BAD_ANSWER", f"the server's answer does not read as {type_.__name__}: {exc}",
+                        {"answer": doc}, None) from None
+
+

@@ -1,0 +1,83 @@
+"""The sync client: the same methods as AsyncClient, each run on the client's private event loop.
+
+One code path for the request, the retries and the reading of the answer:
+every method is the async one, blocking.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any, Awaitable, Callable, Concatenate, Coroutine, ParamSpec, TypeVar
+
+from berth.client.aio import AsyncClient
+from berth.client.config import Settings
+
+T = TypeVar("T")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _blocking(method: Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, R]]) -> Callable[Concatenate["Client", P], R]:
+    """The sync twin of an AsyncClient method: same signature and docstring, run on the client's private loop."""
+
+    @functools.wraps(method)
+    def run(self: "Client", *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._run(method(self._async, *args, **kwargs))
+
+    run.__qualname__ = f"Client.{method.__name__}"
+    return run
+
+
+class Client:
+    """The same methods as AsyncClient, blocking: each runs the async one on this client's private event loop.
+
+    Not for use inside a running event loop (use AsyncClient there), and one
+    thread at a time. Use `with Client(url, token) as c:` or call `close()`.
+    """
+
+    def __init__(self, url: str, token: str, **kw: Any):
+        self._loop = asyncio.new_event_loop()
+        self._async = AsyncClient(url, token, **kw)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **kw: Any) -> "Client":
+        return cls(settings.url, settings.token, **kw)
+
+    @property
+    def url(self) -> str:
+        return self._async.url
+
+    def _run(self, coro: Awaitable[T]) -> T:
+        if self._loop.is_closed():
+            raise RuntimeError("this Client is closed")
+        return self._loop.run_until_complete(coro)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._run(self._async.close())
+            self._loop.close()
+
+    call = _blocking(AsyncClient.call)
+    create = _blocking(AsyncClient.create)
+    get = _blocking(AsyncClient.get)
+    list = _blocking(AsyncClient.list)
+    release = _blocking(AsyncClient.release)
+    cancel = _blocking(AsyncClient.cancel)
+    extend = _blocking(AsyncClient.extend)
+    renew = _blocking(AsyncClient.renew)
+    quote = _blocking(AsyncClient.quote)
+    get_operation = _blocking(AsyncClient.get_operation)
+    wait_operation = _blocking(AsyncClient.wait_operation)
+    wait_until_done = _blocking(AsyncClient.wait_until_done)
+    list_usage = _blocking(AsyncClient.list_usage)
+    list_events = _blocking(AsyncClient.list_events)
+    list_confirmations = _blocking(AsyncClient.list_confirmations)
+    get_confirmation = _blocking(AsyncClient.get_confirmation)
+    approve_confirmation = _blocking(AsyncClient.approve_confirmation)
+    deny_confirmation = _blocking(AsyncClient.deny_confirmation)
