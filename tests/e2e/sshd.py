@@ -1,7 +1,7 @@
 """A real OpenSSH server for tests, in a network namespace of its own, and a throwaway tenant user to log in as.
 
 `sshd_server` starts `/usr/sbin/sshd -D -e -f CONFIG` inside a namespace made
-for it (`ip netns add`, a veth pair to the root namespace with a 169.254.x.y/30
+for it (tests/netns.py: a veth pair to the root namespace with a 169.254.x.y/30
 on each end, nothing else), with its own config, freshly generated host keys
 and PidFile in tmp_path, `AuthorizedKeysFile <keys_dir>/%u` (below a
 root-owned directory in /run, since StrictModes refuses keys below /tmp),
@@ -31,12 +31,14 @@ import select
 import shutil
 import signal
 import subprocess
-import time
 import uuid
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.netns import Namespaces
 
 SSHD = "/usr/sbin/sshd"
 RUN_PRIVSEP = Path("/run/sshd")  # sshd's compiled-in privilege separation directory (Debian)
@@ -229,11 +231,11 @@ def read_line(proc: subprocess.Popen, timeout: float = 10) -> str:
 
 def _free_link_net() -> tuple[str, str]:
     """Two addresses of a /30 in 169.254.0.0/16 (not 169.254.169.x) that no interface here uses."""
-    used = _run("ip", "-o", "addr", "show")
+    used = Namespaces.addresses_in_use()
     for _ in range(50):
         a, b = random.randint(100, 199), random.randrange(0, 256, 4)
         host, ns = f"169.254.{a}.{b + 1}", f"169.254.{a}.{b + 2}"
-        if f"169.254.{a}." not in used:
+        if not any(u.startswith(f"169.254.{a}.") for u in used):
             return host, ns
     raise RuntimeError("no free 169.254.x.y/30 found for the test link")
 
@@ -253,16 +255,15 @@ def _write_config(path: Path, *, listen: str, port: int, host_keys: list[Path], 
 @pytest.fixture
 def sshd_server(tmp_path, tenant_user):
     """A started Sshd for `tenant_user`, in its own network namespace; everything it made is gone after."""
-    require_root_tools(SSHD, "ssh", "ssh-keygen", "ip", "nsenter")
-    tag = uuid.uuid4().hex[:6]
+    require_root_tools(SSHD, "ssh", "ssh-keygen", "nsenter")
+    spaces = Namespaces("berth-ssh")
+    tag = spaces.tag
     work = tmp_path / "sshd"
     (work / "hostkeys").mkdir(parents=True)
     run_dir = Path(f"/run/berth-test-{tag}")
-    netns = f"berth-ssh-{tag}"
     made_privsep = False
     pid: int | None = None
     started: int | None = None
-    made_ns = False
     try:
         run_dir.mkdir(mode=0o755)
         os.chmod(run_dir, 0o755)
@@ -276,15 +277,8 @@ def sshd_server(tmp_path, tenant_user):
             _run("ssh-keygen", "-q", "-t", kind, "-N", "", "-C", f"berth-test-{tag}", "-f", str(key), timeout=60)
             host_keys.append(key)
         host_addr, ns_addr = _free_link_net()
-        _run("ip", "netns", "add", netns)
-        made_ns = True
-        host_if, ns_if = f"bsh{tag}h", f"bsh{tag}n"
-        _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if, "netns", netns)
-        _run("ip", "addr", "add", f"{host_addr}/30", "dev", host_if)
-        _run("ip", "-n", netns, "addr", "add", f"{ns_addr}/30", "dev", ns_if)
-        _run("ip", "link", "set", host_if, "up")
-        _run("ip", "-n", netns, "link", "set", ns_if, "up")
-        _run("ip", "-n", netns, "link", "set", "lo", "up")
+        netns = spaces.add("sshd")
+        spaces.link(None, f"bsh{tag}h", host_addr, netns, f"bsh{tag}n", ns_addr)
         port = random.randint(20000, 29999)  # the namespace is new: every port in it is free
         config = work / "sshd_config"
         extra = ["PerSourcePenalties no"]  # OpenSSH >= 9.8 would slow down the refused logins the tests make
@@ -323,13 +317,12 @@ def sshd_server(tmp_path, tenant_user):
             except AssertionError:
                 _kill_all([pid])
             _kill_all(left)
-        if made_ns:
-            subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=20)
+        spaces.close()
         shutil.rmtree(run_dir, ignore_errors=True)
         if made_privsep:
             try:
                 RUN_PRIVSEP.rmdir()
             except OSError:
                 pass  # another sshd made something there meanwhile: leave it
-        assert netns not in _run("ip", "netns", "list"), f"namespace {netns} is still there"
+        assert spaces.left() == [], f"namespaces {spaces.left()} are still there"
         assert not run_dir.exists(), f"{run_dir} is still there"
