@@ -110,8 +110,13 @@ def _runtime_parser() -> argparse.ArgumentParser:
                     "`berth agent discover` prints the inventory instead.")
     p.add_argument("--control-plane", metavar="URL", default=env("BERTH_CONTROL_PLANE"),
                    help="the control plane's base URL, e.g. http://cp.example.net:8080 (env BERTH_CONTROL_PLANE)")
-    p.add_argument("--bootstrap-token", metavar="TOKEN", default=env("BERTH_BOOTSTRAP_TOKEN"),
-                   help="the pool's node bootstrap token, for register (env BERTH_BOOTSTRAP_TOKEN)")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--bootstrap-token-file", metavar="FILE", default=env("BERTH_BOOTSTRAP_TOKEN_FILE"),
+                       help="a file holding the pool's node bootstrap token, for register (env "
+                            "BERTH_BOOTSTRAP_TOKEN_FILE; keep it mode 0600)")
+    token.add_argument("--bootstrap-token", metavar="TOKEN", default=env("BERTH_BOOTSTRAP_TOKEN"),
+                       help="the token itself (env BERTH_BOOTSTRAP_TOKEN); on the command line every user of the host "
+                            "sees it in ps, so prefer --bootstrap-token-file")
     p.add_argument("--simulate", metavar="TOPOLOGY.json",
                    help="replace NVML (and, where the file says so, CPUs, memory, hugepages) by a described topology")
     p.add_argument("--cgroup-root", metavar="PATH",
@@ -149,6 +154,19 @@ def _runtime_parser() -> argparse.ArgumentParser:
     return p
 
 
+def read_token_file(path: str) -> str:
+    """The token in a file (one line, surrounding whitespace dropped); ValueError says what is wrong with it."""
+    try:
+        text = open(path, encoding="utf-8").read().strip()
+    except OSError as exc:
+        raise ValueError(f"--bootstrap-token-file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--bootstrap-token-file {path}: not UTF-8 text") from None
+    if not text or "\n" in text:
+        raise ValueError(f"--bootstrap-token-file {path}: must hold exactly one token on one line")
+    return text
+
+
 def runtime_main(argv: list[str]) -> int:
     import asyncio
     import signal
@@ -163,10 +181,15 @@ def runtime_main(argv: list[str]) -> int:
 
     parser = _runtime_parser()
     args = parser.parse_args(argv)
-    missing = [f for f, v in (("--control-plane", args.control_plane), ("--bootstrap-token", args.bootstrap_token))
-               if not v]
+    if args.bootstrap_token_file and not args.bootstrap_token:
+        try:
+            args.bootstrap_token = read_token_file(args.bootstrap_token_file)
+        except ValueError as exc:
+            parser.error(str(exc))
+    missing = [f for f, v in (("--control-plane", args.control_plane),
+                              ("--bootstrap-token-file (or --bootstrap-token)", args.bootstrap_token)) if not v]
     if missing:
-        parser.error(f"{' and '.join(missing)} required (or env BERTH_CONTROL_PLANE / BERTH_BOOTSTRAP_TOKEN); "
+        parser.error(f"{' and '.join(missing)} required (or env BERTH_CONTROL_PLANE / BERTH_BOOTSTRAP_TOKEN_FILE); "
                      "`berth agent discover` prints this host's inventory")
     if args.metrics_listen and ":" not in args.metrics_listen:
         parser.error(f"--metrics-listen {args.metrics_listen!r}: expected HOST:PORT")

@@ -22,14 +22,14 @@ def berth(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def test_bare_berth_agent_asks_for_the_control_plane_and_token_and_points_at_discover():
     out = berth("agent", env={"PATH": "/usr/bin:/bin"})
     assert 2 == out.returncode
-    assert "--control-plane and --bootstrap-token required" in out.stderr
+    assert "--control-plane and --bootstrap-token-file (or --bootstrap-token) required" in out.stderr
     assert "`berth agent discover` prints this host's inventory" in out.stderr
 
 
 def test_help_lists_the_pinned_flags(capsys):
     assert 0 == cli.main(["--help"])
     text = capsys.readouterr().out
-    for flag in ("--control-plane", "--bootstrap-token", "--simulate", "--cgroup-root", "--state-dir",
+    for flag in ("--control-plane", "--bootstrap-token-file", "--bootstrap-token", "--simulate", "--cgroup-root", "--state-dir",
                  "--metrics-listen", "--exec-allow-uid", "--cgroup-enable-from"):
         assert flag in text
 
@@ -42,6 +42,26 @@ def test_help_lists_the_pinned_flags(capsys):
 def test_bad_options_exit_2_naming_the_option(capsys, args, message):
     assert 2 == cli.main(["--control-plane", "http://127.0.0.1:1", "--bootstrap-token", "t", *args])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file or directory"),
+    ("", "must hold exactly one token on one line"),
+    ("one\ntwo\n", "must hold exactly one token on one line"),
+])
+def test_a_bad_token_file_exits_2_naming_the_file(capsys, tmp_path, content, message):
+    path = tmp_path / "token"
+    if content is not None:
+        path.write_text(content)
+    assert 2 == cli.main(["--control-plane", "http://127.0.0.1:1", "--bootstrap-token-file", str(path)])
+    err = capsys.readouterr().err
+    assert f"--bootstrap-token-file {path}" in err and message in err
+
+
+def test_the_token_file_is_read_and_never_needs_the_command_line(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("  node-bootstrap-token-0001\n")
+    assert "node-bootstrap-token-0001" == cli.read_token_file(str(path))
 
 
 def test_a_bad_topology_names_the_field(capsys, tmp_path):

@@ -297,8 +297,11 @@ class AgentProc:
         self.starts = 0
 
     def command(self) -> list[str]:
+        token_file = self.state_dir.parent / f"{self.state_dir.name}.token"
+        token_file.write_text(self.token + "\n")
+        os.chmod(token_file, 0o600)
         cmd = [sys.executable, "-m", "berth", "agent", "--control-plane", self.url,
-               "--bootstrap-token", self.token, "--simulate", str(self.topology), "--cgroup-root", str(self.root),
+               "--bootstrap-token-file", str(token_file), "--simulate", str(self.topology), "--cgroup-root", str(self.root),
                "--state-dir", str(self.state_dir), "--log-format", "json", "--backoff-max-seconds", "0.5",
                *self.extra]
         if self.enable_from is not None:
