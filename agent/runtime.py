@@ -25,11 +25,16 @@
 Between watch answers the last wanted set is reconciled again on a timer: a
 limit or device program changed behind the agent's back is repaired.
 Stopping (SIGTERM) leaves every workload running.
+
+The parts: agent/link.py (the link to the control plane: register, heartbeat,
+watch and report loops with backoff) and agent/controller.py (the binding
+controller: desired, plan, binder, states). This module owns the host side
+(layout, controllers, subtree, checkpoint, discovery), the exec gate, metrics
+and the start and stop of it all.
 """
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +44,10 @@ import structlog
 
 from agent import controllers as ctl
 from agent import delegation
-from agent.binder import Binder, Have, Outcome, Refused, plan
-from agent.bindspec import BindError, HostView, Want, refusal, simulated_devices_proc, want_of
-from agent.checkpoint import Checkpoint, Identity, StateDir, read_boot_id
+from agent.binder import Binder
+from agent.bindspec import HostView, simulated_devices_proc
+from agent.checkpoint import Checkpoint, StateDir, read_boot_id
+from agent.controller import BindingController
 from agent.discovery import Discovery, Rediscovery, Reserve
 from agent.errors import AgentError
 from common import hostfacts
@@ -49,8 +55,7 @@ from common.hostfacts import HostReadError
 from agent.execgate import ExecGate, ExecPolicy, Target
 from common.inventory import Inventory
 from agent.metrics import AgentMetrics, metrics_app
-from agent.nodeclient import NodeApiError, NodeClient, Unauthorized, Unreachable
-from common.nodewire import Binding, Report
+from agent.link import ControlPlaneLink
 from agent.sdnotify import Notifier
 from cgroups import Subtree, read_proc_devices
 from cgroups.errors import CgroupError
@@ -89,33 +94,6 @@ class AgentConfig:
     sys: Path = Path("/sys")
 
 
-def heartbeat_interval(heartbeat_s: float | None, grace_s: float | None) -> float:
-    """The control plane's interval, but at least three heartbeats per grace period (one lost packet, or a
-    slow one, must not make the node lost)."""
-    out = heartbeat_s or 5.0
-    if grace_s:
-        out = min(out, grace_s / 3)
-    return max(0.05, out)
-
-
-REPORT_BATCH = 500  # the node API takes at most 1000 reports per call
-
-
-class Backoff:
-    """Exponential backoff with jitter: min_s, 2 min_s, ... up to max_s, each scaled by a random [0.5, 1)."""
-
-    def __init__(self, min_s: float, max_s: float) -> None:
-        self.min_s, self.max_s, self.n = min_s, max_s, 0
-
-    def next(self) -> float:
-        delay = min(self.max_s, self.min_s * (2 ** self.n))
-        self.n += 1
-        return delay * (0.5 + random.random() / 2)
-
-    def reset(self) -> None:
-        self.n = 0
-
-
 class Agent:
     def __init__(self, config: AgentConfig, *, notifier: Notifier | None = None,
                  wall_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
@@ -125,25 +103,15 @@ class Agent:
         self.metrics = AgentMetrics()
         self.log = log
         self.state = StateDir(config.state_dir)
-        self.client = NodeClient(config.control_plane, timeout_s=config.request_timeout_s)
-        self.identity: Identity | None = None
         self.layout: delegation.Layout | None = None
         self.probe: ctl.ControllerProbe | None = None
         self.subtree: Subtree | None = None
         self.checkpoint: Checkpoint | None = None
-        self.binder: Binder | None = None
+        self.controller: BindingController | None = None
+        self.link: ControlPlaneLink | None = None
         self.inventory: Inventory | None = None
-        self.inventory_dirty = True  # send the inventory with the next heartbeat
         self.host_view: HostView | None = None
-        self.heartbeat_s = 5.0
-        self.resource_version = 0
-        self.wanted: list[Binding] | None = None  # the last complete wanted set; None before the first answer
-        self.binding_states: dict[str, dict] = {}
         self.started_at = time.monotonic()
-        self._bind_lock = asyncio.Lock()
-        self._register_lock = asyncio.Lock()
-        self._reports_wake = asyncio.Event()
-        self._registered = asyncio.Event()
         self._rediscovery: Rediscovery | None = None
         self._watcher = None
         self._exec_gate: ExecGate | None = None
@@ -157,15 +125,6 @@ class Agent:
         """Everything before the network: lock, layout, controllers, subtree, checkpoint, first discovery."""
         cfg = self.config
         self.state.open()
-        self.identity = self.state.read_identity()
-        if self.identity is not None and self.identity.controlPlane != cfg.control_plane:
-            log.warning("stored node identity is for another control plane; registering anew",
-                        stored=self.identity.controlPlane, now=cfg.control_plane)
-            self.identity = None
-        if self.identity is not None:
-            self._bind_node(self.identity.nodeId)
-            self.client.token = self.identity.nodeToken
-            self.heartbeat_s = cfg.heartbeat_s or self.identity.heartbeatSeconds
         self.layout = delegation.resolve(cfg.cgroup_root, cfg.cgroup_enable_from, proc=cfg.proc)
         if delegation.ensure_scope(self.layout):
             self.log.info("started the workloads scope", scope=str(self.layout.scope))
@@ -187,17 +146,29 @@ class Agent:
         self.subtree.prepare()
         self.checkpoint = self.state.load_checkpoint(boot_id=read_boot_id(cfg.proc), cgroup_root=str(self.layout.root))
         self.log.info("checkpoint", note=self.checkpoint.note)
-        self.binder = Binder(self.subtree, self.checkpoint, wall_ms=self.wall_ms)
-        self.binder.log = self.log
-        found = self.binder.actual()
+        binder = Binder(self.subtree, self.checkpoint, wall_ms=self.wall_ms)
+        found = binder.actual()
         self.log.info("cgroups found at start", count=len(found), reservations=sorted(found)[:50],
                       without_record=sorted(r for r, h in found.items() if h.share is None) or None)
+        self.controller = BindingController(binder, self.checkpoint, self.metrics, lambda: self.host_view,
+                                            self._reports_queued)
+        self.link = ControlPlaneLink(
+            cfg.control_plane, cfg.bootstrap_token, self.state, self.checkpoint, self.controller, self.metrics,
+            inventory=lambda: self.inventory, agent_version=AGENT_VERSION, wall_ms=self.wall_ms,
+            on_node=self._bind_node, heartbeat_s=cfg.heartbeat_s, watch_timeout_ms=cfg.watch_timeout_ms,
+            backoff_min_s=cfg.backoff_min_s, backoff_max_s=cfg.backoff_max_s, request_timeout_s=cfg.request_timeout_s)
+        self.link.restore()
         self._build_discovery()
         self.refresh_inventory()
 
+    def _reports_queued(self) -> None:
+        if self.link is not None:
+            self.link.reports_wake.set()
+
     def _bind_node(self, node_id: str) -> None:
         self.log = log.bind(node_id=node_id)
-        for part in (self.binder, self._exec_gate):
+        for part in (self.controller, self.controller.binder if self.controller else None, self.link,
+                     self._exec_gate):
             if part is not None:
                 part.log = self.log
 
@@ -241,12 +212,13 @@ class Agent:
     def _set_inventory(self, inventory: Inventory) -> None:
         first = self.inventory is None
         self.inventory = inventory
-        self.inventory_dirty = True
+        if self.link is not None:
+            self.link.inventory_changed()
         self.host_view = self._host_view(inventory)
         if not first:
             self.log.info("inventory changed; re-checking bindings")
-            if self.wanted is not None and self._loop is not None:
-                asyncio.ensure_future(self.reconcile(self.wanted, time.monotonic(), why="inventory changed"))
+            if self.controller is not None and self._loop is not None:
+                asyncio.ensure_future(self.controller.recheck("inventory changed"))
 
     def _host_view(self, inventory: Inventory) -> HostView:
         cfg = self.config
@@ -264,227 +236,6 @@ class Agent:
                         real_cpus=len(hostfacts.online_cpus(str(cfg.sys))),
                         real_memory_bytes=hostfacts.read_meminfo(str(cfg.proc)).total_kib * 1024)
 
-    # -- the control plane ----------------------------------------------------
-
-    async def register(self) -> None:
-        """Register with the bootstrap token (retrying with backoff until it works or the agent stops)."""
-        async with self._register_lock:
-            backoff = Backoff(self.config.backoff_min_s, self.config.backoff_max_s)
-            while True:
-                inv = self.inventory
-                assert inv is not None
-                try:
-                    ans = await self.client.register(self.config.bootstrap_token, inv.hostname, inv,
-                                                     AGENT_VERSION)
-                    break
-                except (Unreachable, NodeApiError) as exc:
-                    level = "error" if isinstance(exc, Unauthorized) else "warning"
-                    getattr(self.log, level)("register failed; retrying", error=str(exc))
-                    await asyncio.sleep(backoff.next())
-            self.identity = Identity(nodeId=ans.nodeId, nodeToken=ans.nodeToken, controlPlane=self.config.control_plane,
-                                     poolId=ans.poolId, hostname=inv.hostname, registeredAtMs=self.wall_ms(),
-                                     heartbeatSeconds=heartbeat_interval(ans.heartbeatSeconds, ans.graceSeconds))
-            self.state.write_identity(self.identity)
-            self.heartbeat_s = self.config.heartbeat_s or heartbeat_interval(ans.heartbeatSeconds, ans.graceSeconds)
-            self.inventory_dirty = False  # register carried it
-            self._bind_node(ans.nodeId)
-            assert self.checkpoint is not None and self.binder is not None
-            self.checkpoint.set_node(ans.nodeId)
-            self.binder.forget_reports()  # a fresh registration: tell the control plane everything again
-            self.log.info("registered", pool_id=ans.poolId, heartbeat_s=self.heartbeat_s, grace_s=ans.graceSeconds,
-                          resource_version=ans.resourceVersion)
-            self._registered.set()
-
-    async def _reregister(self, token_used: str | None) -> None:
-        if self.client.token != token_used:
-            return  # someone else registered meanwhile
-        self.log.warning("node token refused; registering again")
-        await self.register()
-
-    async def watch_loop(self) -> None:
-        if self.client.token is None:
-            await self.register()
-        backoff = Backoff(self.config.backoff_min_s, self.config.backoff_max_s)
-        rv = 0  # at start: the complete wanted set at once, for the start-up pass
-        while True:
-            token = self.client.token
-            try:
-                ans = await self.client.watch(rv, self.config.watch_timeout_ms)
-            except Unauthorized:
-                await self._reregister(token)
-                rv = 0
-                continue
-            except (Unreachable, NodeApiError) as exc:
-                self.metrics.watch_reconnects += 1
-                delay = backoff.next()
-                self.log.warning("watch failed; reconnecting", error=str(exc), retry_in_s=round(delay, 3),
-                                 resource_version=rv)
-                await asyncio.sleep(delay)
-                continue
-            seen = time.monotonic()
-            if backoff.n:
-                self.log.info("watch resumed", resource_version=rv, now=ans.resourceVersion)
-            backoff.reset()
-            if ans.changed or self.wanted is None or ans.resourceVersion != rv:
-                await self.reconcile(ans.bindings, seen, resource_version=ans.resourceVersion,
-                                     why="start-up pass" if self.wanted is None else "watch")
-            rv = ans.resourceVersion
-
-    async def heartbeat_loop(self) -> None:
-        if self.client.token is None:
-            await self._registered.wait()
-        while True:
-            token = self.client.token
-            inv = self.inventory
-            assert inv is not None
-            send_inv = inv if self.inventory_dirty else None
-            try:
-                await self.client.heartbeat(send_inv)
-                self.metrics.heartbeats_ok += 1
-                self.metrics.last_heartbeat = time.monotonic()
-                if send_inv is not None and self.inventory is inv:
-                    self.inventory_dirty = False
-            except Unauthorized:
-                self.metrics.heartbeat_failures += 1
-                await self._reregister(token)
-                continue
-            except (Unreachable, NodeApiError) as exc:
-                self.metrics.heartbeat_failures += 1
-                self.log.warning("heartbeat failed", error=str(exc))
-            await asyncio.sleep(self.heartbeat_s)
-
-    async def report_loop(self) -> None:
-        backoff = Backoff(self.config.backoff_min_s, self.config.backoff_max_s)
-        while True:
-            await self._reports_wake.wait()
-            self._reports_wake.clear()
-            assert self.checkpoint is not None
-            pending = list(self.checkpoint.data.pendingReports)
-            self.metrics.reports_pending = len(pending)
-            if not pending or self.client.token is None:
-                continue
-            token = self.client.token
-            pending = pending[:REPORT_BATCH]
-            try:
-                ans = await self.client.report(pending)
-            except Unauthorized:
-                await self._reregister(token)
-                self._reports_wake.set()
-                continue
-            except (Unreachable, NodeApiError) as exc:
-                if isinstance(exc, NodeApiError) and exc.status in (400, 404, 413, 422):
-                    # the control plane will never take these as they are: say so once, do not loop on them
-                    self.log.error("reports refused by the control plane; dropped", error=str(exc),
-                                   reservations=[r.reservationId for r in pending])
-                    ans = None
-                else:
-                    delay = backoff.next()
-                    self.log.warning("report failed; retrying", error=str(exc), pending=len(pending),
-                                     retry_in_s=round(delay, 3))
-                    await asyncio.sleep(delay)
-                    self._reports_wake.set()
-                    continue
-            backoff.reset()
-            for ig in (ans.ignored if ans is not None else []):
-                self.log.warning("report ignored by the control plane", reservation_id=ig.reservationId,
-                                 reason=ig.reason)
-            async with self._bind_lock:
-                # accepted or ignored, the control plane has its answer; a report queued meanwhile stays
-                self.checkpoint.data.pendingReports = [r for r in self.checkpoint.data.pendingReports
-                                                       if r not in pending]
-                await asyncio.to_thread(self.checkpoint.save)
-                self.metrics.reports_pending = len(self.checkpoint.data.pendingReports)
-            if self.checkpoint.data.pendingReports:
-                self._reports_wake.set()
-
-    # -- binding --------------------------------------------------------------
-
-    def _desired(self, bindings: list[Binding]) -> dict[str, Want | BindError | Refused]:
-        assert self.host_view is not None
-        out: dict[str, Want | BindError | Refused] = {}
-        for b in bindings:
-            why = refusal(b)
-            if why:
-                out[b.reservationId] = Refused(why)
-                continue
-            try:
-                out[b.reservationId] = want_of(b, self.host_view)
-            except BindError as exc:
-                out[b.reservationId] = exc
-        return out
-
-    async def reconcile(self, bindings: list[Binding], seen: float, *, resource_version: int | None = None,
-                        why: str = "") -> list[Outcome]:
-        async with self._bind_lock:
-            assert self.binder is not None and self.checkpoint is not None
-            first = self.wanted is None
-            self.wanted = list(bindings)
-            desired = self._desired(bindings)
-            actual: dict[str, Have] = await asyncio.to_thread(self.binder.actual)
-            actions = plan(desired, actual)
-            if resource_version is not None:
-                self.resource_version = resource_version
-                self.checkpoint.set_version(resource_version)
-                self.metrics.resource_version = resource_version
-            for rid in [r for r in self.checkpoint.bindings if r not in desired and r not in actual]:
-                entry = self.checkpoint.bindings[rid]
-                self.checkpoint.forget(rid)
-                if entry.state in ("completed", "removing"):
-                    self.checkpoint.queue_report(Report(rid, "unbound"))
-            outcomes = await asyncio.to_thread(self.binder.run, actions)
-            for o in outcomes:
-                if o.action.kind in ("create", "update") and o.ok:
-                    self.metrics.bind_latency.observe(time.monotonic() - seen)
-                if o.repaired:
-                    self.metrics.drift_repairs += len(o.repaired)
-            self._update_states(outcomes)
-            if first or any(o.action.kind != "keep" for o in outcomes):
-                counts: dict[str, int] = {}
-                for o in outcomes:
-                    counts[o.action.kind] = counts.get(o.action.kind, 0) + 1
-                self.log.info("reconciled", why=why, resource_version=self.resource_version, **counts)
-            if self.checkpoint.data.pendingReports:
-                self._reports_wake.set()
-            return outcomes
-
-    def _update_states(self, outcomes: list[Outcome]) -> None:
-        states: dict[str, dict] = {}
-        unenforced: dict[str, int] = {}
-        for o in outcomes:
-            a = o.action
-            if a.kind == "remove":
-                if not o.ok:
-                    states[a.reservation_id] = {"state": "removing"}
-                continue
-            if a.kind == "refuse":
-                states[a.reservation_id] = {"state": "refused", "message": a.reason}
-            elif a.kind == "fail" or not o.ok:
-                states[a.reservation_id] = {"state": "failed",
-                                            "message": a.reason or (o.report.message if o.report else "")}
-            else:
-                assert a.want is not None
-                states[a.reservation_id] = {"state": "bound", "cgroup": str(self.binder.cgroup_of(a.reservation_id)),
-                                            "devices": list(a.want.devices),
-                    "unenforced": list(a.want.unenforced)}
-                for u in a.want.unenforced:
-                    c = u.split(" ", 1)[0]
-                    unenforced[c] = unenforced.get(c, 0) + 1
-        self.binding_states = states
-        counts: dict[str, int] = {}
-        for s in states.values():
-            counts[s["state"]] = counts.get(s["state"], 0) + 1
-        self.metrics.bindings = counts
-        self.metrics.unenforced = unenforced
-
-    async def periodic_reconcile(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.reconcile_s)
-            if self.wanted is not None:
-                try:
-                    await self.reconcile(self.wanted, time.monotonic(), why="periodic check")
-                except Exception as exc:  # keep checking; the next pass tries again
-                    self.log.error("periodic check failed", error=str(exc))
-
     async def watchdog_loop(self) -> None:
         interval = self.notifier.watchdog_interval_s
         if not interval:
@@ -496,11 +247,11 @@ class Agent:
     # -- exec -----------------------------------------------------------------
 
     def _exec_target(self, rid: str) -> Target | None:
-        assert self.checkpoint is not None and self.subtree is not None
+        assert self.checkpoint is not None and self.controller is not None
         entry = self.checkpoint.bindings.get(rid)
         if entry is None or entry.state != "completed":
             return None
-        path = self.binder.cgroup_of(rid)
+        path = self.controller.cgroup_of(rid)
         return Target(entry.tenantId, path.name, path) if path.is_dir() else None
 
     # -- status ---------------------------------------------------------------
@@ -508,16 +259,16 @@ class Agent:
     def status(self) -> dict:
         age = self.metrics.heartbeat_age()
         return {
-            "nodeId": self.identity.nodeId if self.identity else None,
+            "nodeId": self.link.identity.nodeId if self.link and self.link.identity else None,
             "controlPlane": self.config.control_plane,
             "agentVersion": AGENT_VERSION,
             "layout": self.layout.to_wire() if self.layout else None,
             "controllers": self.probe.to_wire() if self.probe else None,
-            "resourceVersion": self.resource_version,
+            "resourceVersion": self.controller.resource_version if self.controller else 0,
             "heartbeatAgeSeconds": None if age is None else round(age, 3),
             "pendingReports": len(self.checkpoint.data.pendingReports) if self.checkpoint else 0,
-            "bindings": self.binding_states,
-            "startupPassDone": self.wanted is not None,
+            "bindings": self.controller.states if self.controller else {},
+            "startupPassDone": bool(self.controller and self.controller.started),
             "execPolicy": self.config.exec_policy.to_wire(),
             "uptimeSeconds": round(time.monotonic() - self.started_at, 3),
         }
@@ -549,7 +300,7 @@ class Agent:
             await self._exec_gate.start()
             await self._start_metrics()
             if self.checkpoint and self.checkpoint.data.pendingReports:
-                self._reports_wake.set()  # unbound reports from before a crash
+                self._reports_queued()  # unbound reports from before a crash
             assert self._rediscovery is not None
             self._rediscovery.start()
             self._start_xid_watcher()
@@ -557,9 +308,10 @@ class Agent:
             self.log.info("agent ready", control_plane=self.config.control_plane,
                           cgroup_root=str(self.layout.root if self.layout else ""),
                           state_dir=str(self.config.state_dir), simulate=self.config.simulate)
+            assert self.link is not None and self.controller is not None
             self._tasks = [asyncio.ensure_future(c) for c in (
-                self.watch_loop(), self.heartbeat_loop(), self.report_loop(), self.periodic_reconcile(),
-                self.watchdog_loop())]
+                self.link.watch_loop(), self.link.heartbeat_loop(), self.link.report_loop(),
+                self.controller.periodic(self.config.reconcile_s), self.watchdog_loop())]
             stopper = asyncio.ensure_future(stop.wait())
             self._tasks.append(stopper)
             done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -597,15 +349,17 @@ class Agent:
             await self._exec_gate.stop()
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
-        await self.client.close()
-        if self.checkpoint is not None:
+        if self.link is not None:
+            await self.link.close()
+        if self.checkpoint is not None and self.controller is not None:
             try:
-                async with self._bind_lock:
+                async with self.controller.lock:
                     self.checkpoint.save()
             except OSError:
                 pass
         self.state.close()
-        self.log.info("agent stopped; workloads keep running", bindings=len(self.binding_states))
+        self.log.info("agent stopped; workloads keep running",
+                      bindings=len(self.controller.states) if self.controller else 0)
 
 
 def describe_error(exc: BaseException) -> str:

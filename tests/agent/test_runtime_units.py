@@ -17,7 +17,7 @@ from agent.discovery import Discovery
 from agent.execgate import ExecPolicy
 from agent.metrics import AgentMetrics
 from common.nodewire import Binding, BindingShare, BindingUnit, WatchAnswer
-from agent.runtime import Backoff, heartbeat_interval
+from agent.link import Backoff, heartbeat_interval
 from agent.sdnotify import Notifier
 from agent.simulate import SimulatedGpus, SimulatedHost
 from cgroups import CgroupShare

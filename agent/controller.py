@@ -1,0 +1,141 @@
+"""The binding controller: the wanted set from the control plane made real on this host, and kept so.
+
+`reconcile(bindings)` translates each wanted binding into what the kernel
+should have (agent/bindspec.py), plans against what cgroupfs has
+(agent/binder.py `plan`), carries the plan out (`Binder.run`, in a worker
+thread: kernel calls block) and keeps the per-binding states that /status
+shows. The first wanted set is the start-up pass: what is wanted is adopted
+unchanged, what nobody wants is removed; before it nothing is removed. The
+reports the binder queues in the checkpoint are for the link
+(agent/link.py) to deliver. One pass at a time (a lock), so the watch, the
+periodic drift check and an inventory change never interleave.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Callable
+
+import structlog
+
+from agent.binder import Binder, Have, Outcome, Refused, plan
+from agent.bindspec import BindError, HostView, Want, refusal, want_of
+from agent.checkpoint import Checkpoint
+from agent.metrics import AgentMetrics
+from common.nodewire import Binding, Report
+
+log = structlog.get_logger("berth.agent")
+
+
+class BindingController:
+    def __init__(self, binder: Binder, checkpoint: Checkpoint, metrics: AgentMetrics,
+                 host_view: Callable[[], HostView | None], on_reports: Callable[[], None]) -> None:
+        self.binder = binder
+        self.checkpoint = checkpoint
+        self.metrics = metrics
+        self.host_view = host_view  # the current translation context (changes with each discovery)
+        self.on_reports = on_reports  # reports were queued: wake the link's report loop
+        self.wanted: list[Binding] | None = None  # the last complete wanted set; None before the first answer
+        self.states: dict[str, dict] = {}
+        self.resource_version = 0
+        self.lock = asyncio.Lock()
+        self.log = log
+
+    @property
+    def started(self) -> bool:
+        """Whether the start-up pass is done (the first wanted set was reconciled)."""
+        return self.wanted is not None
+
+    def cgroup_of(self, reservation_id: str) -> Path:
+        return self.binder.cgroup_of(reservation_id)
+
+    def _desired(self, bindings: list[Binding]) -> dict[str, Want | BindError | Refused]:
+        host = self.host_view()
+        assert host is not None, "reconcile before the first discovery"
+        out: dict[str, Want | BindError | Refused] = {}
+        for b in bindings:
+            why = refusal(b)
+            if why:
+                out[b.reservationId] = Refused(why)
+                continue
+            try:
+                out[b.reservationId] = want_of(b, host)
+            except BindError as exc:
+                out[b.reservationId] = exc
+        return out
+
+    async def reconcile(self, bindings: list[Binding], seen: float, *, resource_version: int | None = None,
+                        why: str = "") -> list[Outcome]:
+        async with self.lock:
+            first = self.wanted is None
+            self.wanted = list(bindings)
+            desired = self._desired(bindings)
+            actual: dict[str, Have] = await asyncio.to_thread(self.binder.actual)
+            actions = plan(desired, actual)
+            if resource_version is not None:
+                self.resource_version = resource_version
+                self.checkpoint.set_version(resource_version)
+                self.metrics.resource_version = resource_version
+            for rid in [r for r in self.checkpoint.bindings if r not in desired and r not in actual]:
+                entry = self.checkpoint.bindings[rid]
+                self.checkpoint.forget(rid)
+                if entry.state in ("completed", "removing"):
+                    self.checkpoint.queue_report(Report(rid, "unbound"))
+            outcomes = await asyncio.to_thread(self.binder.run, actions)
+            for o in outcomes:
+                if o.action.kind in ("create", "update") and o.ok:
+                    self.metrics.bind_latency.observe(time.monotonic() - seen)
+                if o.repaired:
+                    self.metrics.drift_repairs += len(o.repaired)
+            self._update_states(outcomes)
+            if first or any(o.action.kind != "keep" for o in outcomes):
+                counts: dict[str, int] = {}
+                for o in outcomes:
+                    counts[o.action.kind] = counts.get(o.action.kind, 0) + 1
+                self.log.info("reconciled", why=why, resource_version=self.resource_version, **counts)
+            if self.checkpoint.data.pendingReports:
+                self.on_reports()
+            return outcomes
+
+    async def recheck(self, why: str) -> None:
+        """Reconcile the last wanted set again (drift repair, a changed inventory); nothing before the first."""
+        if self.wanted is not None:
+            await self.reconcile(self.wanted, time.monotonic(), why=why)
+
+    def _update_states(self, outcomes: list[Outcome]) -> None:
+        states: dict[str, dict] = {}
+        unenforced: dict[str, int] = {}
+        for o in outcomes:
+            a = o.action
+            if a.kind == "remove":
+                if not o.ok:
+                    states[a.reservation_id] = {"state": "removing"}
+                continue
+            if a.kind == "refuse":
+                states[a.reservation_id] = {"state": "refused", "message": a.reason}
+            elif a.kind == "fail" or not o.ok:
+                states[a.reservation_id] = {"state": "failed",
+                                            "message": a.reason or (o.report.message if o.report else "")}
+            else:
+                assert a.want is not None
+                states[a.reservation_id] = {"state": "bound", "cgroup": str(self.cgroup_of(a.reservation_id)),
+                                            "devices": list(a.want.devices), "unenforced": list(a.want.unenforced)}
+                for u in a.want.unenforced:
+                    c = u.split(" ", 1)[0]
+                    unenforced[c] = unenforced.get(c, 0) + 1
+        self.states = states
+        counts: dict[str, int] = {}
+        for s in states.values():
+            counts[s["state"]] = counts.get(s["state"], 0) + 1
+        self.metrics.bindings = counts
+        self.metrics.unenforced = unenforced
+
+    async def periodic(self, every_s: float) -> None:
+        """Re-check the last wanted set every `every_s` (a limit or device program changed behind our back)."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.recheck("periodic check")
+            except Exception as exc:  # keep checking; the next pass tries again
+                self.log.error("periodic check failed", error=str(exc))
