@@ -23,7 +23,7 @@ from controlplane.catalog import Catalog, encode_item
 from controlplane.domain import states
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import INVALID_INPUT, UNAUTHENTICATED, DomainError
-from controlplane.domain.ids import operation_id, token_hash
+from controlplane.domain.ids import token_hash
 from controlplane.domain.model import Bound, Node, Pool, Reservation, Unit
 from common.share import Share
 from controlplane.state import WriterState
@@ -294,11 +294,10 @@ class NodeService:
         for res in self._reservations_on(tx, node_id):
             res.set_condition("NodeLost", "True", "HeartbeatMissed",
                               f"node {node_id} has not been heard from for more than {self.grace_s:g} s", now)
-            op = tx.operation(operation_id(res.id, "create"))
+            op = res.create_operation()
             if op is not None and op.status == "running":
                 op.status, op.updated_at = "failed", now
                 op.failure = ending_failure("node-lost", "platform")
-                tx.put_operation(op)
             self.moves.save(tx, res)
             self.moves.event(tx, res, "reservation.node-lost", now, nodeId=node_id)
 

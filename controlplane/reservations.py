@@ -30,7 +30,7 @@ from controlplane.domain.errors import (
     ACCESS_DENIED, CONFLICT, INSUFFICIENT_FUNDS, INVALID_INPUT, INVALID_STATE, NO_CAPACITY, PROVIDER_UNAVAILABLE,
     SPEND_LIMIT_REACHED, DomainError, not_found,
 )
-from controlplane.domain.ids import operation_id, reservation_id
+from controlplane.domain.ids import reservation_id
 from controlplane.domain.model import Operation, PendingChange, Principal, Reservation, Tenant
 from controlplane.domain.pricing import exposure, money
 from controlplane.iam.authorizer import (
@@ -142,7 +142,7 @@ class ReservationService:
     @staticmethod
     def _answer(reads, res: Reservation) -> Answer:
         """The reservation with its current operation, read from `reads` (the store, or a job's transaction)."""
-        return Answer(res, reads.operation(res.operation_id) if res.operation_id else None)
+        return Answer(res, res.operation())
 
     def _tenant(self, principal: Principal) -> Tenant:
         tenant = self.catalog.current.tenants.get(principal.tenant_id)
@@ -372,11 +372,9 @@ class ReservationService:
             raise
         # Allowed and charged: the draft becomes a reservation.
         res.decision = "allow"
-        op = Operation(operation_id(res.id, "create"), "create", res.id, res.tenant_id, "running", now, now)
-        res.operation_id = op.id
+        op = res.add_operation("create", "running", now)
         tx.touch()
         self.state.ledger.hold(res.tenant_id, res.charge)
-        tx.put_operation(op)
         self.moves.place_or_queue(tx, res, now)
         return Answer(res, op)
 
@@ -460,8 +458,7 @@ class ReservationService:
                 break
         more = len(chosen) > query.limit
         chosen = chosen[: query.limit]
-        ops = self.store.operations([r.operation_id for r in chosen if r.operation_id])
-        answers = [Answer(r, ops.get(r.operation_id) if r.operation_id else None) for r in chosen]
+        answers = [Answer(r, r.operation()) for r in chosen]
         return answers, (chosen[-1].id if more and chosen else None)
 
     async def events(self, principal: Principal, after: int | None, limit: int) -> list[dict]:
@@ -534,7 +531,7 @@ class ReservationService:
             cal = self.state.calendar.pools[b.pool_id].nodes[b.node_id]
             if node is None or b.share.empty or cal.host_fits(b.end, latest, b.share, node.capacity):
                 continue
-            starts = sorted({h.start for h in cal.host if b.end < h.start < latest} | {latest})
+            starts = sorted({h.start for h in cal.overlapping(b.end, latest) if b.end < h.start} | {latest})
             room = b.end
             for s in starts:
                 if not cal.host_fits(b.end, s, b.share, node.capacity):
@@ -600,9 +597,7 @@ class ReservationService:
         if res.duration_ms is not None and res.start is not None:
             res.duration_ms = new_end - res.start
         res.extensions += 1
-        op = Operation(operation_id(rid, "extend", res.extensions), "extend", rid, res.tenant_id, "succeeded", now, now)
-        tx.put_operation(op)
-        res.operation_id = op.id
+        op = res.add_operation("extend", "succeeded", now)
         res.updated_at = now
         self.moves.save(tx, res, res.state)
         self.moves.event(tx, res, "reservation.extended", now, end=new_end)

@@ -11,7 +11,6 @@ reconciler (reconciler.py) both go through here.
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable
 
 import structlog
@@ -20,7 +19,6 @@ from controlplane.catalog import Catalog
 from controlplane.domain import states
 from controlplane.domain.calendar import Booking
 from controlplane.domain.clock import Clock
-from controlplane.domain.ids import operation_id
 from controlplane.domain.model import Failure, Operation, Placement, Reservation
 from controlplane.domain.placement import Ask, place
 from controlplane.domain.preemption import preempt_for
@@ -65,8 +63,9 @@ class Transitions:
         tx.touch()
         self.state.track(res)
         if self.listeners:
-            snapshot = copy.copy(res)
-            tx.on_commit(lambda: self._notify(snapshot))
+            # The object itself, not a copy: a job's reservation is its own (every job reads fresh from the
+            # store), so after the commit it stands as the job left it.
+            tx.on_commit(lambda: self._notify(res))
         return True
 
     def _notify(self, res: Reservation) -> None:
@@ -234,12 +233,11 @@ class Transitions:
         res.set_condition("DevicesBound", "True", "Bound", "every node reported the devices bound", now)
         res.billing_start = now  # confirmed readiness: billing starts
         tx.bill_from(res, now)
-        if not self.save(tx, res, states.BINDING):
-            return False
-        op = tx.operation(operation_id(res.id, "create"))
+        op = res.create_operation()
         if op is not None and op.status == "running":
             op.status, op.updated_at = "succeeded", now
-            tx.put_operation(op)
+        if not self.save(tx, res, states.BINDING):
+            return False
         self.event(tx, res, states.EVENT_OF_STATE[states.ACTIVE], now)
         return True
 
@@ -266,17 +264,14 @@ class Transitions:
         for cond in ("Unschedulable", "Queued"):
             res.clear_condition(cond)
         res.pending_change = None
-        create_op = tx.operation(operation_id(res.id, "create"))
+        create_op = res.create_operation()
         if create_op is not None and create_op.status == "running":
             create_op.status = "cancelled" if actor == "customer" else "failed"
             create_op.updated_at = now
             create_op.failure = ending_failure(reason, actor)
-            tx.put_operation(create_op)
         op = None
         if kind is not None:
-            op = Operation(operation_id(res.id, kind), kind, res.id, res.tenant_id, "succeeded", now, now)
-            tx.put_operation(op)
-            res.operation_id = op.id
+            op = res.add_operation(kind, "succeeded", now)
         elif create_op is not None and res.operation_id == create_op.id:
             op = create_op
         if not self.save(tx, res, old):

@@ -25,7 +25,7 @@ from controlplane.reconciler import Reconciler
 from controlplane.reservations import ReservationService
 from controlplane.state import WriterState
 from controlplane.store.port import Store, Tx
-from controlplane.store.sqlite import SqliteStore
+from controlplane.store.sqlite import SqliteStore, StoreError
 from controlplane.tokens import Tokens
 from controlplane.transitions import CatalogRef, Transitions
 
@@ -70,7 +70,10 @@ class Config:
 
 
 def open_store(config: Config) -> Store:
-    return SqliteStore(sqlite_path(config.db), config.synchronous)
+    try:
+        return SqliteStore(sqlite_path(config.db), config.synchronous)
+    except StoreError as exc:
+        raise ConfigError(f"--db {config.db}: {exc}") from None
 
 
 class ControlPlane:

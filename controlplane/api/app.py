@@ -15,20 +15,27 @@ from controlplane.api import confirmations as confirmation_api
 from controlplane.api import nodes as node_api
 from controlplane.api import reservations as reservation_api
 from controlplane.api.auth import principal_of
-from controlplane.api.errors import error_middleware
+from controlplane.api.errors import answer_errors
 from controlplane.wiring import Config, ControlPlane
 
 CONTROL_PLANE = web.AppKey("control_plane", ControlPlane)
 
 PUBLIC_PATHS = frozenset({"/healthz"})
+TENANT_PATHS = ("/api/compute/", "/api/iam/")  # authenticated with a tenant's token
 
 
 @web.middleware
-async def auth_middleware(request: web.Request, handler):
-    if request.path.startswith("/api/compute/") or request.path.startswith("/api/iam/"):
-        cp = request.app[CONTROL_PLANE]
-        request["principal"] = principal_of(request, cp.tokens, cp.catalog.current.principals)
-    return await handler(request)
+async def api_middleware(request: web.Request, handler):
+    """One middleware (each layer costs every request): the tenant's principal from the token, then the handler,
+    with every refusal as the error envelope."""
+
+    async def call():
+        if request.path.startswith(TENANT_PATHS):
+            cp = request.app[CONTROL_PLANE]
+            request["principal"] = principal_of(request, cp.tokens, cp.catalog.current.principals)
+        return await handler(request)
+
+    return await answer_errors(request, call)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -58,7 +65,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_app(config: Config, control_plane: ControlPlane | None = None) -> web.Application:
-    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=1 << 20)
+    app = web.Application(middlewares=[api_middleware], client_max_size=1 << 20)
 
     async def lifecycle(app: web.Application):
         cp = control_plane or await asyncio.to_thread(lambda: ControlPlane(config).open())

@@ -8,6 +8,7 @@ as a bare 500.
 from __future__ import annotations
 
 import time
+from typing import Awaitable, Callable
 
 import msgspec
 import structlog
@@ -45,10 +46,10 @@ def error_response(err: e.DomainError, status: int | None = None) -> web.Respons
 _HTTP_CODES = {404: e.NOT_FOUND, 405: e.INVALID_INPUT, 413: e.INVALID_INPUT, 415: e.INVALID_INPUT}
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler):
+async def answer_errors(request: web.Request, call: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """The answer of call(), with every refusal and failure turned into the error envelope (never a bare 500)."""
     try:
-        return await handler(request)
+        return await call()
     except e.DomainError as err:
         return error_response(err)
     except web.HTTPException as exc:

@@ -9,7 +9,7 @@ transaction that records a change has been written.
 """
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -80,20 +80,56 @@ class HostBooking:
 
 
 class NodeCalendar:
-    """The devices and host resources of one node over time."""
+    """The devices and host resources of one node over time.
 
-    __slots__ = ("node_id", "devices", "host", "count")
+    Host bookings are kept sorted by start beside the longest booking the node
+    has held, so the bookings that can overlap [s, e) are the ones starting in
+    [s - longest, e): two bisections, whatever the node's history.
+    """
+
+    __slots__ = ("node_id", "devices", "host", "host_starts", "longest", "count")
 
     def __init__(self, node_id: str, unit_ids: Iterable[str]):
         self.node_id = node_id
         self.devices: dict[str, DeviceTimeline] = {u: DeviceTimeline() for u in unit_ids}
         self.host: list[HostBooking] = []  # sorted by start
+        self.host_starts: list[int] = []  # the starts of `host`, for bisection
+        self.longest = 0  # the longest host booking ever held here (never shrinks: a bound, not a measure)
         self.count = 0  # live bookings (one per reservation on this node)
 
+    # -- the host bookings' index ---------------------------------------------------
+    def add_host(self, booking: HostBooking) -> None:
+        i = bisect_right(self.host_starts, booking.start)
+        self.host.insert(i, booking)
+        self.host_starts.insert(i, booking.start)
+        self.longest = max(self.longest, booking.end - booking.start)
+
+    def _host_index(self, owner: str, start: int) -> int:
+        i = bisect_left(self.host_starts, start)
+        while i < len(self.host) and self.host_starts[i] == start:
+            if self.host[i].owner == owner:
+                return i
+            i += 1
+        raise KeyError((owner, start))
+
+    def remove_host(self, owner: str, start: int) -> None:
+        i = self._host_index(owner, start)
+        del self.host[i], self.host_starts[i]
+
+    def set_host_end(self, owner: str, start: int, end: int) -> None:
+        self.host[self._host_index(owner, start)].end = end
+        self.longest = max(self.longest, end - start)
+
+    def overlapping(self, start: int, end: int) -> list[HostBooking]:
+        """The host bookings that cover some instant of [start, end)."""
+        lo = bisect_left(self.host_starts, start - self.longest)
+        hi = bisect_left(self.host_starts, end, lo)
+        return [b for b in self.host[lo:hi] if b.end > start]
+
+    # -- questions ------------------------------------------------------------------------
     def host_peak(self, start: int, end: int) -> Share:
         """The most host resources booked at any instant of [start, end)."""
-        hi = bisect_left(self.host, end, key=lambda b: b.start)
-        overlapping = [b for b in self.host[:hi] if b.end > start and not b.share.empty]
+        overlapping = [b for b in self.overlapping(start, end) if not b.share.empty]
         if not overlapping:
             return NO_SHARE
         if len(overlapping) == 1:
@@ -116,14 +152,22 @@ class NodeCalendar:
     def host_fits(self, start: int, end: int, share: Share, capacity: Share) -> bool:
         if share.empty:
             return True
+        overlapping = self.overlapping(start, end)
+        # The sum of every overlapping booking bounds the peak: when even that fits, no sweep is needed.
+        cpu, mem, hp = share.vcpu_milli, share.memory_mib, share.hugepages_1g
+        for b in overlapping:
+            cpu += b.share.vcpu_milli
+            mem += b.share.memory_mib
+            hp += b.share.hugepages_1g
+        if cpu <= capacity.vcpu_milli and mem <= capacity.memory_mib and hp <= capacity.hugepages_1g:
+            return True
         peak = self.host_peak(start, end)
         return Share(
             peak.vcpu_milli + share.vcpu_milli, peak.memory_mib + share.memory_mib, peak.hugepages_1g + share.hugepages_1g
         ).fits_in(capacity)
 
     def host_busy(self, start: int, end: int) -> bool:
-        hi = bisect_left(self.host, end, key=lambda b: b.start)
-        return any(b.end > start for b in self.host[:hi])
+        return bool(self.overlapping(start, end))
 
 
 @dataclass(slots=True)
@@ -199,7 +243,7 @@ class Calendar:
             for u in done:
                 node.devices[u].remove(booking.start, booking.reservation_id)
             raise
-        insort(node.host, HostBooking(booking.start, booking.end, booking.share, booking.reservation_id), key=lambda b: b.start)
+        node.add_host(HostBooking(booking.start, booking.end, booking.share, booking.reservation_id))
         node.count += 1
         pool._booked(node.node_id)
         self.by_reservation.setdefault(booking.reservation_id, []).append(booking)
@@ -212,7 +256,7 @@ class Calendar:
         node = pool.nodes[booking.node_id]
         for u in booking.units:
             node.devices[u].remove(booking.start, booking.reservation_id)
-        node.host = [h for h in node.host if not (h.owner == booking.reservation_id and h.start == booking.start)]
+        node.remove_host(booking.reservation_id, booking.start)
         node.count -= 1
         pool._unbooked(node.node_id)
 
@@ -244,9 +288,7 @@ class Calendar:
             node = self.pools[b.pool_id].nodes[b.node_id]
             for u in b.units:
                 node.devices[u].set_end(b.start, reservation_id, end)
-            for h in node.host:
-                if h.owner == reservation_id and h.start == b.start:
-                    h.end = end
+            node.set_host_end(reservation_id, b.start, end)
             b.end = end
 
     def latest_end(self, reservation_id: str, limit: int) -> int:

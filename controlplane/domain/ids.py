@@ -13,8 +13,18 @@ def reservation_id(tenant_id: str, principal_id: str, idempotency_key: str) -> s
     return "rsv_" + _digest("reservation", tenant_id, principal_id, idempotency_key)
 
 
-def operation_id(reservation_id: str, kind: str, serial: int = 0) -> str:
-    return "op_" + _digest("operation", reservation_id, kind, str(serial))
+def operation_id(reservation_id: str, serial: int) -> str:
+    """The id of a reservation's serial-th operation (0 is its create): readable back into both."""
+    return f"op_{reservation_id.removeprefix('rsv_')}_{serial}"
+
+
+def operation_parts(op_id: str) -> tuple[str, int] | None:
+    """(reservation id, serial) of an operation id; None when it is not one."""
+    body = op_id.removeprefix("op_")
+    digest, sep, serial = body.rpartition("_")
+    if body == op_id or not sep or not digest or not serial.isdigit() or len(serial) > 6:
+        return None
+    return "rsv_" + digest, int(serial)
 
 
 def fingerprint(canonical: bytes) -> str:

@@ -14,6 +14,7 @@ from decimal import Decimal
 from typing import Mapping
 
 from common.share import NO_SHARE, Share
+from controlplane.domain.ids import operation_id
 
 SHARING_MODES = ("exclusive", "mig", "slots")
 BINDINGS = ("hold", "node", "kubernetes")
@@ -208,7 +209,8 @@ class Reservation:
     placements: list[Placement] = field(default_factory=list)
     conditions: list[Condition] = field(default_factory=list)
     decision: str | None = None  # None (undecided draft) | allow | deny
-    operation_id: str | None = None
+    operation_id: str | None = None  # the current operation (the latest mutation's)
+    operations: list[Operation] = field(default_factory=list)  # oldest first; the create's is the first
     reason: str | None = None
     pending_change: PendingChange | None = None  # the reservation's authz row while an extend is decided
     extensions: int = 0
@@ -222,6 +224,21 @@ class Reservation:
     @property
     def asap(self) -> bool:
         return self.duration_ms is not None
+
+    def operation(self, op_id: str | None = None) -> Operation | None:
+        """The operation with this id (default: the current one)."""
+        op_id = op_id or self.operation_id
+        return next((op for op in self.operations if op.id == op_id), None)
+
+    def create_operation(self) -> Operation | None:
+        return self.operations[0] if self.operations and self.operations[0].kind == "create" else None
+
+    def add_operation(self, kind: str, status: str, now: int) -> Operation:
+        """A new operation of this reservation, now its current one."""
+        op = Operation(operation_id(self.id, len(self.operations)), kind, self.id, self.tenant_id, status, now, now)
+        self.operations.append(op)
+        self.operation_id = op.id
+        return op
 
     def set_condition(self, type_: str, status: str, reason: str, message: str, now: int) -> None:
         for cond in self.conditions:

@@ -64,9 +64,7 @@ class Tx(Reads, Protocol):
 
     def set_bookings_end(self, reservation_id: str, end: int) -> None: ...
 
-    # operations, events, confirmations
-    def put_operation(self, op: Operation) -> None: ...
-
+    # events, confirmations (a reservation's operations are saved with it)
     def event(self, tenant_id: str, reservation_id: str | None, type_: str, at: int, data: dict[str, Any]) -> None: ...
 
     def put_confirmation(self, conf: Confirmation) -> None: ...
@@ -118,8 +116,6 @@ class Store(Reads, Protocol):
     def reservations_page(self, tenant_id: str, principal_id: str | None, state: str | None, pool_id: str | None,
                           before_seq: int | None, limit: int) -> list[Reservation]:
         """The tenant's public reservations newest first, before `before_seq` (a page of list)."""
-
-    def operations(self, operation_ids: list[str]) -> dict[str, Operation]: ...
 
     def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]: ...
 

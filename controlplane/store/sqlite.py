@@ -27,11 +27,12 @@ from controlplane.domain.calendar import Booking
 from controlplane.domain.errors import PROVIDER_UNAVAILABLE, DomainError
 from controlplane.domain.model import Confirmation, Operation, Reservation
 from controlplane.domain.states import TERMINAL
+from controlplane.domain.ids import operation_parts
 from controlplane.store import codec
 
 log = structlog.get_logger("berth.store")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 1: operations in their own table; 2: operations inside their reservation's document
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS catalog (
   kind TEXT NOT NULL, id TEXT NOT NULL, doc BLOB NOT NULL, PRIMARY KEY (kind, id)
@@ -64,15 +65,9 @@ CREATE TABLE IF NOT EXISTS bookings (
   hugepages_1g INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS bookings_by_reservation ON bookings (reservation_id);
-CREATE TABLE IF NOT EXISTS operations (
-  id TEXT PRIMARY KEY,
-  reservation_id TEXT NOT NULL,
-  tenant_id TEXT NOT NULL,
-  status TEXT NOT NULL,
-  updated_at INTEGER NOT NULL,
-  doc BLOB NOT NULL
+CREATE TABLE IF NOT EXISTS operation_aliases (
+  id TEXT PRIMARY KEY, reservation_id TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS operations_by_reservation ON operations (reservation_id);
 CREATE TABLE IF NOT EXISTS events (
   seq INTEGER PRIMARY KEY AUTOINCREMENT,
   tenant_id TEXT NOT NULL,
@@ -139,8 +134,14 @@ class Reads:
         return _reservation(*row) if row else None
 
     def operation(self, op_id: str) -> Operation | None:
-        row = self.conn.execute("SELECT doc FROM operations WHERE id = ?", (op_id,)).fetchone()
-        return codec.decode_operation(row[0]) if row else None
+        """An operation lives in its reservation's document; its id names the reservation (ids.operation_parts)."""
+        parts = operation_parts(op_id)
+        rid = parts[0] if parts else None
+        if rid is None or self.reservation(rid) is None:  # an id from schema 1, kept by the migration
+            row = self.conn.execute("SELECT reservation_id FROM operation_aliases WHERE id = ?", (op_id,)).fetchone()
+            rid = row[0] if row else None
+        res = self.reservation(rid) if rid else None
+        return res.operation(op_id) if res else None
 
     def confirmation(self, conf_id: str) -> Confirmation | None:
         row = self.conn.execute("SELECT doc FROM confirmations WHERE id = ?", (conf_id,)).fetchone()
@@ -220,14 +221,7 @@ class SqliteTx(Reads):
     def set_bookings_end(self, reservation_id: str, end: int) -> None:
         self.conn.execute("UPDATE bookings SET end_ms = ? WHERE reservation_id = ?", (end, reservation_id))
 
-    # operations and events
-    def put_operation(self, op: Operation) -> None:
-        self.conn.execute(
-            "INSERT INTO operations (id, reservation_id, tenant_id, status, updated_at, doc) VALUES (?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT (id) DO UPDATE SET status = excluded.status, updated_at = excluded.updated_at, doc = excluded.doc",
-            (op.id, op.reservation_id, op.tenant_id, op.status, op.updated_at, codec.encode(op)),
-        )
-
+    # events
     def event(self, tenant_id: str, reservation_id: str | None, type_: str, at: int, data: dict[str, Any]) -> None:
         self.conn.execute(
             "INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES (?, ?, ?, ?, ?)",
@@ -454,6 +448,57 @@ def _unavailable(message: str) -> DomainError:
     return DomainError(PROVIDER_UNAVAILABLE, message, {"actor": "platform", "reference": _reference()})
 
 
+def migrate(conn: sqlite3.Connection, path: str) -> None:
+    """Bring the file to SCHEMA_VERSION; refuse a file written by a newer Berth.
+
+    The tables are created if missing (every statement is IF NOT EXISTS); the
+    data of an older version is then converted in one transaction, so a crash
+    midway leaves the old version, converted again at the next start.
+    """
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise StoreError(f"{path} has schema version {version}, newer than this Berth knows ({SCHEMA_VERSION}): "
+                         "run the Berth release that wrote it, or a newer one")
+    conn.executescript(SCHEMA)
+    if version == SCHEMA_VERSION:
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if version == 1:
+            _fold_operations(conn)
+        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    if version:
+        log.info("store migrated", path=path, from_version=version, to_version=SCHEMA_VERSION)
+
+
+def _fold_operations(conn: sqlite3.Connection) -> None:
+    """Schema 1 -> 2: each operation row into its reservation's document, its old id kept as an alias."""
+    if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'operations'").fetchone():
+        return
+    by_res: dict[str, list[Operation]] = {}
+    for rid, doc in conn.execute("SELECT reservation_id, doc FROM operations"):
+        by_res.setdefault(rid, []).append(codec.decode_operation(doc))
+    for rid, ops in by_res.items():
+        row = conn.execute("SELECT doc, seq FROM reservations WHERE id = ?", (rid,)).fetchone()
+        if row is None:
+            continue
+        res = _reservation(*row)
+        ops.sort(key=lambda op: (op.kind != "create", op.created_at))
+        res.operations = ops
+        conn.execute("UPDATE reservations SET doc = ? WHERE id = ?", (codec.encode(res), rid))
+        conn.executemany("INSERT OR IGNORE INTO operation_aliases (id, reservation_id) VALUES (?, ?)",
+                         [(op.id, rid) for op in ops])
+    conn.execute("DROP TABLE operations")
+
+
+class StoreError(Exception):
+    """The store cannot be opened as it is; the message says what to do."""
+
+
 class SqliteStore(Reads):
     """The store port on one SQLite file: reads on the caller's thread (a connection that sees committed data
     only) and the writer."""
@@ -463,10 +508,10 @@ class SqliteStore(Reads):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         init = connect(path, synchronous)
-        with init:
-            init.executescript(SCHEMA)
-            init.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        init.close()
+        try:
+            migrate(init, path)
+        finally:
+            init.close()
         self._synchronous = synchronous
         self.conn = connect(path, synchronous)
         self.writer: Writer | None = None
@@ -512,13 +557,6 @@ class SqliteStore(Reads):
         sql.append("ORDER BY seq DESC LIMIT ?")
         args.append(limit)
         return [_reservation(doc, seq) for doc, seq in self.conn.execute(" ".join(sql), args)]
-
-    def operations(self, op_ids: list[str]) -> dict[str, Operation]:
-        if not op_ids:
-            return {}
-        marks = ",".join("?" * len(op_ids))
-        rows = self.conn.execute(f"SELECT id, doc FROM operations WHERE id IN ({marks})", op_ids)
-        return {i: codec.decode_operation(d) for i, d in rows}
 
     def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]:
         rows = self.conn.execute(

@@ -1,0 +1,76 @@
+"""The SQLite store's schema migrations: a file of schema 1 (operations in their own table) opens as schema 2
+with every operation inside its reservation and its old id still answering; a newer file is refused."""
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from controlplane.store import sqlite as sq
+from controlplane.wiring import Config, ConfigError, ControlPlane
+
+SCHEMA_1 = """
+CREATE TABLE reservations (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, tenant_id TEXT NOT NULL,
+  principal_id TEXT NOT NULL, pool_id TEXT NOT NULL, state TEXT NOT NULL, doc BLOB NOT NULL);
+CREATE TABLE operations (id TEXT PRIMARY KEY, reservation_id TEXT NOT NULL, tenant_id TEXT NOT NULL,
+  status TEXT NOT NULL, updated_at INTEGER NOT NULL, doc BLOB NOT NULL);
+CREATE INDEX operations_by_reservation ON operations (reservation_id);
+PRAGMA user_version=1;
+"""
+
+
+def reservation_doc(rid: str, op_id: str) -> dict:
+    return {"id": rid, "tenant_id": "acme", "principal_id": "alice", "idempotency_key": "k", "fingerprint": "f",
+            "pool_id": "h100", "region": "eu", "state": "placed", "binding": "hold", "gpu_model": "H100_80GB",
+            "sharing": "exclusive", "gpu_count": 1, "node_count": 1, "created_at": 1, "updated_at": 1,
+            "operation_id": op_id}
+
+
+def op_doc(op_id: str, rid: str, kind: str, at: int) -> dict:
+    return {"id": op_id, "kind": kind, "reservation_id": rid, "tenant_id": "acme", "status": "succeeded",
+            "created_at": at, "updated_at": at}
+
+
+def test_a_schema_1_file_moves_its_operations_into_their_reservations(tmp_path):
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(SCHEMA_1)
+    rid = "rsv_" + "a" * 26
+    conn.execute("INSERT INTO reservations (id, tenant_id, principal_id, pool_id, state, doc) VALUES (?, ?, ?, ?, ?, ?)",
+                 (rid, "acme", "alice", "h100", "placed", json.dumps(reservation_doc(rid, "op_old_extend"))))
+    for op_id, kind, at in (("op_old_extend", "extend", 5), ("op_old_create", "create", 1)):
+        conn.execute("INSERT INTO operations VALUES (?, ?, ?, ?, ?, ?)",
+                     (op_id, rid, "acme", "succeeded", at, json.dumps(op_doc(op_id, rid, kind, at))))
+    conn.commit()
+    conn.close()
+
+    store = sq.SqliteStore(str(path))
+    try:
+        res = store.reservation(rid)
+        assert ["create", "extend"] == [op.kind for op in res.operations]
+        assert "create" == store.operation("op_old_create").kind  # the old ids still answer
+        assert "extend" == res.operation().kind  # the current operation is kept
+        assert sq.SCHEMA_VERSION == store.conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = {r[0] for r in store.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        assert "operations" not in tables
+    finally:
+        store.close()
+
+
+def test_a_file_of_a_newer_schema_is_refused_with_what_to_do(tmp_path):
+    path = tmp_path / "new.db"
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version={sq.SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(ConfigError, match="newer than this Berth knows"):
+        ControlPlane(Config(db=f"sqlite:///{path}"))
+
+
+def test_new_operation_ids_name_their_reservation():
+    from controlplane.domain.ids import operation_id, operation_parts
+
+    rid = "rsv_" + "b" * 26
+    assert (rid, 3) == operation_parts(operation_id(rid, 3))
+    for bad in ("op_", "rsv_x", "op_abc", "op_abc_x", "op__1"):
+        assert operation_parts(bad) is None
