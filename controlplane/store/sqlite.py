@@ -152,16 +152,63 @@ class Reads:
         return (row[0], row[1], row[2]) if row else None
 
 
+INSERT_BOOKING = ("INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
+                  " memory_mib, hugepages_1g) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+INSERT_EVENT = "INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES (?, ?, ?, ?, ?)"
+
+
+class Appends:
+    """Rows only ever appended and never read back inside a group (bookings, events), written in one executemany
+    per statement: at the group's end, or at once before a statement that reads or changes them."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[tuple]] = {INSERT_BOOKING: [], INSERT_EVENT: []}
+
+    def add(self, sql: str, row: tuple) -> None:
+        self.rows[sql].append(row)
+
+    def extend(self, other: "Appends") -> None:
+        for sql, rows in other.rows.items():
+            self.rows[sql].extend(rows)
+
+    def take(self) -> "Appends":
+        taken = Appends()
+        taken.rows, self.rows = self.rows, taken.rows
+        return taken
+
+    def write(self, conn: sqlite3.Connection) -> None:
+        for sql, rows in self.rows.items():
+            if rows:
+                conn.executemany(sql, rows)
+
+    def __bool__(self) -> bool:
+        return any(self.rows.values())
+
+
 class SqliteTx(Reads):
     """The writer's view of the open transaction (port.Tx): the domain's writes, as small methods."""
 
-    __slots__ = ("conn", "dirty", "committed", "refused")
+    __slots__ = ("conn", "dirty", "committed", "refused", "appends", "group", "flushed")
 
-    def __init__(self, conn: sqlite3.Connection):
+    def __init__(self, conn: sqlite3.Connection, group: Appends | None = None):
         self.conn = conn
         self.dirty = False
         self.committed: list[Callable[[], None]] = []
         self.refused: DomainError | None = None
+        self.appends = Appends()  # this job's appended rows (dropped if it fails)
+        self.group = group if group is not None else Appends()  # earlier jobs' rows, not yet written
+        self.flushed = Appends()  # earlier jobs' rows written during this job (written again if it fails)
+
+    def flush(self) -> None:
+        """Write every appended row now (before a statement that must see them)."""
+        if self.group:
+            earlier = self.group.take()
+            earlier.write(self.conn)
+            self.flushed.extend(earlier)
+        if self.appends:
+            self.appends.take().write(self.conn)
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         self.committed.append(fn)
@@ -202,31 +249,24 @@ class SqliteTx(Reads):
 
     # bookings
     def insert_bookings(self, bookings: Iterable[Booking]) -> None:
-        self.conn.executemany(
-            "INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli, memory_mib, hugepages_1g)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                (b.reservation_id, b.pool_id, b.node_id, ",".join(b.units), b.start, b.end,
-                 b.share.vcpu_milli, b.share.memory_mib, b.share.hugepages_1g)
-                for b in bookings
-            ],
-        )
+        for b in bookings:
+            self.appends.add(INSERT_BOOKING, (b.reservation_id, b.pool_id, b.node_id, ",".join(b.units), b.start, b.end,
+                                              b.share.vcpu_milli, b.share.memory_mib, b.share.hugepages_1g))
 
     def end_bookings(self, reservation_id: str, at: int) -> None:
         """Bookings end at `at`; one not yet started ends where it starts (kept, empty, for history)."""
+        self.flush()
         self.conn.execute(
             "UPDATE bookings SET end_ms = MAX(start_ms, MIN(end_ms, ?)) WHERE reservation_id = ?", (at, reservation_id)
         )
 
     def set_bookings_end(self, reservation_id: str, end: int) -> None:
+        self.flush()
         self.conn.execute("UPDATE bookings SET end_ms = ? WHERE reservation_id = ?", (end, reservation_id))
 
     # events
     def event(self, tenant_id: str, reservation_id: str | None, type_: str, at: int, data: dict[str, Any]) -> None:
-        self.conn.execute(
-            "INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES (?, ?, ?, ?, ?)",
-            (tenant_id, reservation_id, type_, at, codec.encode(data)),
-        )
+        self.appends.add(INSERT_EVENT, (tenant_id, reservation_id, type_, at, codec.encode(data)))
 
     # confirmations
     def put_confirmation(self, conf) -> None:
@@ -275,6 +315,7 @@ class SqliteTx(Reads):
         return [res for res in (_reservation(doc, seq) for doc, seq in rows) if res.state not in TERMINAL]
 
     def live_bookings(self) -> list[Booking]:
+        self.flush()
         rows = self.conn.execute(
             "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib,"
             " b.hugepages_1g FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
@@ -308,6 +349,7 @@ class Writer:
         self._commit_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="berth-store-commit")
         self._lock = threading.Lock()  # call_sync against a group run by the loop
         self._hooks: list[Callable[[], None]] = []  # on_commit hooks of the open group
+        self._appends = Appends()  # rows of the open group's jobs not yet written
         self.groups = 0
         self.jobs = 0
 
@@ -326,7 +368,7 @@ class Writer:
             self._conn.execute("BEGIN IMMEDIATE")
             answers = self._run_jobs([(fn, None)])
             hooks, self._hooks = self._hooks, []
-            if self._commit(answers):
+            if self._commit(answers, self._appends.take()):
                 _run_hooks(hooks)
             else:
                 self._reset()
@@ -351,7 +393,8 @@ class Writer:
         except BaseException:
             self._lock.release()
             raise
-        commit = loop.run_in_executor(self._commit_thread, self._commit, answers)
+        # The group's appended rows and its COMMIT go to the commit thread (sqlite3 lets go of the GIL there).
+        commit = loop.run_in_executor(self._commit_thread, self._commit, answers, self._appends.take())
         commit.add_done_callback(lambda f: self._finish_group(loop, answers, f))
 
     def _finish_group(self, loop, answers, commit_future) -> None:
@@ -380,28 +423,31 @@ class Writer:
         conn = self._conn
         answers: list[tuple[Any, Any, BaseException | None]] = []
         for fn, fut in group:
-            tx = SqliteTx(conn)
+            tx = SqliteTx(conn, self._appends)
             conn.execute("SAVEPOINT job")
             try:
                 value = fn(tx)
             except BaseException as exc:  # noqa: BLE001 - every job gets an answer
                 conn.execute("ROLLBACK TO job")
                 conn.execute("RELEASE job")
+                self._appends.extend(tx.flushed)  # earlier jobs' rows the rollback took with it
                 if not isinstance(exc, DomainError):
                     log.exception("store job failed", job=getattr(fn, "__qualname__", repr(fn)))
                     exc = _unavailable("the control plane could not complete this request")
                 if tx.dirty:
-                    self._on_reset(SqliteTx(conn))
+                    self._on_reset(SqliteTx(conn, self._appends))
                 answers.append((fut, None, exc))
                 continue
             conn.execute("RELEASE job")
+            self._appends.extend(tx.appends)
             self._hooks.extend(tx.committed)
             answers.append((fut, None, tx.refused) if tx.refused is not None else (fut, value, None))
         return answers
 
-    def _commit(self, answers: list) -> bool:
-        """COMMIT (on the commit thread); on failure roll back and fail the group's answers."""
+    def _commit(self, answers: list, appends: Appends) -> bool:
+        """The appended rows and COMMIT (on the commit thread); on failure roll back and fail the group's answers."""
         try:
+            appends.write(self._conn)
             self._conn.execute("COMMIT")
             return True
         except sqlite3.Error as exc:
@@ -418,7 +464,7 @@ class Writer:
         """Rebuild the writer's memory from the database, on the thread that owns the memory."""
         self._conn.execute("BEGIN")
         try:
-            self._on_reset(SqliteTx(self._conn))
+            self._on_reset(SqliteTx(self._conn, self._appends))
         finally:
             self._conn.execute("COMMIT")
 
