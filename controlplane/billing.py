@@ -16,6 +16,7 @@ from decimal import Decimal
 from controlplane.domain import states
 from controlplane.domain.clock import Clock
 from controlplane.domain.pricing import charge, day_spans, exposure, money
+from controlplane.state import WriterState
 from controlplane.store.port import Store
 
 
@@ -45,9 +46,10 @@ class UsageLine:
 
 
 class Billing:
-    def __init__(self, store: Store, clock: Clock):
+    def __init__(self, store: Store, clock: Clock, state: WriterState):
         self.store = store
         self.clock = clock
+        self.state = state
 
     def lines(self, tenant_id: str, reservation_id: str | None = None, since: int | None = None,
               until: int | None = None) -> list[UsageLine]:
@@ -68,10 +70,14 @@ class Billing:
         return sum((line.amount_usd for line in self.lines(tenant_id)), Decimal(0))
 
     def exposure_usd(self, tenant_id: str) -> Decimal:
-        """What the tenant's live reservations may still bill until their windows end."""
+        """What the tenant's live reservations may still bill until their windows end.
+
+        Read from the writer's memory, so an admission sees every commitment
+        admitted before it, committed or still in its group's transaction.
+        """
         now = self.clock.compute_now()
         total = Decimal(0)
-        for res in self.store.live_of_tenant(tenant_id):
+        for res in self.state.charged_of(tenant_id):
             if res.state == states.PENDING and res.asap:
                 total += exposure(res.hourly_usd, res.duration_ms or 0)
             elif res.end is not None:

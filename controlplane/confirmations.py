@@ -64,7 +64,7 @@ def open_for(res: Reservation, agent: Principal, approver: str, plan: Plan, now:
 
 def to_wire(conf: Confirmation) -> dict:
     return {
-        "id": conf.id, "reservationId": conf.reservation_id, "agentId": conf.agent_id, "approver": conf.user_id,
+        "id": conf.id, "agentId": conf.agent_id, "approver": conf.user_id,
         "status": conf.status, "createdAt": conf.created_at, "expiresAt": conf.expires_at, "message": conf.message,
         "asked": conf.asked, "decidedAt": conf.decided_at, "interval": POLL_INTERVAL_S,
     }
@@ -73,7 +73,7 @@ def to_wire(conf: Confirmation) -> dict:
 def required(conf: Confirmation) -> DomainError:
     return DomainError(CONFIRMATION_REQUIRED, conf.message, {
         "confirmationId": conf.id, "expiresAt": conf.expires_at, "approver": conf.user_id, "asked": conf.asked,
-        "interval": POLL_INTERVAL_S, "reservationId": conf.reservation_id,
+        "interval": POLL_INTERVAL_S,
         "next": f"ask {conf.user_id} to approve {conf.id}, then retry with the same idempotency key",
     })
 

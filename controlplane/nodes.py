@@ -33,7 +33,7 @@ from controlplane.tokens import Tokens
 from common.inventory import Inventory
 from common.nodewire import (Binding, BindingShare, BindingUnit, HeartbeatAnswer, Ignored, RegisterAnswer, Report,
                              ReportAnswer, WatchAnswer)
-from controlplane.transitions import CatalogRef, Transitions, ending_failure
+from controlplane.transitions import CatalogRef, Transitions
 
 log = structlog.get_logger("berth.nodes")
 
@@ -266,7 +266,8 @@ class NodeService:
         lost = [nid for nid, live in self.live.items()
                 if live.last_seen is not None and not live.lost and now - live.last_seen > self.grace_s]
         for node_id in lost:
-            await self.store.call(lambda tx, n=node_id: self._lose(tx, n))
+            for pool_id in await self.store.call(lambda tx, n=node_id: self._lose(tx, n)):
+                self.reconciler.capacity_freed(pool_id)
             self.live[node_id].lost = True
             log.warning("node lost", node_id=node_id, silent_s=round(now - (self.live[node_id].last_seen or now), 1))
         return lost
@@ -288,18 +289,22 @@ class NodeService:
                 out.append(res)
         return out
 
-    def _lose(self, tx: Tx, node_id: str) -> None:
+    def _lose(self, tx: Tx, node_id: str) -> set[str]:
+        """The node is lost: its bindings not yet active fail their create (the reservation ends: nothing may bill
+        behind a failed create); active ones carry NodeLost. The pools whose capacity this freed."""
         now = self.clock.compute_now()
         self._set_schedulable(tx, node_id, False)
+        freed: set[str] = set()
         for res in self._reservations_on(tx, node_id):
-            res.set_condition("NodeLost", "True", "HeartbeatMissed",
-                              f"node {node_id} has not been heard from for more than {self.grace_s:g} s", now)
-            op = res.create_operation()
-            if op is not None and op.status == "running":
-                op.status, op.updated_at = "failed", now
-                op.failure = ending_failure("node-lost", "platform")
+            message = f"node {node_id} has not been heard from for more than {self.grace_s:g} s"
+            if res.state == states.BINDING:
+                self.moves.end(tx, res, now, "node-lost", actor="platform", nodeId=node_id)
+                freed.add(res.pool_id)
+                continue
+            res.set_condition("NodeLost", "True", "HeartbeatMissed", message, now)
             self.moves.save(tx, res)
             self.moves.event(tx, res, "reservation.node-lost", now, nodeId=node_id)
+        return freed
 
     async def _found(self, node_id: str) -> None:
         def job(tx: Tx) -> None:

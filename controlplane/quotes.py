@@ -6,7 +6,7 @@ after 120 seconds. A create that names a quote is refused with
 PRICE_CHANGED when the price or a priced field differs, and QUOTE_EXPIRED
 when the quote is expired, unknown or not the tenant's. A refusal for
 capacity (NO_CAPACITY) carries its reason (`price_ceiling`, `no_stock`,
-`exceeds_pool`), the other pools offered to the tenant that could hold the
+`no_stock`), the other pools offered to the tenant that could hold the
 request with their running price, cheapest first, and the earliest start
 at which the request fits in the asked pool.
 """
@@ -92,14 +92,12 @@ class Quotes:
                               s, MAX_LEAD_MS)
 
     def no_capacity(self, err: DomainError, tenant: Tenant, req: CreateRequest, now: int) -> DomainError:
-        """An `exceeds_pool` refusal from admission, with alternatives, or `no_stock` when there are none."""
+        """Admission's refusal of a shape the pool could never hold, as the seed's `no_stock`, with alternatives."""
         alternatives = self.alternatives(tenant, req, now)
-        details = dict(err.details)
-        details["alternatives"] = alternatives
+        details = {**err.details, "reason": "no_stock", "alternatives": alternatives}
         if not alternatives:
-            details["reason"] = "no_stock"
-            return DomainError(NO_CAPACITY, f"no pool offered to tenant {tenant.id} has {req.gpu_model} for this request "
-                               "at all: change the accelerator or the count and quote again", details)
+            return DomainError(NO_CAPACITY, err.message + f"; no other pool offered to tenant {tenant.id} has "
+                               f"{req.gpu_model} for it: change the accelerator or the count and quote again", details)
         return DomainError(NO_CAPACITY, err.message + "; other pools can: see details.alternatives", details)
 
     # ---- price checks on create ------------------------------------------------------
@@ -109,10 +107,11 @@ class Quotes:
         if cmd.quote_id is not None:
             self._check_quote(reads, principal, cmd, plan, now)
         if ceiling is not None and plan.hourly_usd > ceiling:
+            # The cheapest rate at which THIS request (its pool, shape and window) is accepted: the pool's price.
+            # Other pools, cheaper or not, are alternatives.
             alternatives = self.alternatives(tenant, cmd.request, now)
-            cheapest = min([plan.hourly_usd] + [Decimal(a["totalRunningUsdPerHour"]) for a in alternatives])
             details: dict[str, Any] = {
-                "reason": "price_ceiling", "cheapestEligibleUsdPerHour": money(cheapest),
+                "reason": "price_ceiling", "cheapestEligibleUsdPerHour": money(plan.hourly_usd),
                 "totalRunningUsdPerHour": money(plan.hourly_usd), "maxHourlyPrice": money(ceiling),
                 "alternatives": alternatives, "poolId": plan.pool.id,
             }

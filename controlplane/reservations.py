@@ -293,7 +293,7 @@ class ReservationService:
             )
         if existing.decision == "deny":
             raise DomainError(ACCESS_DENIED, "this key's request was refused; use a new key for a new request",
-                              {"reservationId": existing.id, "action": CREATE})
+                              {"action": CREATE})
         if existing.state == states.DRAFT:
             return None
         if existing.state == states.AWAITING_CONFIRMATION:
@@ -303,9 +303,9 @@ class ReservationService:
                 return None
             if conf is None or conf.status != "pending" or conf.expires_at <= now:
                 raise DomainError(ACCESS_DENIED, "the confirmation for this key was denied or lapsed",
-                                  {"reservationId": existing.id, "confirmationId": existing.confirmation_id})
+                                  {"action": CREATE, "confirmationId": existing.confirmation_id})
             raise confirmations.required(conf)
-        return self._answer(reads, existing)
+        return Answer(existing, existing.create_operation() or existing.operation())  # the original receipt
 
     def _verdict(self, principal: Principal, request: AuthzRequest, decision: Decision,
                  decide: Callable[[AuthzRequest], Decision]) -> Verdict:
@@ -349,7 +349,7 @@ class ReservationService:
             res.updated_at = now
             self.moves.save(tx, res)
             tx.refuse(DomainError(ACCESS_DENIED, f"{principal.id} may not create this reservation",
-                                  {"reservationId": res.id, "action": CREATE, "errors": list(verdict.decision.errors)}))
+                                  {"action": CREATE, "errors": list(verdict.decision.errors)}))
             return None
         if verdict.outcome == "confirm" and res.state == states.DRAFT:
             conf = confirmations.open_for(res, principal, verdict.approver, plan, now)
@@ -498,10 +498,12 @@ class ReservationService:
                 raise not_found("reservation", rid, field="reservationId")
             if res.state == states.CANCELLED:
                 return self._answer(tx, res), False
-            if res.state not in (states.PENDING, states.PLACED):
+            started = res.state == states.PLACED and res.start is not None and res.start <= now
+            if res.state not in (states.PENDING, states.PLACED) or started:  # the clock decides, not the reconciler
                 raise DomainError(
                     INVALID_STATE,
-                    f"reservation {rid} is {res.state}: only a pending or placed reservation can be cancelled; use release",
+                    f"reservation {rid} {'has started' if started else 'is ' + res.state}: only a reservation that has "
+                    "not started can be cancelled; use release",
                     {"state": res.state, "reservationId": rid, "next": "release"},
                 )
         op = self.moves.end(tx, res, now, how, actor="customer", kind=how)
@@ -540,12 +542,21 @@ class ReservationService:
             latest = min(latest, room)
         return latest
 
-    def _job_mark_extend(self, tx: Tx, rid: str, cmd: Extend):
-        res = tx.reservation(rid)
-        now = self.clock.compute_now()
+    @staticmethod
+    def _check_extendable(res: Reservation | None, rid: str, now: int) -> None:
+        """INVALID_STATE unless the reservation is placed, binding or active and its window has not ended yet
+        (the clock decides, whether or not the reconciler has run)."""
         if res is None or res.state not in states.BOOKED:
             raise DomainError(INVALID_STATE, f"reservation {rid} is {res.state if res else 'gone'}: it cannot be extended",
                               {"state": res.state if res else None, "reservationId": rid})
+        if res.end is not None and res.end <= now:
+            raise DomainError(INVALID_STATE, f"reservation {rid}'s window ended at {res.end}: it cannot be extended; "
+                              "create a new reservation", {"state": res.state, "reservationId": rid, "end": res.end})
+
+    def _job_mark_extend(self, tx: Tx, rid: str, cmd: Extend):
+        res = tx.reservation(rid)
+        now = self.clock.compute_now()
+        self._check_extendable(res, rid, now)
         if res.pending_change is not None and now - res.pending_change.since < EXTEND_STALE_MS:
             raise DomainError(CONFLICT, "another extend of this reservation is being decided",
                               {"reason": "extend-in-flight", "retryAfterSeconds": EXTEND_RETRY_AFTER_S, "reservationId": rid})
@@ -562,7 +573,9 @@ class ReservationService:
     def _job_apply_extend(self, tx: Tx, rid: str, new_end: int, decision: Decision, principal: Principal):
         res = tx.reservation(rid)
         now = self.clock.compute_now()
-        if res is None or res.pending_change is None or res.pending_change.until != new_end:
+        if res is None or res.state not in states.BOOKED or (res.end is not None and res.end <= now):
+            self._check_extendable(res, rid, now)  # released, or ended, while IAM decided: INVALID_STATE
+        if res.pending_change is None or res.pending_change.until != new_end:
             raise DomainError(CONFLICT, "another extend of this reservation was decided meanwhile",
                               {"reason": "extend-in-flight", "retryAfterSeconds": EXTEND_RETRY_AFTER_S, "reservationId": rid})
         res.pending_change = None
@@ -605,13 +618,13 @@ class ReservationService:
 
     async def renew(self, principal: Principal, reservation_id: str) -> Answer:
         res = self._visible(principal, reservation_id)
-        self._check_renewable(res)
+        self._check_renewable(res, self.clock.compute_now())
         await self._authorize(principal, EXTEND, self._resource(res, principal))
 
         def job(tx: Tx) -> Answer:
             current = tx.reservation(reservation_id)
-            self._check_renewable(current)
             now = self.clock.compute_now()
+            self._check_renewable(current, now)
             current.lease_deadline = now + current.lease_seconds * 1000
             self.moves.save(tx, current, current.state)
             return self._answer(tx, current)
@@ -619,10 +632,14 @@ class ReservationService:
         return await self.store.call(job)
 
     @staticmethod
-    def _check_renewable(res: Reservation) -> None:
+    def _check_renewable(res: Reservation, now: int) -> None:
         if res.lease_seconds is None:
             raise DomainError(INVALID_STATE, f"reservation {res.id} was created without leaseSeconds: there is no lease to renew",
                               {"state": res.state, "reservationId": res.id, "rule": "created without leaseSeconds"})
         if res.state not in states.BOOKED:
             raise DomainError(INVALID_STATE, f"reservation {res.id} is {res.state}: only placed, binding or active leases renew",
                               {"state": res.state, "reservationId": res.id})
+        if res.lease_deadline is not None and res.lease_deadline <= now:  # lapsed, whether or not released yet
+            raise DomainError(INVALID_STATE, f"reservation {res.id}'s lease lapsed at {res.lease_deadline}: it is "
+                              "released; create a new reservation", {"state": res.state, "reservationId": res.id,
+                                                                      "leaseDeadline": res.lease_deadline})

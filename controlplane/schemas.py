@@ -236,6 +236,7 @@ def operation_to_wire(op: Operation | None) -> dict | None:
         "updatedAt": op.updated_at,
     }
     if op.failure is not None:
+        out["errorMessage"] = op.failure.code  # the seed's errorMessage; failure is its structured reading
         out["failure"] = {
             "code": op.failure.code,
             "actor": op.failure.actor,

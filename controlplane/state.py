@@ -22,6 +22,7 @@ class WriterState:
         self.ledger = QuotaLedger()
         self.pending: dict[str, dict[str, None]] = {}  # pool -> pending reservation ids, oldest first
         self.spot: dict[str, dict[str, None]] = {}  # pool -> booked spot reservation ids, oldest first
+        self.charged: dict[str, dict[str, Reservation]] = {}  # tenant -> its reservations holding a charge
         self.timers = Timers()
 
     def add_nodes(self, nodes: Iterable[Node]) -> None:
@@ -34,6 +35,7 @@ class WriterState:
         self.ledger = QuotaLedger()
         self.pending = {}
         self.spot = {}
+        self.charged = {}
         self.timers = Timers()
         self.add_nodes(catalog.nodes.values())
         for booking in bookings:
@@ -59,7 +61,16 @@ class WriterState:
             spot.setdefault(res.id, None)
         else:
             spot.pop(res.id, None)
+        charged = self.charged.setdefault(res.tenant_id, {})
+        if res.state in states.CHARGED:
+            charged[res.id] = res  # as the last job that saved it left it, committed or not
+        else:
+            charged.pop(res.id, None)
         self.timers.schedule(res)
+
+    def charged_of(self, tenant_id: str) -> list[Reservation]:
+        """The tenant's reservations that hold a charge, including those admitted by jobs not yet committed."""
+        return list(self.charged.get(tenant_id, {}).values())
 
     def queue(self, pool_id: str) -> dict[str, None]:
         return self.pending.setdefault(pool_id, {})

@@ -139,7 +139,10 @@ class Transitions:
         """A freshly admitted reservation (charge held): placed, or pending/queued; saved with its event."""
         old = res.state
         pool_lease = self.placer_of(res) == "pool-lease"
-        victims = None if pool_lease and self.state.queue(res.pool_id) else self.try_place(tx, res, now, may_preempt=not pool_lease)
+        # Preemption of spot work comes first under both placers (000); the pool-lease queue keeps its order:
+        # a request arriving behind a queue waits in it.
+        behind_queue = pool_lease and bool(self.state.queue(res.pool_id))
+        victims = None if behind_queue else self.try_place(tx, res, now, may_preempt=True)
         if victims is not None:
             states.move(res, states.PLACED, now)
             self._placed(res, now)
@@ -184,7 +187,7 @@ class Transitions:
                 queue.pop(rid, None)
                 continue
             strict = self.placer_of(res) == "pool-lease"
-            victims = self.try_place(tx, res, now, may_preempt=not strict)
+            victims = self.try_place(tx, res, now, may_preempt=True)
             if victims is None:
                 if strict:
                     break
@@ -252,9 +255,9 @@ class Transitions:
         """
         old = res.state
         target = states.CANCELLED if old == states.PENDING or reason in ("cancel", "expired") else states.RELEASED
-        if old == states.ACTIVE:  # confirmed release: billing stops
-            res.billing_end = now
-            tx.bill_until(res.id, now)
+        if old == states.ACTIVE:  # confirmed release: billing stops, at the window's end at the latest
+            res.billing_end = min(now, res.end) if res.end is not None else now
+            tx.bill_until(res.id, res.billing_end)
         if old in states.BOOKED:
             self.unbook(tx, res, now)
         if old in states.CHARGED:
@@ -283,19 +286,22 @@ class Transitions:
 def ending_failure(reason: str, actor: str) -> Failure:
     messages = {
         "release": ("released", "The reservation was released before its devices were ready. Nothing was billed.",
-                    "Create a new reservation when you need the devices."),
+                    "Create a new reservation, with a new key, when you need the devices."),
         "cancel": ("cancelled", "The reservation was cancelled before it started. Nothing was billed.",
-                   "Create a new reservation when you need the devices."),
-        "expired": ("expired", "The window passed before the devices could be placed. Nothing was billed.",
-                    "Request a fresh quote, perhaps for another window or pool."),
-        "preempted": ("preempted", "Spot capacity was taken back for a reservation that is not spot.",
-                      "Retry later, or book without spot."),
-        "lease-lapsed": ("lease-lapsed", "The lease was not renewed within leaseSeconds.",
-                         "Renew within leaseSeconds, or create without a lease."),
-        "node-lost": ("node-lost", "The node was lost before the devices were ready. Nothing was billed.",
-                      "Retry later, or contact support with the operation id."),
-        "ended": ("devices-not-bound", "The window ended before the node reported the devices bound. Nothing was billed.",
-                  "Retry later with the same idempotency key, or contact support with the operation id."),
+                   "Create a new reservation, with a new key, when you need the devices."),
+        "expired": ("provider_rejected:no_capacity", "The window passed before the devices could be placed: no "
+                    "capacity for this shape in it. Nothing was billed.",
+                    "Request a fresh quote, perhaps for another window, region or shape."),
+        "preempted": ("provider_rejected:preempted", "Spot capacity was taken back for a reservation that is not spot.",
+                      "Retry later with a new key, or book without spot."),
+        "lease-lapsed": ("lease_lapsed", "The lease was not renewed within leaseSeconds.",
+                         "Renew within leaseSeconds, or create again (a new key) without a lease."),
+        "node-lost": ("node_lost", "The node was lost before the devices were ready. Nothing was billed.",
+                      "Create again with a new key (the old one replays this failed reservation), or contact "
+                      "support with the operation id."),
+        "ended": ("devices_not_bound", "The window ended before the node reported the devices bound. Nothing was "
+                  "billed.", "Create again with a new key (the old one replays this failed reservation), or "
+                  "contact support with the operation id."),
     }
     code, message, nxt = messages.get(reason, (reason, f"The reservation ended: {reason}.", "Create a new reservation."))
     return Failure(code, actor, message, nxt)

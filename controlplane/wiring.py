@@ -87,7 +87,7 @@ class ControlPlane:
         self.state = WriterState()
         self.tokens = Tokens()
         self.moves = Transitions(self.clock, self.catalog, self.state)
-        self.billing = Billing(self.store, self.clock)
+        self.billing = Billing(self.store, self.clock, self.state)
         self.quotes = Quotes(self.store, self.clock, self.catalog, self.state)
         self.reconciler = Reconciler(self.store, self.clock, self.state, self.moves)
         self.confirmations = ConfirmationService(self.store, self.clock, self.moves)

@@ -62,15 +62,19 @@ def _capacity_advice(ctx: Context, err: BerthError) -> list[str]:
         if alts:
             lines.append("next: " + request_command(ctx, "quote", {"pool_id": alts[0].pool_id}))
         return lines
-    here = Decimal(err.details["totalRunningUsdPerHour"]) if "totalRunningUsdPerHour" in err.details else None
     if err.reason == "price_ceiling" and cheapest is not None:
-        cheaper = [a for a in alts if a.total_running_usd_per_hour == cheapest]
-        if cheaper and (here is None or here > cheapest):
-            lines.append("next: " + request_command(ctx, "create", {"pool_id": cheaper[0].pool_id, "max_hourly_price": f"{cheapest}", "quote_id": None}))
-            if here is not None:
-                lines.append("  or: " + request_command(ctx, "create", {"max_hourly_price": f"{here}", "quote_id": None}))
+        # cheapest is the rate at which this request is accepted in its pool; a cheaper pool that fits the
+        # ceiling as asked comes first.
+        ceiling = Decimal(ctx.args.max_hourly_price) if ctx.args.max_hourly_price is not None else None
+        within = [a for a in alts if a.total_running_usd_per_hour is not None
+                  and (ceiling is None or a.total_running_usd_per_hour <= ceiling)]
+        raise_to = request_command(ctx, "create", {"max_hourly_price": f"{cheapest}", "quote_id": None})
+        if within:
+            lines.append("next: " + request_command(ctx, "create", {"pool_id": within[0].pool_id, "quote_id": None},
+                                                    keep=("max_hourly_price",)))
+            lines.append("  or: " + raise_to)
         else:
-            lines.append("next: " + request_command(ctx, "create", {"max_hourly_price": f"{cheapest}", "quote_id": None}))
+            lines.append("next: " + raise_to)
     elif alts:
         change: dict[str, Any] = {"pool_id": alts[0].pool_id, "quote_id": None}
         ceiling = ctx.args.max_hourly_price

@@ -49,6 +49,7 @@ class Operation(Struct, rename="camel", kw_only=True, frozen=True):
     reservation_id: str
     created_at: int
     updated_at: int
+    error_message: str | None = None  # when failed or cancelled: e.g. provider_rejected:no_capacity, node_lost
     failure: Failure | None = None
 
     @property

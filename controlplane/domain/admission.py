@@ -202,15 +202,16 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, profile: PoolPr
 
     start, end, duration_ms = _window(req, now)
 
-    # Host resources per node: the per-GPU share is the floor; the excess is charged.
+    # Host resources per node: the per-GPU share is the floor; the excess is charged. A node binding books whole
+    # hosts: it is seen (by IAM and quota) as the largest host of its size in the pool, since which one it gets
+    # is known only at placement; its 1 GiB hugepages count as memory, as in any booking.
+    floor = profile.share.scaled(gpu_count)
     if whole_node:
-        resources = NO_SHARE
-        excess = NO_SHARE
+        resources = whole_host(profile.nodes_by_size, gpu_count)
     else:
-        floor = profile.share.scaled(gpu_count)
         asked = req.resources.as_share() if req.resources is not None else NO_SHARE
         resources = asked.max_with(floor)
-        excess = resources.minus(floor)
+    excess = resources.minus(floor)
     offer = pool.offer_for(tenant.id) if tenant.id != pool.owner else None
     charge = charge_for(pool, offer, unit_key(pool.gpu_model, pool.sharing, req.mig_profile), gpu_count * req.node_count, excess, req.node_count)
 
@@ -222,6 +223,15 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, profile: PoolPr
     )
     _check_pool_can_hold(plan, profile.nodes_by_size)
     return plan
+
+
+def whole_host(nodes: Sequence[Node], gpu_count: int) -> Share:
+    """The most any node with gpu_count GPUs has (per resource): what a node binding of that size may book."""
+    out = NO_SHARE
+    for n in nodes:
+        if n.gpu_count == gpu_count:
+            out = out.max_with(n.capacity)
+    return out
 
 
 def _check_pool_can_hold(plan: Plan, nodes: Sequence[Node]) -> None:
@@ -240,7 +250,7 @@ def _check_pool_can_hold(plan: Plan, nodes: Sequence[Node]) -> None:
         + (f" {plan.mig_profile}" if plan.mig_profile else "")
         + f" with this share: {holding} of its {len(nodes)} nodes could",
         {
-            "reason": "exceeds_pool",
+            "reason": "no_stock",
             "poolId": plan.pool.id,
             "nodesThatFit": holding,
             "maxGpuCountPerNode": most,

@@ -638,9 +638,3 @@ class SqliteStore(Reads):
 
     def state_counts(self) -> list[tuple[str, int]]:
         return list(self.conn.execute("SELECT state, COUNT(*) FROM reservations GROUP BY state ORDER BY state"))
-
-    def live_of_tenant(self, tenant_id: str) -> list[Reservation]:
-        rows = self.conn.execute(
-            "SELECT doc FROM reservations WHERE tenant_id = ? AND state IN ('pending', 'placed', 'binding', 'active')",
-            (tenant_id,))
-        return [codec.decode_reservation(r[0]) for r in rows]

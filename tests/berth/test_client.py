@@ -161,7 +161,8 @@ async def test_confirmations_list_get_approve_and_deny(served, alice):
         assert "approved" == (await alice.approve_confirmation(cid)).status
         assert "denied" == (await alice.deny_confirmation(other.value.confirmation_id)).status
         res = await agent.create("h100", "H100_80GB", gpu_count=4, duration_hours=1, idempotency_key="big")
-        assert (asked.value.reservation_id, "placed") == (res.id, res.state)
+        assert asked.value.reservation_id is None  # a synchronous refusal names no resource
+        assert "placed" == res.state
 
 
 # ---- structured errors -----------------------------------------------------------------------
@@ -171,16 +172,16 @@ async def test_no_capacity_price_ceiling_keeps_reason_alternatives_and_cheapest_
         await alice.create("h100", "H100_80GB", **H100, max_hourly_price="1.000000")
     err = refused.value
     assert ("NO_CAPACITY", 409, "price_ceiling") == (err.code, err.status, err.reason)
-    assert Decimal("0.000000") == err.cheapest_eligible_usd_per_hour
+    assert Decimal("2.500000") == err.cheapest_eligible_usd_per_hour  # this request, in its pool
     assert ["budget", "k8s"] == [a.pool_id for a in err.alternatives]
     assert "2.500000" == err.details["totalRunningUsdPerHour"]  # every detail as sent
     assert err.idempotency_key is not None  # the key it was sent with, to retry the same intent
 
 
-async def test_no_capacity_exceeds_pool_names_the_pool_that_could(alice):
+async def test_no_capacity_larger_than_the_pool_is_no_stock_naming_the_pool_that_could(alice):
     with pytest.raises(c.NoCapacity) as refused:
         await alice.create("k8s", "H100_80GB", gpu_count=8, node_count=2, duration_hours=1)
-    assert ("exceeds_pool", ["h100"], None) == (
+    assert ("no_stock", ["h100"], None) == (
         refused.value.reason, [a.pool_id for a in refused.value.alternatives], refused.value.cheapest_eligible_usd_per_hour)
     assert Decimal("40.000000") == refused.value.alternatives[0].total_running_usd_per_hour
 
@@ -309,7 +310,7 @@ def test_sync_client_raises_the_same_structured_errors(server_process):
     with c.Client(server_process.url, TOKENS["alice"]) as alice:
         with pytest.raises(c.NoCapacity) as refused:
             alice.create("h100", "H100_80GB", **H100, max_hourly_price="1")
-    assert ("price_ceiling", Decimal("0.000000")) == (refused.value.reason, refused.value.cheapest_eligible_usd_per_hour)
+    assert ("price_ceiling", Decimal("2.500000")) == (refused.value.reason, refused.value.cheapest_eligible_usd_per_hour)
 
 
 def test_a_create_retried_after_kill_9_mid_request_returns_the_same_reservation(tmp_path):

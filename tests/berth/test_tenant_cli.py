@@ -163,11 +163,12 @@ def test_extend_renew_cancel_and_release(berth, alice):
 
 REFUSALS = [
     ("price ceiling", [*ONE, "--max-hourly-price", "1"], "alice", 4,
-     ["reason: price_ceiling", "cheapest eligible rate: $0.000000/hr",
-      "next: berth reservations create --pool budget --gpu-model H100_80GB --gpu-count 1 --hours 1 --max-hourly-price 0.000000"]),
-    ("exceeds the pool", ["--pool", "k8s", "--gpu-model", "H100_80GB", "--gpu-count", "8", "--node-count", "2",
-                          "--hours", "1"], "alice", 4,
-     ["reason: exceeds_pool", "alternative: pool h100 (eu) at $40.000000/hr",
+     ["reason: price_ceiling", "cheapest eligible rate: $2.500000/hr",
+      "next: berth reservations create --pool budget --gpu-model H100_80GB --gpu-count 1 --hours 1 --max-hourly-price 1",
+      "  or: berth reservations create --pool h100 --gpu-model H100_80GB --gpu-count 1 --hours 1 --max-hourly-price 2.500000"]),
+    ("larger than the pool", ["--pool", "k8s", "--gpu-model", "H100_80GB", "--gpu-count", "8", "--node-count", "2",
+                              "--hours", "1"], "alice", 4,
+     ["reason: no_stock", "alternative: pool h100 (eu) at $40.000000/hr",
       "next: berth reservations create --pool h100 --gpu-model H100_80GB --gpu-count 8 --node-count 2 --hours 1"]),
     ("no stock", ["--pool", "h100", "--gpu-model", "H100_80GB", "--gpu-count", "9", "--hours", "1"], "alice", 4,
      ["reason: no_stock", "berth reservations quote --pool h100 --gpu-model H100_80GB --gpu-count 9 --hours 1"]),
@@ -199,7 +200,7 @@ def test_a_refusal_in_json_mode_prints_the_envelope(berth):
     run = berth("reservations", "create", *ONE, "--max-hourly-price", "1", "--json")
     assert 4 == run.code
     error = run.json["error"]
-    assert ("NO_CAPACITY", "price_ceiling", "0.000000") == (
+    assert ("NO_CAPACITY", "price_ceiling", "2.500000") == (
         error["code"], error["details"]["reason"], error["details"]["cheapestEligibleUsdPerHour"])
     assert "next: berth reservations create" in run.err
 
@@ -222,7 +223,9 @@ def test_after_approval_the_printed_retry_continues_the_same_request(berth, serv
     retry = shlex.split(asked.line("then retry with the same key:"))
     run = berth(*retry[1:], "--json", token="agent")
     assert 0 == run.code, run.err
-    assert details["reservationId"] == run.json["reservation"]["id"]
+    key = retry[retry.index("--idempotency-key") + 1]
+    from controlplane.domain.ids import reservation_id
+    assert reservation_id("acme", "agent", key) == run.json["reservation"]["id"]  # the same request, continued
 
 
 def test_an_unreachable_server_is_retried_then_exits_5_with_the_key_to_retry(berth, unused_tcp_port):

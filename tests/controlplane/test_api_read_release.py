@@ -17,7 +17,9 @@ async def test_get_is_not_found_for_drafts_and_other_tenants(api):
     status, doc = await api.call("get", "carol", {"reservationId": rid})
     assert (status, doc["error"]["code"]) == (404, "NOT_FOUND")
     _, doc = await api.create("robot", key="refused", gpuCount=4)  # stays a refused draft
-    draft_id = doc["error"]["details"]["reservationId"]
+    assert "reservationId" not in doc["error"]["details"]  # a synchronous refusal names no resource
+    from controlplane.domain.ids import reservation_id
+    draft_id = reservation_id("acme", "robot", "refused")
     status, doc = await api.call("get", "alice", {"reservationId": draft_id})
     assert status == 404
 
@@ -120,9 +122,9 @@ async def test_release_of_a_terminal_reservation_returns_it_unchanged(api):
 
 
 async def test_release_of_a_draft_is_invalid_state(api):
-    _, doc = await api.create("robot", key="refused", gpuCount=4)
-    draft_id = doc["error"]["details"]["reservationId"]
-    status, doc = await api.call("release", "robot", {"reservationId": draft_id})
+    await api.create("robot", key="refused", gpuCount=4)
+    from controlplane.domain.ids import reservation_id
+    status, doc = await api.call("release", "robot", {"reservationId": reservation_id("acme", "robot", "refused")})
     assert (status, doc["error"]["code"]) == (409, "INVALID_STATE")
 
 
@@ -150,8 +152,9 @@ async def test_cancel_of_a_released_reservation_is_invalid_state_and_drafts_are_
     await api.ok("release", "alice", {"reservationId": rid})
     status, doc = await api.call("cancel", "alice", {"reservationId": rid})
     assert (status, doc["error"]["code"]) == (409, "INVALID_STATE")
-    _, doc = await api.create("robot", key="refused", gpuCount=4)
-    status, doc = await api.call("cancel", "robot", {"reservationId": doc["error"]["details"]["reservationId"]})
+    await api.create("robot", key="refused", gpuCount=4)
+    from controlplane.domain.ids import reservation_id
+    status, doc = await api.call("cancel", "robot", {"reservationId": reservation_id("acme", "robot", "refused")})
     assert status == 404
 
 

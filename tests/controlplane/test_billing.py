@@ -106,9 +106,10 @@ async def test_a_price_ceiling_below_the_price_is_no_capacity_with_the_cheapest_
     status, doc = await api.create(key="a", gpuCount=2, maxHourlyPrice="4.000000")
     err = doc["error"]
     assert (status, err["code"], err["details"]["reason"]) == (409, "NO_CAPACITY", "price_ceiling")
-    assert err["details"]["cheapestEligibleUsdPerHour"] == "0.000000"  # the budget pool is free
+    # the cheapest rate at which THIS request (pool h100, 2 x 2.50) is accepted; cheaper pools are alternatives
+    assert err["details"]["cheapestEligibleUsdPerHour"] == "5.000000"
     alts = err["details"]["alternatives"]
-    assert [a["poolId"] for a in alts] == ["budget", "k8s"]  # cheapest first
+    assert [a["poolId"] for a in alts] == ["budget", "k8s"]  # cheapest first (the budget pool is free)
     assert alts[0]["region"] == "eu" and "totalRunningUsdPerHour" in alts[0]
     assert err["details"]["earliestStart"] == T0
     status, doc = await api.create(key="b", gpuCount=2, maxHourlyPrice="5.000000")
@@ -128,7 +129,7 @@ async def test_no_capacity_says_the_earliest_start_in_the_asked_pool(api):
 # ---- billing ---------------------------------------------------------------------------------
 
 async def test_billing_runs_from_active_to_release_prorated_to_the_second(api):
-    res = await make_active(api, key="b", gpuCount=2)  # 2 x 2.5 USD/h
+    res = await make_active(api, key="b", gpuCount=2, durationHours=2)  # 2 x 2.5 USD/h
     api.clock.advance(90 * 60_000 + 1_500)  # 1.5 h and 1.5 s
     await api.ok("release", "alice", {"reservationId": res["id"]})
     api.clock.advance(HOUR)  # nothing accrues after the release

@@ -18,7 +18,9 @@ async def test_refused_agent_gets_confirmation_required_with_what_is_asked(api):
     assert T0 < details["expiresAt"] <= T0 + 30 * 60_000
     assert details["asked"]["gpuCount"] == 4 and details["asked"]["poolId"] == "h100"
     assert "agent asks, acting for you, to reserve 4 H100_80GB in pool h100" in doc["error"]["message"]
-    status, _ = await api.call("get", "alice", {"reservationId": details["reservationId"]})
+    assert "reservationId" not in details  # a synchronous refusal names no resource: nothing exists yet
+    from controlplane.domain.ids import reservation_id
+    status, _ = await api.call("get", "alice", {"reservationId": reservation_id("acme", "agent", "big")})
     assert status == 404  # the draft waits, internal
     assert [e["type"] for e in await api.events()] == ["reservation.awaiting-confirmation"]
     again = (await api.create("agent", key="big", **BIG))[1]

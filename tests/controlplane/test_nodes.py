@@ -133,16 +133,21 @@ async def test_a_silent_node_is_lost_after_the_grace_and_back_on_its_heartbeat(a
     api.clock.advance(15_000)  # the holder has been silent 35 s > 30 s
     assert await api.cp.nodes.check_lost() == [holder["nodeId"]]
     got = await api.ok("get", "alice", {"reservationId": res["id"]})
-    assert any(c["type"] == "NodeLost" for c in got["conditions"])
-    assert api.cp.store.operation(res["operation"]["id"]).failure.actor == "platform"
+    # still binding when its node was lost: the create fails, and the reservation ends with it (nothing bills)
+    assert ("released", "node-lost") == (got["state"], got["reason"])
+    op = api.cp.store.operation(res["operation"]["id"])
+    assert ("failed", "platform", "node_lost") == (op.status, op.failure.actor, op.failure.code)
+    assert got["operation"]["errorMessage"] == "node_lost"
     fill = (await api.create(key="b", gpuCount=8))[1]["reservation"]
     assert fill["placements"][0]["nodeId"] == other["nodeId"]  # the lost node takes no new bookings
     late = (await api.create(key="c", gpuCount=8))[1]["reservation"]
     assert late["state"] == "pending"
     await node_call(api, "heartbeat", holder["nodeToken"], {})
-    got = await api.ok("get", "alice", {"reservationId": res["id"]})
-    assert not any(c["type"] == "NodeLost" for c in got["conditions"])
     assert api.cp.catalog.current.nodes[holder["nodeId"]].schedulable
+    status, doc = await node_call(api, "report", holder["nodeToken"],
+                                  {"reports": [{"reservationId": res["id"], "status": "bound"}]})
+    assert doc["ignored"] == [{"reservationId": res["id"], "reason": "the reservation is released"}]
+    assert [] == api.cp.store.billing("acme")  # a late report of the failed create bills nothing
 
 
 async def test_a_pool_whose_every_node_is_lost_refuses_with_provider_unavailable(api):
