@@ -196,7 +196,8 @@ class Binder:
     def _bound(self, want: Want) -> Report | None:
         rid = want.reservation_id
         return self._report_once(rid, Report(rid, "bound", cgroup=str(self.cgroup_of(rid)), devices=want.devices,
-                                             unenforced=want.unenforced), f"bound:{want.fingerprint}")
+                                             unenforced=want.unenforced, end=want.end),
+                                 f"bound:{want.fingerprint}:{want.end}")
 
     def cgroup_of(self, reservation_id: str) -> Path:
         """The one place a reservation's cgroup path is made."""

@@ -65,6 +65,7 @@ class Want:
     devices: tuple[str, ...]
     unenforced: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    end: int = 0  # the window's end (reported, so the control plane knows an extension reached this node)
 
     @property
     def fingerprint(self) -> str:
@@ -196,7 +197,7 @@ def want_of(binding: Binding, host: HostView) -> Want:
     except InvalidShare as exc:
         raise BindError(f"share {s}: {exc}") from None
     return Want(binding.reservationId, binding.tenantId, binding.principalId, share, rules,
-                device_paths(minors, caps), tuple(unenforced), tuple(notes))
+                device_paths(minors, caps), tuple(unenforced), tuple(notes), binding.end)
 
 
 def simulated_devices_proc(real_proc: Path, into: Path) -> Path:

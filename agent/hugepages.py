@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from common.hostfacts import SIZE_1G_KIB, SIZE_2M_KIB, hugepage_dir, list_dir, read_int, read_optional
+from common.hostfacts import SIZE_1G_KIB, hugepage_dir, list_dir, read_int, read_optional
 _POOL_DIR = re.compile(r"^hugepages-(\d+)kB$")
 
 

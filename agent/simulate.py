@@ -21,7 +21,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta, Struct
 
-from agent import hugepages, mig_minors
+from agent import mig_minors
 from agent.cpus import CpuTopology
 from agent.errors import TopologyError
 from agent.host import HostFacts, HostSource, KernelHost

@@ -115,10 +115,12 @@ class WatchAnswer(Answer):
 
 class Report(Request):
     """What the agent made of one binding. `unenforced` names each part of the share this host could not enforce
-    (the binding is still bound); `message` says why a binding failed."""
+    (the binding is still bound); `end` is the binding's end as the agent applied it (an extension is done when
+    every bound node reports the new end); `message` says why a binding failed."""
 
     reservationId: Id
     status: Literal["bound", "unbound", "failed"]
+    end: Annotated[int, Meta(ge=0, le=32503680000000)] | None = None
     cgroup: Path | None = None
     devices: Annotated[tuple[Path, ...], Meta(max_length=256)] = ()
     unenforced: Annotated[tuple[Message, ...], Meta(max_length=32)] = ()

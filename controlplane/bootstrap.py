@@ -37,6 +37,7 @@ class PrincipalDoc(Struct, forbid_unknown_fields=True):
     token: Annotated[str, Meta(min_length=16)]
     kind: Literal["user", "agent"] = "user"
     delegatedBy: Id | None = None
+    scope: Literal["read", "manage"] = "manage"  # a read token gets, lists and quotes; it changes nothing
 
 
 class PerGpuDoc(Struct, forbid_unknown_fields=True):
@@ -182,7 +183,7 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
             pass  # an agent acting in its own right
         if p.delegatedBy is not None and p.kind != "agent":
             raise BootstrapError(f"principals[{i}].delegatedBy: only an agent acts for a user")
-        principals[p.id] = Principal(p.id, p.tenant, p.kind, p.delegatedBy)
+        principals[p.id] = Principal(p.id, p.tenant, p.kind, p.delegatedBy, p.scope)
         tokens["principal"].append((p.token, p.id))
     for i, p in enumerate(doc.principals):
         if p.delegatedBy is not None:

@@ -376,6 +376,7 @@ class NodeService:
                     self._bound(tx, res, node.id, rep, now)
                 elif rep.status == "unbound":
                     res.bound = [b for b in res.bound if b.node_id != node.id]
+                    self.moves.confirm(res, now)
                     self.moves.save(tx, res)
                 else:  # failed
                     if res.state not in (states.BINDING, states.ACTIVE):
@@ -392,9 +393,10 @@ class NodeService:
     def _bound(self, tx: Tx, res: Reservation, node_id: str, rep: Report, now: int) -> None:
         devices = list(rep.devices)
         mine = next((b for b in res.bound if b.node_id == node_id), None)
-        if mine is not None and mine.cgroup == rep.cgroup and mine.devices == devices:
+        if mine is not None and (mine.cgroup, mine.devices, mine.end) == (rep.cgroup, devices, rep.end):
             return  # a repeated report changes nothing
-        res.bound = [b for b in res.bound if b.node_id != node_id] + [Bound(node_id, now, rep.cgroup, devices)]
+        res.bound = [b for b in res.bound if b.node_id != node_id] + [Bound(node_id, now, rep.cgroup, devices, rep.end)]
+        self.moves.confirm(res, now)
         if rep.unenforced:  # bound, but the host could not enforce all of the share
             res.set_condition("Enforced", "False", "PartialEnforcement",
                               f"node {node_id} could not enforce: {', '.join(rep.unenforced)}"[:500], now)

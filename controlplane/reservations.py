@@ -610,7 +610,7 @@ class ReservationService:
         if res.duration_ms is not None and res.start is not None:
             res.duration_ms = new_end - res.start
         res.extensions += 1
-        op = res.add_operation("extend", "succeeded", now)
+        op = res.add_operation("extend", "running" if res.bound else "succeeded", now)  # the nodes confirm
         res.updated_at = now
         self.moves.save(tx, res, res.state)
         self.moves.event(tx, res, "reservation.extended", now, end=new_end)

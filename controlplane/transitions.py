@@ -249,9 +249,11 @@ class Transitions:
         """End a live reservation now: released, or cancelled if it never started (pending, or a cancel).
 
         `reason` goes on the reservation and its event; `kind` names the
-        operation recorded for the mutation that ended it (release, cancel).
-        A create operation still running ends cancelled (the customer's
-        doing) or failed (`actor` provider or platform).
+        operation recorded for the mutation that ended it (release, cancel):
+        it runs until every node that reported the devices bound reports them
+        unbound (succeeded at once when none had). A create operation still
+        running ends cancelled (the customer's doing) or failed (`actor`
+        provider or platform).
         """
         old = res.state
         target = states.CANCELLED if old == states.PENDING or reason in ("cancel", "expired") else states.RELEASED
@@ -267,6 +269,11 @@ class Transitions:
         for cond in ("Unschedulable", "Queued"):
             res.clear_condition(cond)
         res.pending_change = None
+        if res.bound:
+            res.set_condition("DevicesBound", "False", "Unbinding",
+                              f"waiting for node {', '.join(b.node_id for b in res.bound)} to unbind the devices", now)
+        else:
+            res.clear_condition("DevicesBound")
         create_op = res.create_operation()
         if create_op is not None and create_op.status == "running":
             create_op.status = "cancelled" if actor == "customer" else "failed"
@@ -274,13 +281,27 @@ class Transitions:
             create_op.failure = ending_failure(reason, actor)
         op = None
         if kind is not None:
-            op = res.add_operation(kind, "succeeded", now)
+            op = res.add_operation(kind, "running" if res.bound else "succeeded", now)
         elif create_op is not None and res.operation_id == create_op.id:
             op = create_op
         if not self.save(tx, res, old):
             return None
         self.event(tx, res, states.EVENT_OF_STATE[res.state], now, reason=reason, **event_data)
         return op
+
+
+    @staticmethod
+    def confirm(res: Reservation, now: int) -> None:
+        """The nodes confirmed what the running operations asked: a release or cancel when nothing is bound any
+        more, an extension when every bound node applied the new end."""
+        for op in res.operations:
+            if op.status != "running" or op.kind == "create":
+                continue
+            if op.kind in ("release", "cancel") and not res.bound:
+                op.status, op.updated_at = "succeeded", now
+                res.clear_condition("DevicesBound")
+            elif op.kind == "extend" and all(b.end is not None and b.end >= (res.end or 0) for b in res.bound):
+                op.status, op.updated_at = "succeeded", now
 
 
 def ending_failure(reason: str, actor: str) -> Failure:

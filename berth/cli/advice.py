@@ -137,6 +137,9 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         if create:
             lines.append("a refused key stays refused: a new request needs a new key (drop --idempotency-key)")
         return lines
+    if code == "COMPUTE_ACCESS_REQUIRED":
+        return [f"the token (from {ctx.settings.sources.get('token')}) has {d.get('scope')} access; this needs "
+                f"{d.get('required', 'manage')}: use a token with scope {d.get('required', 'manage')}"]
     if code == "SPEND_LIMIT_REACHED":
         return [f"spent {d.get('spentUsd')} of {d.get('budgetUsd')} USD: ask an admin to raise the budget"]
     if code == "INSUFFICIENT_FUNDS":

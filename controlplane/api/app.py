@@ -16,12 +16,16 @@ from controlplane.api import nodes as node_api
 from controlplane.api import reservations as reservation_api
 from controlplane.api.auth import principal_of
 from controlplane.api.errors import answer_errors
+from controlplane.domain.errors import COMPUTE_ACCESS_REQUIRED, DomainError
 from controlplane.wiring import Config, ControlPlane
 
 CONTROL_PLANE = web.AppKey("control_plane", ControlPlane)
 
 PUBLIC_PATHS = frozenset({"/healthz"})
 TENANT_PATHS = ("/api/compute/", "/api/iam/")  # authenticated with a tenant's token
+# What a read-scoped token may not call: every method that changes something.
+MUTATIONS = frozenset(f"/api/compute/reservations/{m}" for m in ("create", "release", "cancel", "extend", "renew")) | \
+    frozenset(f"/api/iam/confirmations/{m}" for m in ("approve", "deny"))
 
 
 @web.middleware
@@ -32,7 +36,11 @@ async def api_middleware(request: web.Request, handler):
     async def call():
         if request.path.startswith(TENANT_PATHS):
             cp = request.app[CONTROL_PLANE]
-            request["principal"] = principal_of(request, cp.tokens, cp.catalog.current.principals)
+            principal = request["principal"] = principal_of(request, cp.tokens, cp.catalog.current.principals)
+            if principal.scope != "manage" and request.path in MUTATIONS:
+                raise DomainError(COMPUTE_ACCESS_REQUIRED, f"{principal.id}'s token has {principal.scope} access: "
+                                  f"{request.path.rsplit('/', 1)[-1]} needs Compute Manage access; use a token with "
+                                  "scope manage", {"scope": principal.scope, "required": "manage"})
         return await handler(request)
 
     return await answer_errors(request, call)

@@ -1,7 +1,9 @@
 """HTTP handlers of the reservations API: parse and validate, call one service method, answer.
 
-create answers 202 Accepted (the reservation is accepted; its operation runs
-until the devices are ready); the other methods answer 200.
+create, release, cancel and extend change infrastructure: they answer 202
+Accepted with the reservation and the operation of that change, which runs
+until the nodes confirm it (a create until the devices are ready); get, list,
+renew and events answer 200.
 """
 from __future__ import annotations
 
@@ -44,17 +46,17 @@ async def list_(request: web.Request) -> web.Response:
 
 async def release(request: web.Request) -> web.Response:
     body = schemas.decode(await request.read(), schemas.ReservationRef)
-    return _one(await request.app[SERVICE].release(request["principal"], body.reservationId))
+    return _one(await request.app[SERVICE].release(request["principal"], body.reservationId), 202)
 
 
 async def cancel(request: web.Request) -> web.Response:
     body = schemas.decode(await request.read(), schemas.ReservationRef)
-    return _one(await request.app[SERVICE].cancel(request["principal"], body.reservationId))
+    return _one(await request.app[SERVICE].cancel(request["principal"], body.reservationId), 202)
 
 
 async def extend(request: web.Request) -> web.Response:
     body = schemas.decode(await request.read(), schemas.ExtendBody)
-    return _one(await request.app[SERVICE].extend(request["principal"], schemas.extend_command(body)))
+    return _one(await request.app[SERVICE].extend(request["principal"], schemas.extend_command(body)), 202)
 
 
 async def renew(request: web.Request) -> web.Response:

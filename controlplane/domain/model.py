@@ -20,6 +20,7 @@ SHARING_MODES = ("exclusive", "mig", "slots")
 BINDINGS = ("hold", "node", "kubernetes")
 PLACERS = ("calendar", "pool-lease")
 PRINCIPAL_KINDS = ("user", "agent")
+SCOPES = ("read", "manage")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,7 @@ class Principal:
     tenant_id: str
     kind: str = "user"
     delegated_by: str | None = None
+    scope: str = "manage"  # manage: every method; read: get, list, quote and reads of operations, usage, pools
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +135,7 @@ class Bound:
     at: int
     cgroup: str | None = None
     devices: list[str] = field(default_factory=list)
+    end: int | None = None  # the window's end as the node applied it
 
 
 @dataclass(slots=True)

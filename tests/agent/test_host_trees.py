@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from agent import hugepages, mig_minors, numa
 from agent.cpus import read_cpu_topology
 from agent.host import KernelHost
-from common.hostfacts import HostReadError, online_nodes, parse_cpulist, read_meminfo, read_node_memory
+from common.hostfacts import SIZE_1G_KIB, SIZE_2M_KIB, HostReadError, online_nodes, parse_cpulist, read_meminfo, read_node_memory
 from common.hostfacts import format_cpulist
 from tests.agent.trees import two_node_host
 
@@ -43,10 +43,10 @@ def test_two_numa_nodes_with_offline_cpus(tree):
 
 def test_hugepages_on_one_node_only(tree):
     two_node_host(tree)
-    pool = hugepages.read_pool(hugepages.SIZE_1G_KIB, (0, 1), str(tree.sys))
+    pool = hugepages.read_pool(SIZE_1G_KIB, (0, 1), str(tree.sys))
     assert (True, 4, 3) == (pool.supported, pool.total, pool.free)
     assert (hugepages.NodePool(0, 0, 0), hugepages.NodePool(1, 4, 3)) == pool.nodes
-    small = hugepages.read_pool(hugepages.SIZE_2M_KIB, (0, 1), str(tree.sys))
+    small = hugepages.read_pool(SIZE_2M_KIB, (0, 1), str(tree.sys))
     assert (512, (512, 0)) == (small.total, tuple(n.total for n in small.nodes))
 
 

@@ -347,11 +347,12 @@ def test_a_create_retried_after_kill_9_mid_request_returns_the_same_reservation(
     server = ServerProcess(tmp_path / "cp.db", tmp_path / "b.json", extra=["--listen", f"127.0.0.1:{port}"]).start()
     try:
         for rid in blockers:
-            assert server.post("/api/compute/reservations/release", TOKENS["bob"], {"reservationId": rid})[0] == 200
+            assert server.post("/api/compute/reservations/release", TOKENS["bob"], {"reservationId": rid})[0] == 202
         thread.join(30)
         assert not thread.is_alive()
         assert "error" not in outcome, outcome
-        assert (stored, "placed") == (outcome["reservation"].id, outcome["reservation"].state)
+        assert stored == outcome["reservation"].id
+        assert outcome["reservation"].state in ("placed", "binding")  # its window starts as soon as it is placed
         assert [stored] == pending()  # no duplicate
         assert retried[0] is True  # the first attempt reached the server and lost its answer: retried anyway
     finally:

@@ -197,7 +197,7 @@ async def test_extend_is_all_or_nothing_when_another_booking_starts_before_the_n
     gang = (await api.create(key="g", gpuCount=8, nodeCount=2))[1]["reservation"]
     await api.create(key="next", gpuCount=1, start=T0 + 3 * HOUR, end=T0 + 4 * HOUR)
     status, doc = await api.call("extend", "alice", {"reservationId": gang["id"], "until": T0 + 5 * HOUR})
-    assert status == 200 and doc["extended"] is False and doc["availableUntil"] == T0 + 3 * HOUR
+    assert status == 202 and doc["extended"] is False and doc["availableUntil"] == T0 + 3 * HOUR
     assert doc["reservation"]["end"] == T0 + HOUR
     ok = await api.ok("extend", "alice", {"reservationId": gang["id"], "until": T0 + 3 * HOUR})
     assert ok["end"] == T0 + 3 * HOUR

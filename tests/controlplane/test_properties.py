@@ -10,23 +10,26 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from decimal import Decimal
 from itertools import count
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.domain import states
+from controlplane.domain import pricing
 from controlplane.domain.clock import FakeClock
 from controlplane.domain.errors import DomainError
 from controlplane.schemas import CreateBody, ExtendBody, Resources, create_command, extend_command
 from controlplane.state import WriterState
 from controlplane.store import sqlite as sq
 from controlplane.wiring import Config, ControlPlane
+from common.nodewire import Report
 from tests.controlplane.conftest import HOUR, T0, bootstrap_doc
 
 create_op = st.fixed_dictionaries({
     "op": st.just("create"),
-    "who": st.sampled_from(["alice", "bob", "dave"]),
+    "who": st.sampled_from(["alice", "bob", "dave", "carol"]),
     "gpus": st.integers(1, 8),
     "nodes": st.integers(1, 2),
     "offset_h": st.integers(0, 6),
@@ -39,7 +42,14 @@ create_op = st.fixed_dictionaries({
 end_op = st.fixed_dictionaries({"op": st.sampled_from(["release", "cancel", "renew"]), "pick": st.integers(0, 1000)})
 extend_op = st.fixed_dictionaries({"op": st.just("extend"), "pick": st.integers(0, 1000), "hours": st.integers(1, 3)})
 tick_op = st.fixed_dictionaries({"op": st.just("tick"), "minutes": st.integers(1, 360)})
-ops = st.lists(st.one_of(create_op, create_op, end_op, extend_op, tick_op, tick_op), min_size=1, max_size=40)
+# carol's creates (globex's offer of h100 checks budgets) arriving at once, in one writer group
+burst_op = st.fixed_dictionaries({"op": st.just("burst"), "n": st.integers(2, 8), "gpus": st.integers(1, 4),
+                                  "hours": st.integers(1, 6), "key": st.integers(0, 1000)})
+bind_op = st.fixed_dictionaries({"op": st.just("bind"), "pick": st.integers(0, 1000)})  # the nodes report bound
+lose_op = st.fixed_dictionaries({"op": st.just("lose"), "node": st.sampled_from(["h1", "h2"])})  # a node is lost
+GLOBEX_BUDGET = "60"  # h100 bills 2.50 per GPU-hour: a few of carol's creates fit, a burst of them does not
+ops = st.lists(st.one_of(create_op, create_op, end_op, extend_op, tick_op, tick_op, burst_op, bind_op, bind_op, lose_op),
+               min_size=1, max_size=50)
 
 
 def check_invariants(cp: ControlPlane) -> None:
@@ -61,6 +71,20 @@ def check_invariants(cp: ControlPlane) -> None:
         assert cp.state.calendar.overlaps() == []
         # Quota held equals the charges of the live reservations.
         expected: dict[str, Counter] = {}
+        # Nothing bills behind a failed create: billed time implies the create succeeded.
+        for tenant in ("acme", "globex", "initech"):
+            for rid, _pool, _hourly, start, end in cp.store.billing(tenant):
+                billed_ms = (end if end is not None else cp.clock.compute_now()) - start
+                create_op = cp.store.reservation(rid).create_operation()
+                assert billed_ms <= 0 or create_op.status == "succeeded", (rid, create_op)
+        # A budget is never overspent, also by admissions that arrived together: what was billed plus what the
+        # live reservations may still bill stays within it (globex's every reservation is budget-checked).
+        now = cp.clock.compute_now()
+        exposure = sum((pricing.exposure(r.hourly_usd, r.duration_ms or 0) if r.state == states.PENDING and r.asap
+                        else pricing.exposure(r.hourly_usd, max(0, (r.end or 0) - max(now, r.start or now)))
+                        for r in sq.SqliteTx(conn).live_reservations()
+                        if r.tenant_id == "globex" and r.state in states.CHARGED), Decimal(0))
+        assert cp.billing.spent_usd("globex") + exposure <= Decimal(GLOBEX_BUDGET)
         for res in sq.SqliteTx(conn).live_reservations():
             if res.state in states.CHARGED:
                 expected.setdefault(res.tenant_id, Counter()).update(res.charge)
@@ -114,6 +138,22 @@ async def run(cp: ControlPlane, steps: list[dict]) -> None:
             elif step["op"] == "extend" and made:
                 who, rid = made[step["pick"] % len(made)]
                 await svc.extend(principals[who], extend_command(ExtendBody(reservationId=rid, by=step["hours"] * HOUR)))
+            elif step["op"] == "burst":
+                bodies = [CreateBody(poolId="h100", gpuModel="H100_80GB", gpuCount=step["gpus"],
+                                     durationHours=step["hours"]) for _ in range(step["n"])]
+                answers = await asyncio.gather(*(svc.create(principals["carol"], create_command(b, f"b{step['key']}-{i}"))
+                                                 for i, b in enumerate(bodies)), return_exceptions=True)
+                made.extend(("carol", a.reservation.id) for a in answers if not isinstance(a, BaseException))
+            elif step["op"] == "bind" and made:
+                _, rid = made[step["pick"] % len(made)]
+                await cp.reconciler.settle()  # a window due now starts binding first
+                res = cp.store.reservation(rid)
+                if res is not None and res.state == states.BINDING:
+                    for p in res.placements:
+                        await cp.nodes.report(cp.catalog.current.nodes[p.node_id], (Report(rid, "bound"),))
+            elif step["op"] == "lose":
+                for pool_id in await cp.store.call(lambda tx: cp.nodes._lose(tx, step["node"])):
+                    cp.reconciler.capacity_freed(pool_id)
             elif step["op"] == "tick":
                 cp.clock.advance(step["minutes"] * 60_000)
                 await cp.reconciler.drain()
@@ -124,11 +164,12 @@ async def run(cp: ControlPlane, steps: list[dict]) -> None:
         check_invariants(cp)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=ops)
 def test_random_sequences_keep_the_calendar_and_quota_consistent(tmp_path_factory, steps):
     path = tmp_path_factory.mktemp("prop")
     doc = bootstrap_doc()
+    next(t for t in doc["tenants"] if t["id"] == "globex")["budgetUsd"] = GLOBEX_BUDGET
     (path / "b.json").write_text(json.dumps(doc))
     cp = ControlPlane(Config(db=f"sqlite:///{path / 'cp.db'}", bootstrap=str(path / "b.json"),
                              clock=FakeClock(T0), synchronous="OFF")).open()
