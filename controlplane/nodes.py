@@ -119,6 +119,7 @@ class NodeService:
         self.grace_s = grace_s
         self.reconciler = reconciler
         self.live: dict[str, NodeLive] = {}
+        self.wanted_on: dict[str, set[str]] = {}  # reservation -> the nodes it is wanted on now
         self.heartbeat_s = min(HEARTBEAT_S, max(0.2, grace_s / 3))  # three heartbeats fit in the grace
         self.closing = False
         self._rv = clock.compute_now() * 1000  # grows across restarts too
@@ -158,10 +159,15 @@ class NodeService:
             if live.bindings.get(res.id) != doc:
                 live.bindings[res.id] = doc
                 self._bump(live)
-        for node_id, live in self.live.items():
-            if node_id not in on and res.id in live.bindings:
-                del live.bindings[res.id]
+        # Only the nodes that hold it are visited (not every node of the fleet, on every save of any reservation).
+        for node_id in self.wanted_on.get(res.id, set()) - on:
+            live = self.live.get(node_id)
+            if live is not None and live.bindings.pop(res.id, None) is not None:
                 self._bump(live)
+        if on:
+            self.wanted_on[res.id] = on
+        else:
+            self.wanted_on.pop(res.id, None)
 
     # ---- authentication ------------------------------------------------------------
     def node_of_token(self, token: str) -> Node:

@@ -9,7 +9,7 @@ attributes of the draft, and whether the pool could ever hold the request.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Sequence
 
@@ -111,6 +111,9 @@ class PoolProfile:
     # Nodes by how much they could ever hold, largest first, so that "could the
     # pool ever hold this" stops as soon as node_count nodes qualify.
     nodes_by_size: tuple[Node, ...]
+    # "Could the pool ever hold this shape": (nodes that could, most units of one node), per shape; the nodes
+    # do not change under a profile (a catalog change makes a new one), so each shape is answered once.
+    holds: dict = field(default_factory=dict, compare=False)
 
 
 def profile_of(pool: Pool, nodes: Sequence[Node]) -> PoolProfile:
@@ -221,7 +224,7 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, profile: PoolPr
         lease_seconds=req.lease_seconds, resources=resources, charge=charge, whole_node=whole_node,
         excess=excess, hourly_usd=hourly(pool, gpu_count, req.node_count, excess),
     )
-    _check_pool_can_hold(plan, profile.nodes_by_size)
+    _check_pool_can_hold(plan, profile)
     return plan
 
 
@@ -234,16 +237,15 @@ def whole_host(nodes: Sequence[Node], gpu_count: int) -> Share:
     return out
 
 
-def _check_pool_can_hold(plan: Plan, nodes: Sequence[Node]) -> None:
-    s, e = plan.window_for(0)
-    ask = plan.ask(s, e)
-    holding = 0
-    for n in nodes:
-        if could_ever_fit(n, ask):
-            holding += 1
-            if holding >= plan.node_count:
-                return
-    most = max((len(eligible_units(n, ask)) for n in nodes), default=0)
+def _check_pool_can_hold(plan: Plan, profile: PoolProfile) -> None:
+    key = (plan.gpu_count, plan.node_count, plan.mig_profile, plan.whole_node, plan.resources)
+    found = profile.holds.get(key)
+    if found is None:
+        found = profile.holds[key] = _could_hold(plan, profile.nodes_by_size)
+    holding, most = found
+    if holding >= plan.node_count:
+        return
+    nodes = profile.nodes_by_size
     raise DomainError(
         NO_CAPACITY,
         f"pool {plan.pool.id} can never hold {plan.node_count} x {plan.gpu_count} {plan.pool.gpu_model}"
@@ -256,6 +258,19 @@ def _check_pool_can_hold(plan: Plan, nodes: Sequence[Node]) -> None:
             "maxGpuCountPerNode": most,
         },
     )
+
+
+def _could_hold(plan: Plan, nodes: Sequence[Node]) -> tuple[int, int]:
+    """(how many nodes could ever hold one node's part of the plan, up to node_count; the most units of one node)."""
+    s, e = plan.window_for(0)
+    ask = plan.ask(s, e)
+    holding = 0
+    for n in nodes:
+        if could_ever_fit(n, ask):
+            holding += 1
+            if holding >= plan.node_count:
+                return holding, 0
+    return holding, max((len(eligible_units(n, ask)) for n in nodes), default=0)
 
 
 def _attributes(tenant_id: str, pool_id: str, region: str, gpu_model: str, gpu_count: int, node_count: int,

@@ -204,10 +204,12 @@ class PoolCalendar:
                 cal.devices.setdefault(u, DeviceTimeline())
         return cal
 
-    def _booked(self, node_id: str) -> None:
+    def _booked(self, node_id: str, full: bool = False) -> None:
+        """A booking was added: the node is in use, and the most recently booked unless the booking filled it
+        (then it goes last in the search, so the next placement does not try it first)."""
         self.idle.pop(node_id, None)
         self.in_use[node_id] = None
-        self.in_use.move_to_end(node_id)
+        self.in_use.move_to_end(node_id, last=not full)
 
     def _unbooked(self, node_id: str) -> None:
         if self.nodes[node_id].count == 0:
@@ -245,7 +247,8 @@ class Calendar:
             raise
         node.add_host(HostBooking(booking.start, booking.end, booking.share, booking.reservation_id))
         node.count += 1
-        pool._booked(node.node_id)
+        full = not any(tl.is_free(booking.start, booking.end) for tl in node.devices.values())
+        pool._booked(node.node_id, full)
         self.by_reservation.setdefault(booking.reservation_id, []).append(booking)
 
     def bookings_of(self, reservation_id: str) -> list[Booking]:

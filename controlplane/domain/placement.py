@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import islice
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from controlplane.domain.calendar import NodeCalendar, PoolCalendar
 from controlplane.domain.model import Node, Placement, Unit
@@ -32,7 +32,7 @@ SAMPLE = 8  # most recently booked nodes scored before the idle ones are tried
 EXTRA_FITS = 3  # fits past what is needed that the fallback scan scores before it stops
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Ask:
     """What one placement must find: per node, gpu_count units matching the filter and the host share."""
 
@@ -46,10 +46,10 @@ class Ask:
     whole_node: bool = False
 
 
-def eligible_units(node: Node, ask: Ask) -> list[Unit]:
+def eligible_units(node: Node, ask: Ask) -> Sequence[Unit]:
     if ask.mig_profile is not None:
         return [u for u in node.units if u.mig_profile == ask.mig_profile]
-    return list(node.units)
+    return node.units
 
 
 def could_ever_fit(node: Node, ask: Ask) -> bool:

@@ -69,8 +69,9 @@ class CedarAuthorizer:
         if self._memo is None:
             return None
         try:
-            attrs = tuple(sorted((k, (v.id, v.kind) if isinstance(v, Principal) else v)
-                                 for k, v in req.resource.attributes.items()))
+            # In the attributes' own order (one builder makes them): the same request is the same key.
+            attrs = tuple((k, (v.id, v.kind) if isinstance(v, Principal) else v)
+                          for k, v in req.resource.attributes.items())
             key = (req.principal.id, req.principal.tenant_id, req.principal.kind, req.principal.delegated_by,
                    req.action, req.resource.type,
                    attrs, json.dumps(req.context, sort_keys=True) if req.context else "")

@@ -190,7 +190,7 @@ class Appends:
 class SqliteTx(Reads):
     """The writer's view of the open transaction (port.Tx): the domain's writes, as small methods."""
 
-    __slots__ = ("conn", "dirty", "committed", "refused", "appends", "group", "flushed")
+    __slots__ = ("conn", "dirty", "committed", "refused", "appends", "group", "flushed", "saved")
 
     def __init__(self, conn: sqlite3.Connection, group: Appends | None = None):
         self.conn = conn
@@ -200,15 +200,23 @@ class SqliteTx(Reads):
         self.appends = Appends()  # this job's appended rows (dropped if it fails)
         self.group = group if group is not None else Appends()  # earlier jobs' rows, not yet written
         self.flushed = Appends()  # earlier jobs' rows written during this job (written again if it fails)
+        self.saved = False  # whether this job opened its savepoint (at its first write: a job that only reads or
+        #                     refuses before writing costs no SAVEPOINT and RELEASE)
+
+    def _writing(self) -> sqlite3.Connection:
+        if not self.saved:
+            self.conn.execute("SAVEPOINT job")
+            self.saved = True
+        return self.conn
 
     def flush(self) -> None:
         """Write every appended row now (before a statement that must see them)."""
         if self.group:
             earlier = self.group.take()
-            earlier.write(self.conn)
+            earlier.write(self._writing())
             self.flushed.extend(earlier)
         if self.appends:
-            self.appends.take().write(self.conn)
+            self.appends.take().write(self._writing())
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         self.committed.append(fn)
@@ -221,7 +229,7 @@ class SqliteTx(Reads):
 
     # reservations
     def _insert_reservation(self, res: Reservation) -> None:
-        cur = self.conn.execute(
+        cur = self._writing().execute(
             "INSERT INTO reservations (id, tenant_id, principal_id, pool_id, state, doc) VALUES (?, ?, ?, ?, ?, ?)",
             (res.id, res.tenant_id, res.principal_id, res.pool_id, res.state, codec.encode(res)),
         )
@@ -235,13 +243,13 @@ class SqliteTx(Reads):
             self._update_reservation(res)
 
     def _update_reservation(self, res: Reservation) -> None:
-        self.conn.execute(
+        self._writing().execute(
             "UPDATE reservations SET state = ?, doc = ? WHERE id = ?", (res.state, codec.encode(res), res.id)
         )
 
     def move_if(self, res: Reservation, expected_state: str) -> bool:
         """Write the reservation only if its stored state is still expected_state (a conditional transition)."""
-        cur = self.conn.execute(
+        cur = self._writing().execute(
             "UPDATE reservations SET state = ?, doc = ? WHERE id = ? AND state = ?",
             (res.state, codec.encode(res), res.id, expected_state),
         )
@@ -256,13 +264,13 @@ class SqliteTx(Reads):
     def end_bookings(self, reservation_id: str, at: int) -> None:
         """Bookings end at `at`; one not yet started ends where it starts (kept, empty, for history)."""
         self.flush()
-        self.conn.execute(
+        self._writing().execute(
             "UPDATE bookings SET end_ms = MAX(start_ms, MIN(end_ms, ?)) WHERE reservation_id = ?", (at, reservation_id)
         )
 
     def set_bookings_end(self, reservation_id: str, end: int) -> None:
         self.flush()
-        self.conn.execute("UPDATE bookings SET end_ms = ? WHERE reservation_id = ?", (end, reservation_id))
+        self._writing().execute("UPDATE bookings SET end_ms = ? WHERE reservation_id = ?", (end, reservation_id))
 
     # events
     def event(self, tenant_id: str, reservation_id: str | None, type_: str, at: int, data: dict[str, Any]) -> None:
@@ -270,7 +278,7 @@ class SqliteTx(Reads):
 
     # confirmations
     def put_confirmation(self, conf) -> None:
-        self.conn.execute(
+        self._writing().execute(
             "INSERT INTO confirmations (id, tenant_id, reservation_id, agent_id, user_id, status, created_at, doc)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET status = excluded.status, doc = excluded.doc",
             (conf.id, conf.tenant_id, conf.reservation_id, conf.agent_id, conf.user_id, conf.status, conf.created_at,
@@ -279,35 +287,35 @@ class SqliteTx(Reads):
 
     # billing and quotes
     def bill_from(self, res: Reservation, start: int) -> None:
-        self.conn.execute(
+        self._writing().execute(
             "INSERT INTO billing (reservation_id, tenant_id, pool_id, hourly_usd, start_ms, end_ms) VALUES (?, ?, ?, ?, ?, NULL)"
             " ON CONFLICT (reservation_id) DO NOTHING",
             (res.id, res.tenant_id, res.pool_id, str(res.hourly_usd), start),
         )
 
     def bill_until(self, reservation_id: str, end: int) -> None:
-        self.conn.execute("UPDATE billing SET end_ms = ? WHERE reservation_id = ? AND end_ms IS NULL", (end, reservation_id))
+        self._writing().execute("UPDATE billing SET end_ms = ? WHERE reservation_id = ? AND end_ms IS NULL", (end, reservation_id))
 
     def put_quote(self, quote_id: str, tenant_id: str, expires_at: int, doc: bytes) -> None:
-        self.conn.execute("INSERT INTO quotes (id, tenant_id, expires_at, doc) VALUES (?, ?, ?, ?)",
+        self._writing().execute("INSERT INTO quotes (id, tenant_id, expires_at, doc) VALUES (?, ?, ?, ?)",
                           (quote_id, tenant_id, expires_at, doc))
-        self.conn.execute("DELETE FROM quotes WHERE expires_at < ?", (expires_at - 86_400_000,))
+        self._writing().execute("DELETE FROM quotes WHERE expires_at < ?", (expires_at - 86_400_000,))
 
     # catalog and tokens
     def put_catalog(self, kind: str, ident: str, doc: bytes) -> None:
-        self.conn.execute(
+        self._writing().execute(
             "INSERT INTO catalog (kind, id, doc) VALUES (?, ?, ?) ON CONFLICT (kind, id) DO UPDATE SET doc = excluded.doc",
             (kind, ident, doc),
         )
 
     def put_token(self, token_hash: str, kind: str, subject: str) -> None:
-        self.conn.execute(
+        self._writing().execute(
             "INSERT INTO tokens (hash, kind, subject) VALUES (?, ?, ?) ON CONFLICT (hash) DO UPDATE SET kind = excluded.kind, subject = excluded.subject",
             (token_hash, kind, subject),
         )
 
     def delete_tokens(self, kind: str, subject: str) -> None:
-        self.conn.execute("DELETE FROM tokens WHERE kind = ? AND subject = ?", (kind, subject))
+        self._writing().execute("DELETE FROM tokens WHERE kind = ? AND subject = ?", (kind, subject))
 
     # what the writer's memory is built from
     def live_reservations(self) -> list[Reservation]:
@@ -424,12 +432,12 @@ class Writer:
         answers: list[tuple[Any, Any, BaseException | None]] = []
         for fn, fut in group:
             tx = SqliteTx(conn, self._appends)
-            conn.execute("SAVEPOINT job")
             try:
                 value = fn(tx)
             except BaseException as exc:  # noqa: BLE001 - every job gets an answer
-                conn.execute("ROLLBACK TO job")
-                conn.execute("RELEASE job")
+                if tx.saved:
+                    conn.execute("ROLLBACK TO job")
+                    conn.execute("RELEASE job")
                 self._appends.extend(tx.flushed)  # earlier jobs' rows the rollback took with it
                 if not isinstance(exc, DomainError):
                     log.exception("store job failed", job=getattr(fn, "__qualname__", repr(fn)))
@@ -438,7 +446,8 @@ class Writer:
                     self._on_reset(SqliteTx(conn, self._appends))
                 answers.append((fut, None, exc))
                 continue
-            conn.execute("RELEASE job")
+            if tx.saved:
+                conn.execute("RELEASE job")
             self._appends.extend(tx.appends)
             self._hooks.extend(tx.committed)
             answers.append((fut, None, tx.refused) if tx.refused is not None else (fut, value, None))
