@@ -181,6 +181,8 @@ class ReservationService:
             answer = await self._create_remote(principal, tenant, key, cmd)
         if answer.reservation.state == states.PLACED and (answer.reservation.start or 0) <= self.clock.compute_now():
             self.reconciler.wake()  # its window has started: binding now, not at the reconciler's next tick
+        if answer.reservation.state != states.PENDING or cmd.wait_ms <= 0:
+            return answer
         return await self._wait_while_pending(answer, cmd.wait_ms)
 
     def _create_job(self, tx: Tx, principal: Principal, tenant: Tenant, key: str, cmd: Create) -> Answer | None:

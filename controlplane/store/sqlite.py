@@ -115,6 +115,7 @@ def connect(path: str, synchronous: str = "FULL") -> sqlite3.Connection:
     conn.execute(f"PRAGMA synchronous={synchronous}")
     conn.execute("PRAGMA foreign_keys=ON")
     conn.execute("PRAGMA busy_timeout=30000")
+    conn.execute("PRAGMA cache_size=-65536")  # 64 MiB of pages: the indexes of a large calendar stay in memory
     return conn
 
 
@@ -164,14 +165,13 @@ class Appends:
     __slots__ = ("rows",)
 
     def __init__(self) -> None:
-        self.rows: dict[str, list[tuple]] = {INSERT_BOOKING: [], INSERT_EVENT: []}
+        self.rows: list[tuple[str, tuple]] = []  # (statement, row), in order
 
     def add(self, sql: str, row: tuple) -> None:
-        self.rows[sql].append(row)
+        self.rows.append((sql, row))
 
     def extend(self, other: "Appends") -> None:
-        for sql, rows in other.rows.items():
-            self.rows[sql].extend(rows)
+        self.rows.extend(other.rows)
 
     def take(self) -> "Appends":
         taken = Appends()
@@ -179,12 +179,14 @@ class Appends:
         return taken
 
     def write(self, conn: sqlite3.Connection) -> None:
-        for sql, rows in self.rows.items():
-            if rows:
-                conn.executemany(sql, rows)
+        by_statement: dict[str, list[tuple]] = {}
+        for sql, row in self.rows:
+            by_statement.setdefault(sql, []).append(row)
+        for sql, rows in by_statement.items():
+            conn.executemany(sql, rows)
 
     def __bool__(self) -> bool:
-        return any(self.rows.values())
+        return bool(self.rows)
 
 
 class SqliteTx(Reads):
@@ -401,8 +403,17 @@ class Writer:
         except BaseException:
             self._lock.release()
             raise
-        # The group's appended rows and its COMMIT go to the commit thread (sqlite3 lets go of the GIL there).
-        commit = loop.run_in_executor(self._commit_thread, self._commit, answers, self._appends.take())
+        # The group's appended rows are written here, on the loop (binding their values holds the GIL: on the commit
+        # thread that would stall the loop more than it saves); the COMMIT, a wait on the disk, goes to the thread.
+        try:
+            self._appends.take().write(self._conn)
+        except sqlite3.Error as exc:
+            self._failed(answers, exc)
+            done = loop.create_future()
+            done.set_result(False)
+            self._finish_group(loop, answers, done)
+            return
+        commit = loop.run_in_executor(self._commit_thread, self._commit, answers, Appends())
         commit.add_done_callback(lambda f: self._finish_group(loop, answers, f))
 
     def _finish_group(self, loop, answers, commit_future) -> None:
@@ -454,20 +465,24 @@ class Writer:
         return answers
 
     def _commit(self, answers: list, appends: Appends) -> bool:
-        """The appended rows and COMMIT (on the commit thread); on failure roll back and fail the group's answers."""
+        """The appended rows still to write, and COMMIT; on failure roll back and fail the group's answers."""
         try:
             appends.write(self._conn)
             self._conn.execute("COMMIT")
             return True
         except sqlite3.Error as exc:
-            log.error("commit failed; rebuilding state from the database", error=str(exc))
-            try:
-                self._conn.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-            err = _unavailable(f"the store could not commit: {exc}")
-            answers[:] = [(fut, None, err) for fut, _, _ in answers]
+            self._failed(answers, exc)
             return False
+
+    def _failed(self, answers: list, exc: sqlite3.Error) -> None:
+        """The group cannot be committed: roll it back and fail its answers (the memory is rebuilt after)."""
+        log.error("commit failed; rebuilding state from the database", error=str(exc))
+        try:
+            self._conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+        err = _unavailable(f"the store could not commit: {exc}")
+        answers[:] = [(fut, None, err) for fut, _, _ in answers]
 
     def _reset(self) -> None:
         """Rebuild the writer's memory from the database, on the thread that owns the memory."""

@@ -74,3 +74,23 @@ def test_new_operation_ids_name_their_reservation():
     assert (rid, 3) == operation_parts(operation_id(rid, 3))
     for bad in ("op_", "rsv_x", "op_abc", "op_abc_x", "op__1"):
         assert operation_parts(bad) is None
+
+
+async def test_a_group_whose_rows_cannot_be_written_fails_whole_and_memory_follows_the_database(api):
+    """The group's appended rows are written just before its COMMIT: when that fails (here a trigger stands in for
+    a full disk), every job of the group answers PROVIDER_UNAVAILABLE, nothing of it is stored, and the writer's
+    memory (calendar, quota) is rebuilt from what is."""
+    conn = sqlite3.connect(api.cp.store.path)
+    conn.execute("CREATE TRIGGER refuse_events BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'disk full'); END")
+    conn.commit()
+    try:
+        status, doc = await api.create(key="lost")
+        assert (503, "PROVIDER_UNAVAILABLE") == (status, doc["error"]["code"])
+        assert api.cp.store.reservation(doc["error"]["details"].get("reservationId") or "none") is None
+        assert {} == api.cp.state.calendar.by_reservation and {} == dict(api.cp.state.ledger.usage("acme"))
+    finally:
+        conn.execute("DROP TRIGGER refuse_events")
+        conn.commit()
+        conn.close()
+    status, doc = await api.create(key="lost")  # the same key, now it can be written
+    assert (202, "placed") == (status, doc["reservation"]["state"])
