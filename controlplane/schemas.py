@@ -102,7 +102,7 @@ class ListBody(Struct, forbid_unknown_fields=True):
 
 
 class EventsBody(Struct, forbid_unknown_fields=True):
-    after: Annotated[int, Meta(ge=0)] | None = None
+    after: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] | None = None
     limit: Annotated[int, Meta(ge=1, le=500)] = 100
 
 
@@ -194,9 +194,10 @@ def create_request(body: CreateBody) -> CreateRequest:
 
 def create_command(body: CreateBody, header_key: str | None) -> Create:
     """A create (or a quote) as the service takes it; INVALID_INPUT for what only the wire can get wrong."""
-    if header_key is not None and not 1 <= len(header_key) <= 255:
-        raise DomainError(INVALID_INPUT, "Idempotency-Key: must be 1 to 255 characters",
-                          {"field": "Idempotency-Key", "rule": "1 to 255 characters"})
+    if header_key is not None and not (1 <= len(header_key) <= 255 and header_key.isascii()
+                                       and header_key.isprintable()):
+        raise DomainError(INVALID_INPUT, "Idempotency-Key: must be 1 to 255 printable ASCII characters",
+                          {"field": "Idempotency-Key", "rule": "1 to 255 printable ASCII characters"})
     if header_key is not None and body.idempotencyKey is not None and header_key != body.idempotencyKey:
         raise DomainError(INVALID_INPUT, "idempotencyKey: differs from the Idempotency-Key header",
                           {"field": "idempotencyKey", "rule": "must equal the Idempotency-Key header when both are given"})
@@ -204,7 +205,7 @@ def create_command(body: CreateBody, header_key: str | None) -> Create:
     if body.maxHourlyPrice is not None:
         ceiling = parse_money(body.maxHourlyPrice)
         if ceiling is None:
-            raise DomainError(INVALID_INPUT, 'maxHourlyPrice: must be a decimal string with at most six decimals, '
+            raise DomainError(INVALID_INPUT, 'maxHourlyPrice: must be a decimal string with at most six decimals, below 10^12, '
                               'e.g. "3.000000"', {"field": "maxHourlyPrice", "rule": "a decimal string, six decimals at most"})
     return Create(create_request(body), fingerprint_of(body), header_key or body.idempotencyKey,
                   body.wait.timeoutMs if body.wait else 0, body.quoteId, ceiling)

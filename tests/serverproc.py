@@ -48,7 +48,8 @@ class ServerProcess:
 
     def post(self, path: str, token: str | None, body, timeout: float = 10, headers: dict | None = None):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="POST")
+        req = urllib.request.Request(self.url + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
         if token:
             req.add_header("Authorization", f"Bearer {token}")
         for k, v in (headers or {}).items():

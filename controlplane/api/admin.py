@@ -8,6 +8,7 @@ from msgspec import Meta, Struct
 
 from controlplane import schemas
 from controlplane.api.auth import bearer
+from controlplane.api.body import read_checked, read_json
 from controlplane.api.errors import json_response
 from controlplane.domain.errors import UNAUTHENTICATED, DomainError, invalid
 from controlplane.domain.pricing import money, parse_money
@@ -31,15 +32,15 @@ def _admin(request: web.Request):
 
 async def apply_bootstrap(request: web.Request) -> web.Response:
     cp = _admin(request)
-    return json_response({"applied": await cp.apply_bootstrap_doc(await request.read())})
+    return json_response({"applied": await cp.apply_bootstrap_doc(await read_checked(request))})
 
 
 async def set_budget(request: web.Request) -> web.Response:
     cp = _admin(request)
-    body = schemas.decode(await request.read(), BudgetBody)
+    body = await read_json(request, BudgetBody)
     amount = parse_money(body.budgetUsd)
     if amount is None:
-        raise invalid("budgetUsd", "must be a non-negative decimal string with at most six decimals")
+        raise invalid("budgetUsd", "must be a non-negative decimal string with at most six decimals, below 10^12")
     await cp.set_budget(body.tenantId, amount)
     return json_response({"tenantId": body.tenantId, "budgetUsd": money(amount)})
 

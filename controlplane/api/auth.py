@@ -11,9 +11,12 @@ from controlplane.tokens import Tokens
 def bearer(request: web.Request) -> str:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise DomainError(UNAUTHENTICATED, "Authorization: send 'Bearer <token>'", {"field": "Authorization"})
-    return token.strip()
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or not token.isprintable() or not token.isascii():
+        # a token is printable ASCII; anything else (a byte that is not UTF-8, a control character) is no token
+        raise DomainError(UNAUTHENTICATED, "Authorization: send 'Bearer <token>' (printable ASCII)",
+                          {"field": "Authorization"})
+    return token
 
 
 def principal_of(request: web.Request, tokens: Tokens, principals) -> Principal:

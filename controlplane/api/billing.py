@@ -9,6 +9,7 @@ from decimal import Decimal
 from aiohttp import web
 
 from controlplane import schemas
+from controlplane.api.body import read_json
 from controlplane.api.errors import json_response
 from controlplane.api.reservations import SERVICE as RESERVATIONS
 from controlplane.billing import Billing
@@ -21,25 +22,25 @@ BILLING = web.AppKey("billing", Billing)
 
 
 async def operation_get(request: web.Request) -> web.Response:
-    body = schemas.decode(await request.read(), schemas.OperationRef)
+    body = await read_json(request, schemas.OperationRef)
     op = await request.app[OPERATIONS].get(request["principal"], body.operationId)
     return json_response({"operation": schemas.operation_to_wire(op)})
 
 
 async def operation_wait(request: web.Request) -> web.Response:
-    body = schemas.decode(await request.read(), schemas.OperationWait)
+    body = await read_json(request, schemas.OperationWait)
     op = await request.app[OPERATIONS].wait(request["principal"], body.operationId, body.timeoutMs)
     return json_response({"operation": schemas.operation_to_wire(op), "done": op.status in ("succeeded", "failed", "cancelled")})
 
 
 async def quote(request: web.Request) -> web.Response:
-    body = schemas.decode(await request.read(), schemas.CreateBody)
+    body = await read_json(request, schemas.CreateBody)
     command = schemas.create_command(body, None)
     return json_response({"quote": await request.app[RESERVATIONS].quote(request["principal"], command)})
 
 
 async def usage(request: web.Request) -> web.Response:
-    body = schemas.decode(await request.read(), schemas.UsageBody)
+    body = await read_json(request, schemas.UsageBody)
     principal = request["principal"]
     service = request.app[RESERVATIONS]
     await service.authorize_tenant_read(principal)

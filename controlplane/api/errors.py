@@ -43,7 +43,8 @@ def error_response(err: e.DomainError, status: int | None = None) -> web.Respons
     return resp
 
 
-_HTTP_CODES = {404: e.NOT_FOUND, 405: e.INVALID_INPUT, 413: e.INVALID_INPUT, 415: e.INVALID_INPUT}
+_HTTP_CODES = {404: e.NOT_FOUND, 405: e.INVALID_INPUT, 408: e.INVALID_INPUT, 413: e.INVALID_INPUT, 415: e.INVALID_INPUT}
+_HTTP_FIELDS = {408: "body", 413: "body", 415: "Content-Type"}
 
 
 async def answer_errors(request: web.Request, call: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -61,7 +62,9 @@ async def answer_errors(request: web.Request, call: Callable[[], Awaitable[web.S
             405: f"{request.method} is not allowed on {request.path}; use POST",
             413: "body: too large",
         }.get(exc.status, exc.reason)
-        return error_response(e.DomainError(code, message, {"field": "body"} if exc.status == 413 else {}), exc.status)
+        field = _HTTP_FIELDS.get(exc.status)
+        return error_response(e.DomainError(code, message, {"field": field, "rule": message} if field else {}),
+                              exc.status)
     except Exception:
         reference = f"ref-{time.time_ns():x}"
         log.exception("request failed", path=request.path, reference=reference)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from controlplane import schemas
 from controlplane.api.auth import bearer
+from controlplane.api.body import read_json
 from controlplane.api.errors import json_response
 from controlplane.nodes import NodeService
 from common.nodewire import HeartbeatRequest, RegisterRequest, ReportRequest, WatchRequest
@@ -19,28 +19,28 @@ NODES = web.AppKey("nodes", NodeService)
 async def register(request: web.Request) -> web.Response:
     service = request.app[NODES]
     pool = service.pool_of_bootstrap(bearer(request))
-    body = schemas.decode(await request.read(), RegisterRequest)
+    body = await read_json(request, RegisterRequest)
     return json_response(await service.register(pool, body.hostname, body.inventory, body.agentVersion))
 
 
 async def heartbeat(request: web.Request) -> web.Response:
     service = request.app[NODES]
     node = service.node_of_token(bearer(request))
-    body = schemas.decode(await request.read(), HeartbeatRequest)
+    body = await read_json(request, HeartbeatRequest)
     return json_response(await service.heartbeat(node, body.inventory))
 
 
 async def watch(request: web.Request) -> web.Response:
     service = request.app[NODES]
     node = service.node_of_token(bearer(request))
-    body = schemas.decode(await request.read(), WatchRequest)
+    body = await read_json(request, WatchRequest)
     return json_response(await service.watch(node, body.resourceVersion, body.timeoutMs))
 
 
 async def report(request: web.Request) -> web.Response:
     service = request.app[NODES]
     node = service.node_of_token(bearer(request))
-    body = schemas.decode(await request.read(), ReportRequest)
+    body = await read_json(request, ReportRequest)
     return json_response(await service.report(node, body.reports))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from controlplane import schemas
+from controlplane.api.body import read_json
 from controlplane.api.errors import json_response
 from controlplane.reservations import Answer, ReservationService
 
@@ -25,18 +26,18 @@ def _one(answer: Answer, status: int = 200) -> web.Response:
 
 
 async def create(request: web.Request) -> web.Response:
-    body = schemas.decode(await request.read(), schemas.CreateBody)
+    body = await read_json(request, schemas.CreateBody)
     command = schemas.create_command(body, request.headers.get("Idempotency-Key"))
     return _one(await request.app[SERVICE].create(request["principal"], command), 202)
 
 
 async def get(request: web.Request) -> web.Response:
-    body = schemas.decode(await request.read(), schemas.ReservationRef)
+    body = await read_json(request, schemas.ReservationRef)
     return _one(await request.app[SERVICE].get(request["principal"], body.reservationId))
 
 
 async def list_(request: web.Request) -> web.Response:
-    body = schemas.decode(await request.read(), schemas.ListBody)
+    body = await read_json(request, schemas.ListBody)
     answers, cursor = await request.app[SERVICE].list(request["principal"], schemas.list_query(body))
     return json_response({
         "reservations": [schemas.reservation_to_wire(a.reservation, a.operation) for a in answers],
@@ -45,27 +46,27 @@ async def list_(request: web.Request) -> web.Response:
 
 
 async def release(request: web.Request) -> web.Response:
-    body = schemas.decode(await request.read(), schemas.ReservationRef)
+    body = await read_json(request, schemas.ReservationRef)
     return _one(await request.app[SERVICE].release(request["principal"], body.reservationId), 202)
 
 
 async def cancel(request: web.Request) -> web.Response:
-    body = schemas.decode(await request.read(), schemas.ReservationRef)
+    body = await read_json(request, schemas.ReservationRef)
     return _one(await request.app[SERVICE].cancel(request["principal"], body.reservationId), 202)
 
 
 async def extend(request: web.Request) -> web.Response:
-    body = schemas.decode(await request.read(), schemas.ExtendBody)
+    body = await read_json(request, schemas.ExtendBody)
     return _one(await request.app[SERVICE].extend(request["principal"], schemas.extend_command(body)), 202)
 
 
 async def renew(request: web.Request) -> web.Response:
-    body = schemas.decode(await request.read(), schemas.ReservationRef)
+    body = await read_json(request, schemas.ReservationRef)
     return _one(await request.app[SERVICE].renew(request["principal"], body.reservationId))
 
 
 async def events(request: web.Request) -> web.Response:
-    body = schemas.decode(await request.read(), schemas.EventsBody)
+    body = await read_json(request, schemas.EventsBody)
     rows = await request.app[SERVICE].events(request["principal"], body.after, body.limit)
     return json_response({"events": rows, "nextCursor": rows[-1]["seq"] if rows else body.after})
 

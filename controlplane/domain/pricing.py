@@ -23,15 +23,18 @@ def money(amount: Decimal) -> str:
     return str(amount.quantize(MICRO, rounding=ROUND_HALF_EVEN))
 
 
+MAX_MONEY = Decimal(10) ** 12  # a trillion dollars: beyond any price or budget, within Decimal's exact range
+
+
 def parse_money(text: str) -> Decimal | None:
-    """A decimal string with at most six decimals, non-negative; None if it is not one."""
+    """A decimal string with at most six decimals, non-negative, below MAX_MONEY; None if it is not one."""
     if not isinstance(text, str) or not text or len(text) > 32:
         return None
     try:
         amount = Decimal(text)
+        if not amount.is_finite() or amount < 0 or amount >= MAX_MONEY or amount != amount.quantize(MICRO):
+            return None
     except InvalidOperation:
-        return None
-    if not amount.is_finite() or amount < 0 or amount != amount.quantize(MICRO):
         return None
     return amount
 

@@ -102,6 +102,7 @@ class Api:
         if who is not None:
             hdrs["Authorization"] = f"Bearer {TOKENS.get(who, who)}"
         data = raw if raw is not None else json.dumps(body if body is not None else {}).encode()
+        hdrs.setdefault("Content-Type", "application/json")
         resp = await self.client.post(path, data=data, headers=hdrs)
         return resp.status, await resp.json()
 

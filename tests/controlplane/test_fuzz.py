@@ -16,28 +16,46 @@ from controlplane import schemas
 from tests.controlplane.conftest import TOKENS, bootstrap_doc
 from tests.serverproc import ServerProcess
 
+from common import nodewire
+
+TENANT, BOOTSTRAP, NODE = "alice", "node-token-h100-000001", "node"  # whose token a method takes
+
 METHODS = {
-    "/api/compute/reservations/create": (schemas.CreateBody, {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1}),
-    "/api/compute/reservations/get": (schemas.ReservationRef, {"reservationId": "rsv_x"}),
-    "/api/compute/reservations/list": (schemas.ListBody, {}),
-    "/api/compute/reservations/release": (schemas.ReservationRef, {"reservationId": "rsv_x"}),
-    "/api/compute/reservations/cancel": (schemas.ReservationRef, {"reservationId": "rsv_x"}),
-    "/api/compute/events/list": (schemas.EventsBody, {}),
+    "/api/compute/reservations/create": (schemas.CreateBody, {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1}, TENANT),
+    "/api/compute/reservations/get": (schemas.ReservationRef, {"reservationId": "rsv_x"}, TENANT),
+    "/api/compute/reservations/list": (schemas.ListBody, {}, TENANT),
+    "/api/compute/reservations/release": (schemas.ReservationRef, {"reservationId": "rsv_x"}, TENANT),
+    "/api/compute/reservations/cancel": (schemas.ReservationRef, {"reservationId": "rsv_x"}, TENANT),
+    "/api/compute/reservations/extend": (schemas.ExtendBody, {"reservationId": "rsv_x", "by": 1000}, TENANT),
+    "/api/compute/reservations/quote": (schemas.CreateBody, {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1}, TENANT),
+    "/api/compute/events/list": (schemas.EventsBody, {}, TENANT),
+    "/api/compute/operations/wait": (schemas.OperationWait, {"operationId": "op_x_0", "timeoutMs": 0}, TENANT),
+    "/api/compute/usage/list": (schemas.UsageBody, {}, TENANT),
+    "/api/nodes/register": (nodewire.RegisterRequest, {"hostname": "fuzz.test", "inventory": None}, BOOTSTRAP),
+    "/api/nodes/heartbeat": (nodewire.HeartbeatRequest, {}, NODE),
+    "/api/nodes/watch": (nodewire.WatchRequest, {"timeoutMs": 0}, NODE),
+    "/api/nodes/report": (nodewire.ReportRequest, {"reports": [{"reservationId": "rsv_x", "status": "unbound"}]}, NODE),
 }
 
 
-def _bad_values(t: mi.Type, path: str) -> list[tuple[object, str]]:
-    """(value, field path the refusal must name) that the type refuses."""
+def inventory() -> dict:
+    from tests.controlplane.test_nodes import inventory as simulated
+
+    return simulated("fuzz.test")
+
+
+def _bad_values(t: mi.Type, base) -> list[tuple[tuple, object, str]]:
+    """(path, value, the field the refusal must name) for each value the type refuses, the path relative to t."""
     if isinstance(t, mi.UnionType):
         inner = [x for x in t.types if not isinstance(x, mi.NoneType)]
-        return _bad_values(inner[0], path) if len(inner) == 1 else [([], path)]
+        return _bad_values(inner[0], base) if len(inner) == 1 else [((), [], "")]
     if isinstance(t, mi.IntType):
         out = ["1", 1.5, True, [], {}]
         if t.ge is not None:
             out.append(t.ge - 1)
         if t.le is not None:
             out.append(t.le + 1)
-        return [(v, path) for v in out]
+        return [((), v, "") for v in out]
     if isinstance(t, mi.FloatType):
         out = ["x", True, [], {}]
         if t.ge is not None:
@@ -46,38 +64,67 @@ def _bad_values(t: mi.Type, path: str) -> list[tuple[object, str]]:
             out.append(t.gt)
         if t.le is not None:
             out.append(t.le + 1)
-        return [(v, path) for v in out]
+        return [((), v, "") for v in out]
     if isinstance(t, mi.StrType):
         out = [1, True, [], {}]
         if t.min_length:
             out.append("")
         if t.max_length is not None:
             out.append("x" * (t.max_length + 1))
-        return [(v, path) for v in out]
+        return [((), v, "") for v in out]
     if isinstance(t, mi.BoolType):
-        return [(v, path) for v in (1, "true", [], {})]
+        return [((), v, "") for v in (1, "true", [], {})]
     if isinstance(t, mi.LiteralType):
-        return [(v, path) for v in ("nope", 1)]
+        return [((), v, "") for v in ("nope", 1)]
+    if isinstance(t, (mi.ListType, mi.TupleType, mi.VarTupleType)):
+        out: list[tuple[tuple, object, str]] = [((), 1, ""), ((), "x", "")]
+        item = getattr(t, "item_type", None)
+        if item is not None and isinstance(base, list) and base:
+            out += [((0, *p), v, f"[0]{f}") for p, v, f in _bad_values(item, base[0])]
+        if getattr(t, "max_length", None) is not None and isinstance(base, list) and base:
+            out.append(((), base * (t.max_length + 1), ""))
+        return out
     if isinstance(t, mi.StructType):
-        out = [(1, path), ("x", path), ([], path), ({"bogus": 1}, f"{path}.bogus")]
+        out = [((), 1, ""), ((), "x", ""), ((), [], ""), ((("bogus",), 1, ".bogus"))]
+        here = base if isinstance(base, dict) else {}
         for f in t.fields:
-            out += [({f.encode_name: v}, p) for v, p in _bad_values(f.type, f"{path}.{f.encode_name}")]
+            out += [((f.encode_name, *p), v, f".{f.encode_name}{sub}")
+                    for p, v, sub in _bad_values(f.type, here.get(f.encode_name))]
         return out
     return []
 
 
+def _set(doc, path: tuple, value):
+    """A copy of doc with the value at path (dicts made where missing)."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(head, int):
+        items = list(doc)
+        items[head] = _set(items[head], rest, value)
+        return items
+    out = dict(doc) if isinstance(doc, dict) else {}
+    out[head] = _set(out.get(head), rest, value)
+    return out
+
+
 def _cases():
+    inv = inventory()
     cases = []
-    for method, (schema, base) in METHODS.items():
+    for method, (schema, base, who) in METHODS.items():
+        base = {k: (inv if v is None and k == "inventory" else v) for k, v in base.items()}
         info = mi.type_info(schema)
         for f in info.fields:
-            for value, field in _bad_values(f.type, f.encode_name):
-                cases.append((method, json.dumps({**base, f.encode_name: value}).encode(), field))
+            for path, value, sub in _bad_values(f.type, base.get(f.encode_name)):
+                field = (f.encode_name + sub).replace(".[", "[")
+                cases.append((method, json.dumps(_set(base, (f.encode_name, *path), value)).encode(), field, who))
             if f.required:
-                cases.append((method, json.dumps({k: v for k, v in base.items() if k != f.encode_name}).encode(), f.encode_name))
-        cases.append((method, json.dumps({**base, "unexpected": 1}).encode(), "unexpected"))
-        for raw in (b"[]", b"1", b'"x"', b"null", b"{", b"\xff\xfe", b'{"a":}'):
-            cases.append((method, raw, "body"))
+                cases.append((method, json.dumps({k: v for k, v in base.items() if k != f.encode_name}).encode(),
+                              f.encode_name, who))
+        cases.append((method, json.dumps({**base, "unexpected": 1}).encode(), "unexpected", who))
+        for raw in (b"[]", b"1", b'"x"', b"null", b"{", b"\xff\xfe", b'{"a":}', b'{"a": 1, "a": 2}',
+                    b"[" * 100_000 + b"]" * 100_000, b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}"):
+            cases.append((method, raw, "body", who))
     return cases
 
 
@@ -89,16 +136,19 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("fuzz")
     (path / "b.json").write_text(json.dumps(bootstrap_doc()))
     with ServerProcess(path / "cp.db", path / "b.json", ["--synchronous", "NORMAL"]) as proc:
+        status, doc = proc.post("/api/nodes/register", BOOTSTRAP, {"hostname": "h1.test", "inventory": inventory()})
+        assert status == 200, doc
+        proc.tokens = {TENANT: TOKENS["alice"], BOOTSTRAP: BOOTSTRAP, NODE: doc["nodeToken"]}
         yield proc
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_schema_field_refuses_wrong_values_naming_itself(server, method):
-    for path, raw, field in [c for c in CASES if c[0] == method]:
-        status, doc = server.post(path, TOKENS["alice"], raw)
-        assert status == 400, (raw, status, doc)
-        assert doc["error"]["code"] == "INVALID_INPUT", (raw, doc)
-        assert doc["error"]["details"]["field"] == field, (raw, doc)
+    for path, raw, field, who in [c for c in CASES if c[0] == method]:
+        status, doc = server.post(path, server.tokens[who], raw)
+        assert status == 400, (raw[:300], status, doc)
+        assert doc["error"]["code"] == "INVALID_INPUT", (raw[:300], doc)
+        assert doc["error"]["details"]["field"] == field, (raw[:300], doc)
 
 
 json_values = st.recursive(
@@ -115,7 +165,7 @@ json_values = st.recursive(
                      "wait", "state", "x"]),
     json_values, max_size=6))
 def test_random_bodies_never_produce_a_500(server, method, body):
-    status, doc = server.post(method, TOKENS["alice"], json.dumps(body).encode())
+    status, doc = server.post(method, server.tokens[METHODS[method][2]], json.dumps(body).encode())
     assert status < 500, (body, status, doc)
     if status >= 400:
         assert set(doc["error"]) == {"code", "message", "details"}

@@ -1,0 +1,76 @@
+"""Reading a request's JSON body: the one place every handler reads one, with the checks the wire schemas cannot make.
+
+In order: the Content-Type must be JSON (415 otherwise); the body must
+arrive within the body timeout (408); its structure is checked before it is
+decoded: nesting at most MAX_DEPTH deep (deeper is refused rather than
+recursed into), and no object may name a key twice (JSON leaves duplicates
+undefined; taking the last silently would let two readers see two requests);
+then it is decoded strictly into its schema (schemas.decode: INVALID_INPUT
+naming the field). Every refusal here is a 4xx naming `body` (or
+`Content-Type`), answered in the error envelope (api/errors.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from controlplane import schemas
+from controlplane.domain.errors import INVALID_INPUT, DomainError
+
+MAX_DEPTH = 32  # nested arrays and objects; the deepest document of the API (an inventory) is 6 deep
+BODY_TIMEOUT_S = 10.0  # the whole body must arrive within this, once the headers did
+JSON_TYPES = frozenset({"application/json", ""})  # "" : no Content-Type with an empty body
+
+# A JSON string (with its escapes), or one of the structural characters; everything else is skipped.
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:]')
+
+
+def check_structure(raw: bytes, max_depth: int = MAX_DEPTH) -> None:
+    """INVALID_INPUT when the body nests deeper than max_depth or an object names a key twice."""
+    stack: list[set | None] = []  # per open container: the keys seen (object) or None (array)
+    last = b""
+    for m in _TOKEN.finditer(raw):
+        tok = m.group()
+        first = tok[0]
+        if first == 0x7B or first == 0x5B:  # { [
+            if len(stack) >= max_depth:
+                raise DomainError(INVALID_INPUT, f"body: nested deeper than {max_depth} levels",
+                                  {"field": "body", "rule": f"at most {max_depth} nested arrays and objects"})
+            stack.append(set() if first == 0x7B else None)
+        elif first == 0x7D or first == 0x5D:  # } ]
+            if stack:
+                stack.pop()
+        elif first == 0x3A:  # ':' after a key
+            keys = stack[-1] if stack else None
+            if keys is not None and last[:1] == b'"':
+                try:
+                    key = msgspec.json.decode(last)
+                except msgspec.DecodeError:
+                    return  # not JSON at all: the decoder says so, naming the body
+                if key in keys:
+                    raise DomainError(INVALID_INPUT, f"body: the key {key[:64]!r} appears twice in one object",
+                                      {"field": "body", "rule": "each key at most once per object", "key": key[:64]})
+                keys.add(key)
+        last = tok
+
+
+async def read_json(request: web.Request, schema: type[msgspec.Struct]) -> Any:
+    """The request's body decoded into schema, after the checks above."""
+    return schemas.decode(await read_checked(request), schema)
+
+
+async def read_checked(request: web.Request) -> bytes:
+    """The request's raw body, once its media type, its arrival and its structure passed."""
+    if request.content_type not in JSON_TYPES or (request.content_type == "" and request.can_read_body):
+        raise web.HTTPUnsupportedMediaType(reason=f"Content-Type: {request.content_type or 'none'} is not "
+                                                  "application/json")
+    try:
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise web.HTTPRequestTimeout(reason=f"body: not received within {BODY_TIMEOUT_S:g} s") from None
+    check_structure(raw)
+    return raw

@@ -1,0 +1,103 @@
+"""Hostile clients against a real server process: bytes that are not UTF-8 in headers, bodies that are not JSON
+objects or nest without end, repeated keys, wrong media types, values past every bound. Each is a 4xx naming the
+field, never a 5xx, and changes nothing."""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.controlplane.conftest import TOKENS, bootstrap_doc
+from tests.serverproc import ServerProcess
+
+POST_ROUTES = [
+    "/api/compute/reservations/create", "/api/compute/reservations/get", "/api/compute/reservations/list",
+    "/api/compute/reservations/release", "/api/compute/reservations/cancel", "/api/compute/reservations/extend",
+    "/api/compute/reservations/renew", "/api/compute/reservations/quote", "/api/compute/events/list",
+    "/api/compute/operations/get", "/api/compute/operations/wait", "/api/compute/usage/list",
+    "/api/iam/confirmations/list", "/api/iam/confirmations/get", "/api/iam/confirmations/approve",
+    "/api/iam/confirmations/deny", "/api/nodes/register", "/api/nodes/heartbeat", "/api/nodes/watch",
+    "/api/nodes/report", "/api/admin/bootstrap", "/api/admin/tenants/budget",
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hostile")
+    (path / "b.json").write_text(json.dumps(bootstrap_doc()))
+    with ServerProcess(path / "cp.db", path / "b.json", ["--synchronous", "NORMAL"]) as proc:
+        from tests.controlplane.test_nodes import inventory
+
+        status, doc = proc.post("/api/nodes/register", "node-token-h100-000001",
+                                {"hostname": "h1.test", "inventory": inventory("h1.test")})
+        assert status == 200, doc
+        proc.node_token = doc["nodeToken"]
+        yield proc
+
+
+def raw_request(server, path: str, headers: list[bytes], body: bytes = b"{}") -> tuple[int, dict]:
+    """One HTTP/1.1 request written byte for byte (so headers can carry any bytes)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    head = [b"POST " + path.encode() + b" HTTP/1.1", b"Host: " + host.encode(), b"Connection: close",
+            b"Content-Type: application/json", b"Content-Length: " + str(len(body)).encode(), *headers]
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    payload = data.split(b"\r\n\r\n", 1)[1]
+    return status, json.loads(payload) if payload.startswith(b"{") else {}
+
+
+def test_the_route_table_is_the_one_tested():
+    from controlplane.api.app import create_app
+    from controlplane.wiring import Config
+
+    app = create_app(Config())
+    registered = {r.resource.canonical for r in app.router.routes() if r.method == "POST"}
+    assert set(POST_ROUTES) == registered
+
+
+@pytest.mark.parametrize("path", POST_ROUTES)
+def test_a_token_that_is_not_utf_8_is_401_on_every_route(server, path):
+    status, doc = raw_request(server, path, [b"Authorization: Bearer token-\xff\xfe-acme"])
+    assert (401, "UNAUTHENTICATED", "Authorization") == (status, doc["error"]["code"], doc["error"]["details"]["field"])
+
+
+def test_an_idempotency_key_that_is_not_utf_8_is_400(server):
+    body = json.dumps({"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1}).encode()
+    status, doc = raw_request(server, "/api/compute/reservations/create",
+                              [f"Authorization: Bearer {TOKENS['alice']}".encode(), b"Idempotency-Key: k-\xff"], body)
+    assert (400, "Idempotency-Key") == (status, doc["error"]["details"]["field"])
+    listed = server.post("/api/compute/reservations/list", TOKENS["alice"], {})[1]["reservations"]
+    assert [] == listed  # nothing was created
+
+
+@pytest.mark.parametrize("body, rule", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested deeper than 32"),
+    (b'{"poolId": "h100", "unknown": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_000 + b"}", "nested deeper than 32"),
+    (b'{"poolId": "h100", "poolId": "mig"}', "appears twice"),
+])
+@pytest.mark.parametrize("path", ["/api/compute/reservations/create", "/api/nodes/heartbeat"])
+def test_nesting_past_the_limit_and_repeated_keys_are_400_naming_the_body(server, path, body, rule):
+    token = server.node_token if path.startswith("/api/nodes/") else TOKENS["alice"]
+    status, doc = server.post(path, token, body)
+    assert (400, "body") == (status, doc["error"]["details"]["field"]) and rule in doc["error"]["message"]
+
+
+def test_a_body_that_is_not_json_is_415(server):
+    status, doc = server.post("/api/compute/reservations/list", TOKENS["alice"], b"scope=all",
+                              headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert (415, "INVALID_INPUT", "Content-Type") == (status, doc["error"]["code"], doc["error"]["details"]["field"])
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/api/compute/events/list", {"after": 2 ** 63}, "after"),
+    ("/api/compute/reservations/create", {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1,
+                                          "durationHours": 1, "maxHourlyPrice": "9" * 29}, "maxHourlyPrice"),
+])
+def test_values_past_their_bounds_are_400(server, path, body, field):
+    status, doc = server.post(path, TOKENS["alice"], body)
+    assert (400, field) == (status, doc["error"]["details"]["field"])
