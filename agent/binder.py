@@ -136,7 +136,7 @@ class Binder:
     def _entry(self, want: Want, state, now: int) -> BindingEntry:
         return BindingEntry(reservationId=want.reservation_id, state=state, spec=want.fingerprint,
                             cgroup=str(self.cgroup_of(want.reservation_id)),
-                            tenantId=want.tenant_id, principalId=want.principal_id, devices=list(want.devices),
+                            parts=[str(d) for d in self.parts_of(want.reservation_id)], tenantId=want.tenant_id, principalId=want.principal_id, devices=list(want.devices),
                             unenforced=list(want.unenforced), updatedAtMs=now)
 
     def _report_once(self, rid: str, report: Report, tag: str) -> Report | None:
@@ -202,6 +202,11 @@ class Binder:
     def cgroup_of(self, reservation_id: str) -> Path:
         """The one place a reservation's cgroup path is made."""
         return self.subtree.path(self.subtree.name_for(reservation_id))
+
+    def parts_of(self, reservation_id: str) -> list[Path]:
+        """Its directories in the cgroup v1 hierarchies the subtree enforces on (none on a cgroup2-only host)."""
+        name = self.subtree.name_for(reservation_id)
+        return list(dict.fromkeys(root / name for root in self.subtree.v1_roots.values()))
 
     def forget_reports(self) -> None:
         """After a new register the control plane may know nothing of what was told: tell it everything again."""

@@ -58,6 +58,7 @@ class BindingEntry(msgspec.Struct, forbid_unknown_fields=True):
     spec: str  # fingerprint of the share and rules applied (agent.bindspec.Want.fingerprint)
     cgroup: str
     tenantId: str = ""
+    parts: list[str] = []  # its directories in the cgroup v1 hierarchies (berth exec joins them too)
     principalId: str = ""
     devices: list[str] = []
     unenforced: list[str] = []

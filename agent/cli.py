@@ -133,8 +133,14 @@ def _runtime_parser() -> argparse.ArgumentParser:
                    help="a uid (or user name) that may `berth exec` into any reservation bound here (repeatable)")
     p.add_argument("--exec-allow-group", action="append", metavar="GROUP", default=[],
                    help="members of this group (name or gid) may `berth exec` into any reservation (repeatable)")
+    p.add_argument("--exec-tenant-user", action="append", metavar="TENANT=USER[:GROUP]", default=[],
+                   help="the unprivileged user (name or uid) this tenant's `berth exec` workloads run as here; that "
+                        "user may also `berth exec` into the tenant's reservations (repeatable; a tenant without "
+                        "one cannot run work on this node)")
     p.add_argument("--exec-tenant-uid", action="append", metavar="TENANT=UID", default=[],
                    help="this uid may `berth exec` into the reservations of this tenant only (repeatable)")
+    p.add_argument("--exec-allow-root", action="store_true",
+                   help="let root run `berth exec --as-root` (root inside a reservation is NOT confined)")
     p.add_argument("--nvml-library", metavar="PATH", default=env("BERTH_NVML_LIBRARY"),
                    help="load NVML from this file instead of libnvidia-ml.so.1 (env BERTH_NVML_LIBRARY)")
     p.add_argument("--reserve-vcpu", type=float, default=1.0, metavar="N", help="CPUs kept for the system (default 1)")
@@ -195,7 +201,8 @@ def runtime_main(argv: list[str]) -> int:
         parser.error(f"--metrics-listen {args.metrics_listen!r}: expected HOST:PORT")
     try:
         reserve = Reserve.of(args.reserve_vcpu, args.reserve_memory_gib)
-        policy = ExecPolicy.from_options(args.exec_allow_uid, args.exec_allow_group, args.exec_tenant_uid)
+        policy = ExecPolicy.from_options(args.exec_allow_uid, args.exec_allow_group, args.exec_tenant_uid,
+                                          args.exec_tenant_user, args.exec_allow_root)
         classes = DeviceClasses.from_file(args.device_classes) if args.device_classes else None
     except ValueError as exc:
         parser.error(str(exc))

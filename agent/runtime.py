@@ -252,7 +252,10 @@ class Agent:
         if entry is None or entry.state != "completed":
             return None
         path = self.controller.cgroup_of(rid)
-        return Target(entry.tenantId, path.name, path) if path.is_dir() else None
+        if not path.is_dir():
+            return None
+        assert self.subtree is not None
+        return Target(entry.tenantId, path.name, path, tuple(self.subtree.procs_paths(path.name)))
 
     # -- status ---------------------------------------------------------------
 
@@ -294,8 +297,9 @@ class Agent:
         try:
             await asyncio.to_thread(self.prepare)
             assert self.subtree is not None
+            self.config.exec_policy.write(self.state.path)  # where `berth exec` run as root reads it
             self._exec_gate = ExecGate(self.state.exec_socket, self.config.exec_policy, self._exec_target,
-                                       self.subtree.move, proc=self.config.proc)
+                                       proc=self.config.proc)
             self._exec_gate.log = self.log
             await self._exec_gate.start()
             await self._start_metrics()

@@ -1,14 +1,20 @@
-"""`berth exec`: refuses what is not bound here or not allowed, and runs a permitted command inside the
-reservation's cgroup, where its GPU's device node opens (ENXIO: no driver behind it) and another GPU's does not
-(EPERM). As root directly; as another uid through the agent's exec socket (SO_PEERCRED)."""
+"""`berth exec`: refuses what is not bound here or not allowed, and runs a permitted command confined inside the
+reservation: in its cgroup, where its GPU's device node opens (ENXIO: no driver behind it) and another GPU's does
+not (EPERM); in its own cgroup namespace; as the tenant's workload user with no capabilities and no_new_privs,
+so that it cannot move itself out, join another reservation or change any cgroup file. As root directly; as
+another uid through the agent's exec socket (SO_PEERCRED, the caller's stdio passed with SCM_RIGHTS)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -21,12 +27,19 @@ from agent.checkpoint import Checkpoint, read_boot_id
 from agent.execgate import ExecGate, ExecPolicy, Target
 from common.nodewire import Binding, BindingShare, BindingUnit
 from cgroups import Subtree
+from cgroups import host as host_mod
 from tests.cgroups.conftest import bpf_works, own_cgroup2  # noqa: F401 (fixtures)
-from tests.e2e.conftest import PROBE, device_nodes  # noqa: F401 (fixture)
+from tests.e2e.conftest import PROBE, SYSTEM_PYTHON, WORKLOAD_UID, device_nodes  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
-SYSTEM_PYTHON = "/usr/bin/python3"
+# What the workload is: its cgroup line, ids and capabilities (one "key value" line each).
+STATUS = ("import os\n"
+          "print('cgroup', open('/proc/self/cgroup').read().splitlines()[-1])\n"
+          "print('uid', *os.getresuid()); print('gid', *os.getresgid()); print('groups', *os.getgroups())\n"
+          "for line in open('/proc/self/status'):\n"
+          "    k, _, v = line.partition(':')\n"
+          "    if k in ('CapPrm', 'CapEff', 'CapBnd', 'CapAmb', 'NoNewPrivs'): print(k, int(v.strip(), 16))\n")
 
 
 def berth_exec(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
@@ -57,11 +70,9 @@ def test_a_reservation_not_bound_here_is_refused_with_exit_3(tmp_path):
     cp.save()
     out = berth_exec("--state-dir", str(tmp_path), "rsv_nope", "--", "true")
     assert 3 == out.returncode and "reservation rsv_nope is not bound on this node (not known" in out.stderr
-
-
 def test_without_root_and_without_an_agent_exec_says_it_needs_one(tmp_path):
     with pytest.raises(agent_exec.ExecRefused) as err:
-        agent_exec.ask_agent("r1", tmp_path / "exec.sock")
+        agent_exec.through_agent("r1", tmp_path / "exec.sock", ["true"])
     assert agent_exec.EXIT_MOVE == err.value.code and "cannot reach the agent" in str(err.value)
 
 
@@ -70,35 +81,122 @@ def test_without_root_and_without_an_agent_exec_says_it_needs_one(tmp_path):
 
 @pytest.fixture
 def bound(own_cgroup2, bpf_works, tmp_path, host):
-    """A reservation r1 on GPU 0 of a simulated 4-GPU host, bound by the agent's binder; state dir reachable by
-    other users (mode 0711, as the agent makes it) under /tmp."""
+    """Reservation r1 of acme on GPU 0 and r2 of globex on GPU 1 of a simulated 4-GPU host, bound by the agent's
+    binder; acme's workload user is WORKLOAD_UID (globex has none); the state dir is reachable by other users
+    (mode 0711, as the agent makes it) under /tmp."""
     state = Path(f"/tmp/berth-test-state-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     state.mkdir(mode=0o711)
     os.chmod(state, 0o711)
-    inv = host.inventory
     root = own_cgroup2 / "workloads"
     binder = Binder(Subtree(root, controllers=()),
                     Checkpoint.load(state / "checkpoint.json", boot_id=read_boot_id(), cgroup_root=str(root)))
-    b = Binding(reservationId="r1", kind="hold", tenantId="acme", principalId="alice", start=0, end=1,
-                units=[BindingUnit(unit="gpu0", gpuIndex=0, uuid=inv.gpus[0].uuid)], share=BindingShare())
-    [o] = binder.run(plan({"r1": want_of(b, host)}, binder.actual()))
-    assert o.ok
+    wanted = {}
+    for rid, tenant, gpu in (("r1", "acme", 0), ("r2", "globex", 1)):
+        b = Binding(reservationId=rid, kind="hold", tenantId=tenant, principalId="p", start=0, end=1,
+                    units=[BindingUnit(unit=f"gpu{gpu}", gpuIndex=gpu, uuid=host.inventory.gpus[gpu].uuid)],
+                    share=BindingShare())
+        wanted[rid] = want_of(b, host)
+    assert all(o.ok for o in binder.run(plan(wanted, binder.actual())))
+    ExecPolicy.from_options(tenant_users=[f"acme={WORKLOAD_UID}"]).write(state)
     try:
         yield binder, state
     finally:
         shutil.rmtree(state, ignore_errors=True)
 
 
+def allow_root(state: Path) -> None:
+    ExecPolicy.from_options(tenant_users=[f"acme={WORKLOAD_UID}"], allow_root=True).write(state)
+
+
 @pytest.mark.kernel
-def test_root_runs_the_command_inside_the_reservation_with_its_devices_only(bound, device_nodes):
+def test_root_runs_the_command_confined_inside_the_reservation_with_its_devices_only(bound, device_nodes):
     binder, state = bound
-    out = berth_exec("--state-dir", str(state), "r1", "--", sys.executable, "-c",
-                     PROBE + "print(open('/proc/self/cgroup').read().strip().splitlines()[-1])",
+    out = berth_exec("--state-dir", str(state), "r1", "--", SYSTEM_PYTHON, "-c", PROBE + STATUS,
                      str(device_nodes / "nvidia0"), str(device_nodes / "nvidia1"), "/dev/null")
     assert 0 == out.returncode, out.stderr
     lines = out.stdout.splitlines()
     assert [f"{device_nodes}/nvidia0 ENXIO", f"{device_nodes}/nvidia1 EPERM", "/dev/null OK"] == lines[:3]
-    assert lines[3].endswith("/workloads/rsv-r1")
+    status = dict(line.split(" ", 1) for line in lines[3:])
+    # its own cgroup namespace (rooted at the reservation), the tenant's user, no capabilities, no_new_privs
+    assert {"cgroup": "0::/", "uid": f"{WORKLOAD_UID} {WORKLOAD_UID} {WORKLOAD_UID}",
+            "gid": f"{WORKLOAD_UID} {WORKLOAD_UID} {WORKLOAD_UID}", "groups": str(WORKLOAD_UID), "CapPrm": "0",
+            "CapEff": "0", "CapBnd": "0", "CapAmb": "0", "NoNewPrivs": "1"} == status
+
+
+# What a root workload did to escape (issue: writes its pid into the parent's cgroup.procs, joins another tenant's
+# reservation, creates child cgroups, writes cgroup.kill). Each attempt prints the errno it got, or ESCAPED.
+ESCAPES = """
+import errno, os, sys
+own, top, other = sys.argv[1], sys.argv[2], sys.argv[3]
+def attempt(what, fn):
+    try:
+        fn(); print(what, 'ESCAPED')
+    except OSError as e:
+        print(what, errno.errorcode[e.errno])
+def write(path, text):
+    with open(path, 'w') as f: f.write(text)
+me = str(os.getpid())
+attempt('parent-procs', lambda: write(os.path.join(os.path.dirname(own), 'cgroup.procs'), me))
+attempt('top-procs', lambda: write(os.path.join(top, 'cgroup.procs'), me))
+attempt('other-procs', lambda: write(os.path.join(other, 'cgroup.procs'), me))
+attempt('own-procs', lambda: write(os.path.join(own, 'cgroup.procs'), me))
+attempt('mkdir-child', lambda: os.mkdir(os.path.join(own, 'escape')))
+attempt('own-kill', lambda: write(os.path.join(own, 'cgroup.kill'), '1'))
+attempt('other-kill', lambda: write(os.path.join(other, 'cgroup.kill'), '1'))
+attempt('own-subtree', lambda: write(os.path.join(own, 'cgroup.subtree_control'), '+memory'))
+d, writable = own, []
+while True:
+    for name in sorted(os.listdir(d)):
+        if name.startswith('cgroup.') and os.access(os.path.join(d, name), os.W_OK):
+            writable.append(os.path.join(d, name))
+    if d == top:
+        break
+    d = os.path.dirname(d)
+print('writable', len(writable), *writable)
+print('cgroup', open('/proc/self/cgroup').read().splitlines()[-1])
+"""
+
+
+@pytest.mark.kernel
+def test_the_default_workload_cannot_leave_enter_another_reservation_or_change_any_cgroup(bound):
+    binder, state = bound
+    own, other = binder.cgroup_of("r1"), binder.cgroup_of("r2")
+    mount = host_mod.cgroup2_mount()
+    # every file of the reservation's cgroup is root's and not writable by others
+    for f in own.iterdir():
+        st = f.stat()
+        assert (0, 0) == (st.st_uid, st.st_mode & 0o022), f
+    out = berth_exec("--state-dir", str(state), "r1", "--", SYSTEM_PYTHON, "-c", ESCAPES, str(own), str(mount),
+                     str(other))
+    assert 0 == out.returncode, out.stderr
+    got = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    for what in ("parent-procs", "top-procs", "other-procs", "own-procs", "mkdir-child", "own-kill", "other-kill",
+                 "own-subtree"):
+        assert got[what] in ("EACCES", "EPERM", "ENOENT"), (what, got[what])
+    assert ("0", "0::/") == (got["writable"], got["cgroup"].strip())
+    assert not (own / "escape").exists() and [] == binder.subtree.procs("rsv-r2")
+
+
+@pytest.mark.kernel
+def test_as_root_is_refused_unless_the_node_allows_it_and_then_says_root_is_not_confined(bound):
+    binder, state = bound
+    out = berth_exec("--state-dir", str(state), "--as-root", "r1", "--", "id", "-u")
+    assert (4, True) == (out.returncode, "--exec-allow-root" in out.stderr), out.stderr
+    allow_root(state)
+    out = berth_exec("--state-dir", str(state), "--as-root", "r1", "--", "sh", "-c",
+                     "id -u; tail -n1 /proc/self/cgroup")
+    assert 0 == out.returncode, out.stderr
+    assert ["0", "0::/"] == out.stdout.split("\n")[:2]
+    assert "WARNING" in out.stderr and "root is NOT confined" in out.stderr
+
+
+@pytest.mark.kernel
+def test_a_tenant_without_a_workload_user_cannot_run_work_and_is_told_how_to_map_one(bound):
+    _, state = bound
+    out = berth_exec("--state-dir", str(state), "r2", "--", "true")
+    assert 4 == out.returncode
+    assert "tenant 'globex' has no workload user on this node" in out.stderr
+    assert "--exec-tenant-user globex=USER" in out.stderr
 
 
 @pytest.mark.kernel
@@ -106,6 +204,9 @@ def test_the_commands_exit_status_is_passed_through(bound):
     _, state = bound
     assert 7 == berth_exec("--state-dir", str(state), "r1", "--", "sh", "-c", "exit 7").returncode
     assert 127 == berth_exec("--state-dir", str(state), "r1", "--", "no-such-command-xyz").returncode
+
+
+# -- callers other than root, through the agent's socket -----------------------------------------------------
 
 
 class GateThread:
@@ -128,33 +229,48 @@ class GateThread:
         self.loop.close()
 
 
-def as_nobody(argv: list[str]) -> tuple[int, str, str]:
-    """Fork, drop to uid/gid 65534, and run agent.exec.main(argv) there (it execs the command)."""
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: nothing but syscalls and agent.exec until it execs or exits
-        try:
-            os.dup2(out_w, 1)
-            os.dup2(err_w, 2)
-            os.setgroups([])
-            os.setresgid(NOBODY, NOBODY, NOBODY)
-            os.setresuid(NOBODY, NOBODY, NOBODY)
-            sys.stdout = os.fdopen(1, "w", closefd=False)
-            sys.stderr = os.fdopen(2, "w", closefd=False)
-            code = agent_exec.main(argv)
-        except BaseException as exc:  # noqa: BLE001
-            os.write(2, repr(exc).encode())
-            code = 99
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    os.close(out_w)
-    os.close(err_w)
-    with os.fdopen(out_r) as o, os.fdopen(err_r) as e:
-        stdout, stderr = o.read(), e.read()
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), stdout, stderr
+class AsNobody:
+    """A forked child that drops to uid/gid 65534 and runs agent.exec.main(argv) (it returns the command's status)."""
+
+    def __init__(self, argv: list[str], stdin: bytes = b"") -> None:
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: nothing but syscalls and agent.exec until it exits
+            try:
+                os.dup2(in_r, 0)
+                os.dup2(out_w, 1)
+                os.dup2(err_w, 2)
+                for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+                    os.close(fd)
+                os.setgroups([])
+                os.setresgid(NOBODY, NOBODY, NOBODY)
+                os.setresuid(NOBODY, NOBODY, NOBODY)
+                sys.stdout = os.fdopen(1, "w", closefd=False)
+                sys.stderr = os.fdopen(2, "w", closefd=False)
+                code = agent_exec.main(argv)
+            except BaseException as exc:  # noqa: BLE001
+                os.write(2, repr(exc).encode())
+                code = 99
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        os.write(in_w, stdin)
+        os.close(in_w)
+        self.pid, self._out, self._err = pid, out_r, err_r
+
+    def wait(self) -> tuple[int, str, str]:
+        with os.fdopen(self._out) as o, os.fdopen(self._err) as e:
+            stdout, stderr = o.read(), e.read()
+        _, status = os.waitpid(self.pid, 0)
+        return os.waitstatus_to_exitcode(status), stdout, stderr
+
+
+def as_nobody(argv: list[str], stdin: bytes = b"") -> tuple[int, str, str]:
+    return AsNobody(argv, stdin).wait()
 
 
 def gate_for(binder: Binder, state: Path, policy: ExecPolicy) -> ExecGate:
@@ -162,31 +278,79 @@ def gate_for(binder: Binder, state: Path, policy: ExecPolicy) -> ExecGate:
         entry = binder.checkpoint.bindings.get(rid)
         if entry is None or entry.state != "completed":
             return None
-        return Target(entry.tenantId, f"rsv-{rid}", binder.subtree.root / f"rsv-{rid}")
+        name = f"rsv-{rid}"
+        return Target(entry.tenantId, name, binder.subtree.root / name, tuple(binder.subtree.procs_paths(name)))
 
-    return ExecGate(state / "exec.sock", policy, lookup, binder.subtree.move)
+    return ExecGate(state / "exec.sock", policy, lookup)
+
+
+NOBODY_MAY_ACME = ExecPolicy.from_options(tenant_uids=[f"acme={NOBODY}"], tenant_users=[f"acme={WORKLOAD_UID}"])
 
 
 @pytest.mark.kernel
 @pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"{SYSTEM_PYTHON} is needed to run as another uid")
-def test_an_allowed_uid_enters_through_the_agents_socket_and_sees_only_its_gpu(bound, device_nodes):
+def test_an_allowed_uid_starts_the_tenants_confined_workload_through_the_agents_socket(bound, device_nodes):
     binder, state = bound
-    policy = ExecPolicy.from_options(tenant_uids=[f"acme={NOBODY}"])
-    with GateThread(gate_for(binder, state, policy)):
+    with GateThread(gate_for(binder, state, NOBODY_MAY_ACME)):
         code, out, err = as_nobody(["--state-dir", str(state), "r1", "--", SYSTEM_PYTHON, "-c",
-                                    PROBE + "import os; print('uid', os.getuid())",
-                                    str(device_nodes / "nvidia0"), str(device_nodes / "nvidia2")])
+                                    PROBE + STATUS + "import sys; print('stdin', sys.stdin.read().strip())",
+                                    str(device_nodes / "nvidia0"), str(device_nodes / "nvidia2")], stdin=b"hello\n")
     assert 0 == code, err
-    assert [f"{device_nodes}/nvidia0 ENXIO", f"{device_nodes}/nvidia2 EPERM", f"uid {NOBODY}"] == out.splitlines()
+    lines = out.splitlines()
+    assert [f"{device_nodes}/nvidia0 ENXIO", f"{device_nodes}/nvidia2 EPERM"] == lines[:2]
+    status = dict(line.split(" ", 1) for line in lines[2:])
+    # it runs as acme's workload user, not as the caller; the caller's stdin reached it
+    assert {"cgroup": "0::/", "uid": f"{WORKLOAD_UID} {WORKLOAD_UID} {WORKLOAD_UID}", "CapEff": "0", "CapBnd": "0",
+            "NoNewPrivs": "1", "stdin": "hello"}.items() <= status.items()
+
+
+@pytest.mark.kernel
+def test_through_the_socket_the_exit_status_and_a_signal_come_back(bound):
+    binder, state = bound
+    with GateThread(gate_for(binder, state, NOBODY_MAY_ACME)):
+        assert 7 == as_nobody(["--state-dir", str(state), "r1", "--", "sh", "-c", "exit 7"])[0]
+        code, _, err = as_nobody(["--state-dir", str(state), "r1", "--", "no-such-command-xyz"])
+        assert (127, True) == (code, "command not found" in err), err
+        caller = AsNobody(["--state-dir", str(state), "r1", "--", "sleep", "600"])
+        cgroup = binder.cgroup_of("r1")
+        deadline = time.monotonic() + 10
+        while not binder.subtree.procs("rsv-r1") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [workload] = binder.subtree.procs("rsv-r1")
+        assert caller.pid not in binder.subtree.procs("rsv-r1") and (cgroup / "cgroup.procs").exists()
+        os.kill(caller.pid, signal.SIGTERM)  # forwarded to the workload's process group
+        code, _, err = caller.wait()
+    assert (128 + signal.SIGTERM, "") == (code, err)
+    assert [] == binder.subtree.procs("rsv-r1")
+    assert workload > 0
 
 
 @pytest.mark.kernel
 def test_a_uid_not_allowed_is_refused_with_exit_4_and_an_unknown_reservation_with_exit_3(bound):
     binder, state = bound
-    policy = ExecPolicy.from_options(tenant_uids=[f"globex={NOBODY}"])  # allowed elsewhere, not for acme
+    policy = ExecPolicy.from_options(tenant_uids=[f"globex={NOBODY}"], tenant_users=[f"acme={WORKLOAD_UID}"])
     with GateThread(gate_for(binder, state, policy)):
         code, _, err = as_nobody(["--state-dir", str(state), "r1", "--", "true"])
         assert (4, True) == (code, f"uid {NOBODY} may not run work in reservations of tenant 'acme'" in err), err
+        code, _, err = as_nobody(["--state-dir", str(state), "r2", "--", "true"])  # globex has no workload user
+        assert (4, True) == (code, "--exec-tenant-user globex=USER" in err), err
         code, _, err = as_nobody(["--state-dir", str(state), "r-other", "--", "true"])
         assert (3, True) == (code, "is not bound on this node" in err), err
+        code, _, err = as_nobody(["--state-dir", str(state), "--as-root", "r1", "--", "true"])
+        assert (4, True) == (code, "only root may ask for root" in err), err
+    assert [] == binder.subtree.procs("rsv-r1")
+
+
+@pytest.mark.kernel
+def test_the_socket_refuses_a_request_without_its_descriptors_or_malformed(bound):
+    binder, state = bound
+    with GateThread(gate_for(binder, state, NOBODY_MAY_ACME)):
+        for payload in (b'{"reservationId": "r1", "argv": ["true"]}\n', b"not json\n",
+                        b'{"reservationId": "r1", "argv": []}\n'):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(10)
+                s.connect(str(state / "exec.sock"))
+                s.sendall(payload)
+                answer = json.loads(s.makefile().readline())
+            assert (False, "INVALID_INPUT") == (answer["ok"], answer["code"]), answer
     assert [] == binder.subtree.procs("rsv-r1")

@@ -38,6 +38,11 @@ def test_help_lists_the_pinned_flags(capsys):
     (["--metrics-listen", "9100"], "expected HOST:PORT"),
     (["--exec-tenant-uid", "acme"], "expected TENANT=UID"),
     (["--exec-allow-group", "x-no-such-group-x"], "no such group"),
+    (["--exec-tenant-user", "acme"], "expected TENANT=USER"),
+    (["--exec-tenant-user", "acme=root"], "a tenant's workload user must not be root"),
+    (["--exec-tenant-user", "acme=64123:0"], "a tenant's workload user must not be root"),
+    (["--exec-tenant-user", "acme=x-no-such-user-x"], "no such user"),
+    (["--exec-tenant-user", "acme=64123", "--exec-tenant-user", "acme=64124"], "is given twice"),
 ])
 def test_bad_options_exit_2_naming_the_option(capsys, args, message):
     assert 2 == cli.main(["--control-plane", "http://127.0.0.1:1", "--bootstrap-token", "t", *args])

@@ -14,7 +14,7 @@ from agent import controllers, delegation
 from agent.binder import Action, Have, Refused, plan
 from agent.bindspec import BindError, HostView, refusal, simulated_devices_proc, want_of
 from agent.discovery import Discovery
-from agent.execgate import ExecPolicy
+from agent.execgate import ExecPolicy, NoWorkloadUser
 from agent.metrics import AgentMetrics
 from common.nodewire import Binding, BindingShare, BindingUnit, WatchAnswer
 from agent.link import Backoff, heartbeat_interval
@@ -247,9 +247,11 @@ def test_sd_notify_is_a_no_op_outside_systemd_and_ignores_another_processs_watch
     (1002, set(), "acme", True),  # --exec-tenant-uid acme=1002
     (1002, set(), "globex", False),
     (1003, {50}, "acme", False),
+    (64123, set(), "acme", True),  # acme's workload user
+    (64123, set(), "globex", False),
 ])
 def test_who_may_exec(uid, gids, tenant, allowed):
-    policy = ExecPolicy.from_options(["1000"], ["2000"], ["acme=1002"])
+    policy = ExecPolicy.from_options(["1000"], ["2000"], ["acme=1002"], ["acme=64123"])
     why = policy.refusal(uid, gids, tenant)
     assert allowed == (why is None), why
     if not allowed:
@@ -264,6 +266,18 @@ def test_who_may_exec(uid, gids, tenant, allowed):
 def test_a_bad_exec_option_names_itself(args, message):
     with pytest.raises(ValueError, match=message):
         ExecPolicy.from_options(*args)
+
+
+def test_the_exec_policy_file_round_trips_and_a_tenant_without_a_user_is_told_how(tmp_path):
+    policy = ExecPolicy.from_options(["1000"], [], ["acme=1002"], ["acme=64123:64200"], allow_root=True)
+    policy.write(tmp_path)
+    assert policy == ExecPolicy.read(tmp_path)
+    assert (64123, 64200, (64200,)) == (policy.workload_user("acme").uid, policy.workload_user("acme").gid,
+                                        policy.workload_user("acme").groups)
+    assert 0o644 == (tmp_path / "exec-policy.json").stat().st_mode & 0o777
+    assert ExecPolicy.read(tmp_path / "none") is None
+    with pytest.raises(NoWorkloadUser, match="--exec-tenant-user globex=USER"):
+        policy.workload_user("globex")
 
 
 # -- controllers and layout -------------------------------------------------------------------------------------

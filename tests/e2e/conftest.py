@@ -34,6 +34,11 @@ BOB = "acme-bob-token-000001"
 H100_TOKEN = "node-bootstrap-h100-0001"
 MIG_TOKEN = "node-bootstrap-mig-00001"
 NODE_TOKEN = "node-bootstrap-node-001"
+# The unprivileged user acme's workloads run as on the test agents (--exec-tenant-user acme=64123): a uid with no
+# passwd entry, so nothing on the machine is changed for it. Workloads run the distribution's python, which that
+# uid can reach (this interpreter may live below a root-only home).
+WORKLOAD_UID = 64123
+SYSTEM_PYTHON = "/usr/bin/python3"
 
 
 
@@ -303,7 +308,7 @@ class AgentProc:
         cmd = [sys.executable, "-m", "berth", "agent", "--control-plane", self.url,
                "--bootstrap-token-file", str(token_file), "--simulate", str(self.topology), "--cgroup-root", str(self.root),
                "--state-dir", str(self.state_dir), "--log-format", "json", "--backoff-max-seconds", "0.5",
-               *self.extra]
+               "--exec-tenant-user", f"acme={WORKLOAD_UID}", *self.extra]
         if self.enable_from is not None:
             cmd += ["--cgroup-enable-from", str(self.enable_from)]
         if self.netns:
@@ -426,7 +431,7 @@ PROBE = ("import errno, os, sys\n"
          "        print(p, errno.errorcode[e.errno])\n")
 
 
-def exec_open(state_dir: Path, rid: str, paths: list[Path], python: str = sys.executable,
+def exec_open(state_dir: Path, rid: str, paths: list[Path], python: str = SYSTEM_PYTHON,
               timeout: float = 20) -> dict[str, str]:
     """`berth exec RID -- python -c PROBE paths...`: what opening each path gave inside the reservation."""
     out = subprocess.run([sys.executable, "-m", "berth", "exec", "--state-dir", str(state_dir), rid, "--",

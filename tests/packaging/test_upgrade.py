@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from cgroups import bpf
-from tests.e2e.conftest import H100_TOKEN, ControlPlane, alive, pids_of, topology
+from tests.e2e.conftest import H100_TOKEN, WORKLOAD_UID, ControlPlane, alive, pids_of, topology
 from tests.packaging.conftest import (PACKAGES, PLAIN_ENV, accounts_named, dpkg_status, json_lines, run,
                                       unit_command, wait_for)
 
@@ -99,7 +99,8 @@ def test_an_upgrade_under_a_bound_reservation_keeps_the_workload_and_the_new_age
         token.touch(mode=0o600)
         token.write_text(H100_TOKEN + "\n")
         topo = topology("h100", "pkg-upgrade-host", tmp_path)
-        opts = (f"--simulate {topo} --cgroup-root {agent.root} --cgroup-enable-from {own_cgroup2} {FAST}")
+        opts = (f"--simulate {topo} --cgroup-root {agent.root} --cgroup-enable-from {own_cgroup2} {FAST} "
+                f"--exec-tenant-user acme={WORKLOAD_UID}")
         env_file = Path("/etc/berth/agent.env")
         edited = env_file.read_text().replace("BERTH_CONTROL_PLANE=\n", f"BERTH_CONTROL_PLANE={plane.url}\n")
         edited += f"BERTH_AGENT_OPTS={opts}\n"
