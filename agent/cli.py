@@ -129,6 +129,9 @@ def _runtime_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", metavar="DIR", default=env("BERTH_AGENT_STATE_DIR", DEFAULT_STATE_DIR),
                    help=f"node identity, checkpoint, lock and exec socket (default {DEFAULT_STATE_DIR})")
     p.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve /metrics and /status here")
+    p.add_argument("--machine-id-file", metavar="FILE", default=env("BERTH_MACHINE_ID_FILE", "/etc/machine-id"),
+                   help="this host's machine id, sent at register: a node lost past the grace may be taken over "
+                        "only by the host with the id it first registered with (default /etc/machine-id)")
     p.add_argument("--exec-allow-uid", action="append", metavar="UID", default=[],
                    help="a uid (or user name) that may `berth exec` into any reservation bound here (repeatable)")
     p.add_argument("--exec-allow-group", action="append", metavar="GROUP", default=[],
@@ -220,7 +223,8 @@ def runtime_main(argv: list[str]) -> int:
         metrics_listen=args.metrics_listen, nvml_library=args.nvml_library, reserve=reserve, device_classes=classes,
         exec_policy=policy, watch_timeout_ms=args.watch_timeout_ms, heartbeat_s=args.heartbeat_seconds,
         reconcile_s=args.reconcile_seconds, rediscover_s=args.rediscover_seconds,
-        backoff_max_s=args.backoff_max_seconds, request_timeout_s=args.request_timeout_seconds, proc=Path(args.proc_root), sys=Path(args.sys_root))
+        backoff_max_s=args.backoff_max_seconds, request_timeout_s=args.request_timeout_seconds, proc=Path(args.proc_root), sys=Path(args.sys_root),
+        machine_id_file=Path(args.machine_id_file))
 
     async def run() -> None:
         stop = asyncio.Event()

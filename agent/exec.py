@@ -151,7 +151,8 @@ def through_agent(reservation: str, sock_path: Path, command: list[str]) -> int:
         request = json.dumps({"reservationId": reservation, "argv": command, "env": dict(os.environ),
                               "cwd": os.getcwd()}).encode() + b"\n"
         sent = socket.send_fds(s, [request], [0, 1, 2])
-        s.sendall(request[sent:])
+        if sent < len(request):
+            s.sendall(request[sent:])
         buf = bytearray()
         answer = _read_line(s, buf)
     except OSError as exc:

@@ -58,8 +58,9 @@ class ControlPlaneLink:
                  controller: BindingController, metrics: AgentMetrics, *, inventory: Callable[[], Inventory | None],
                  agent_version: str, wall_ms: Callable[[], int], on_node: Callable[[str], None],
                  heartbeat_s: float | None = None, watch_timeout_ms: int = 25_000, backoff_min_s: float = 0.2,
-                 backoff_max_s: float = 10.0, request_timeout_s: float = 10.0) -> None:
+                 backoff_max_s: float = 10.0, request_timeout_s: float = 10.0, machine_id: str = "") -> None:
         self.control_plane = control_plane
+        self.machine_id = machine_id  # this host's /etc/machine-id, sent at register (docs/node-api.md)
         self.bootstrap_token = bootstrap_token
         self.state = state
         self.checkpoint = checkpoint
@@ -105,11 +106,18 @@ class ControlPlaneLink:
                 inv = self.inventory()
                 assert inv is not None
                 try:
-                    ans = await self.client.register(self.bootstrap_token, inv.hostname, inv, self.agent_version)
+                    ans = await self.client.register(self.bootstrap_token, inv.hostname, inv, self.agent_version,
+                                                     self.machine_id)
                     break
                 except (Unreachable, NodeApiError) as exc:
-                    level = "error" if isinstance(exc, Unauthorized) else "warning"
-                    getattr(self.log, level)("register failed; retrying", error=str(exc))
+                    # A refused token, or a node another agent holds (409: alive, or registered from another
+                    # machine): the operator must act, so say it loudly, and keep trying (a release or the
+                    # other agent's loss lets a later attempt through).
+                    taken = isinstance(exc, NodeApiError) and exc.code == "CONFLICT"
+                    level = "error" if isinstance(exc, Unauthorized) or taken else "warning"
+                    getattr(self.log, level)("register refused: the node is held by another agent; retrying" if taken
+                                             else "register failed; retrying", error=str(exc),
+                                             machine_id=self.machine_id or None)
                     await asyncio.sleep(backoff.next())
             interval = heartbeat_interval(ans.heartbeatSeconds, ans.graceSeconds)
             self.identity = Identity(nodeId=ans.nodeId, nodeToken=ans.nodeToken, controlPlane=self.control_plane,

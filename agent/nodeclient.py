@@ -86,9 +86,10 @@ class NodeClient:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise NodeApiError(method, status, "BAD_ANSWER", f"{exc}: {raw[:200]!r}") from None
 
-    async def register(self, bootstrap_token: str, hostname: str, inventory: Inventory, agent_version: str) -> RegisterAnswer:
-        ans = await self._call("register", RegisterRequest(hostname, inventory, agent_version), RegisterAnswer,
-                               token=bootstrap_token)
+    async def register(self, bootstrap_token: str, hostname: str, inventory: Inventory, agent_version: str,
+                       machine_id: str = "") -> RegisterAnswer:
+        ans = await self._call("register", RegisterRequest(hostname, inventory, agent_version, machine_id),
+                               RegisterAnswer, token=bootstrap_token)
         self.token = ans.nodeToken
         return ans
 

@@ -35,6 +35,7 @@ and the start and stop of it all.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,7 @@ class AgentConfig:
     request_timeout_s: float = 10.0
     proc: Path = Path("/proc")
     sys: Path = Path("/sys")
+    machine_id_file: Path = Path("/etc/machine-id")
 
 
 class Agent:
@@ -156,10 +158,26 @@ class Agent:
             cfg.control_plane, cfg.bootstrap_token, self.state, self.checkpoint, self.controller, self.metrics,
             inventory=lambda: self.inventory, agent_version=AGENT_VERSION, wall_ms=self.wall_ms,
             on_node=self._bind_node, heartbeat_s=cfg.heartbeat_s, watch_timeout_ms=cfg.watch_timeout_ms,
-            backoff_min_s=cfg.backoff_min_s, backoff_max_s=cfg.backoff_max_s, request_timeout_s=cfg.request_timeout_s)
+            backoff_min_s=cfg.backoff_min_s, backoff_max_s=cfg.backoff_max_s, request_timeout_s=cfg.request_timeout_s,
+            machine_id=self._machine_id())
         self.link.restore()
         self._build_discovery()
         self.refresh_inventory()
+
+    def _machine_id(self) -> str:
+        """This host's machine id (machine-id(5)); "" (and a warning) when it cannot be read: such a node cannot be
+        taken over after a loss without an operator's release."""
+        path = self.config.machine_id_file
+        try:
+            text = Path(path).read_text().strip().lower()
+        except OSError as exc:
+            self.log.warning("no machine id: a lost node needs an operator's release to register again",
+                             file=str(path), error=exc.strerror)
+            return ""
+        if not re.fullmatch(r"[0-9a-f]{32}", text):
+            self.log.warning("machine id is not 32 hex digits; not sent", file=str(path))
+            return ""
+        return text
 
     def _reports_queued(self) -> None:
         if self.link is not None:

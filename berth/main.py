@@ -14,6 +14,8 @@ commands:
   operations           get|wait (tenants)
   usage                charge history (tenants)
   confirmations        list|get|approve|deny what delegated agents ask (tenants)
+  admin nodes release-identity NODE
+                       let a replaced host register the node (operators, with the admin token)
 
 Run `berth <command> --help` for the options of one command; `berth --version` prints the version.
 """
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         from agent import exec as agent_exec
 
         return agent_exec.main(rest)
-    if command in ("reservations", "operations", "usage", "confirmations"):
+    if command in ("reservations", "operations", "usage", "confirmations", "admin"):
         from berth import cli
 
         return cli.main([command, *rest])

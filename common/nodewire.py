@@ -36,10 +36,15 @@ class Answer(Struct, frozen=True):
 # -- register ---------------------------------------------------------------------------
 
 
+# /etc/machine-id: 32 lowercase hex digits (machine-id(5)); "" from an agent that could not read one.
+MachineId = Annotated[str, Meta(pattern="^([0-9a-f]{32})?$")]
+
+
 class RegisterRequest(Request):
     hostname: Hostname
     inventory: Inventory
     agentVersion: Annotated[str, Meta(max_length=64)] = ""
+    machineId: MachineId = ""
 
 
 class RegisterAnswer(Answer):

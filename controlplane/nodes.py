@@ -22,7 +22,7 @@ import structlog
 from controlplane.catalog import Catalog, encode_item
 from controlplane.domain import states
 from controlplane.domain.clock import Clock
-from controlplane.domain.errors import INVALID_INPUT, UNAUTHENTICATED, DomainError
+from controlplane.domain.errors import CONFLICT, INVALID_INPUT, NOT_FOUND, UNAUTHENTICATED, DomainError
 from controlplane.domain.ids import token_hash
 from controlplane.domain.model import Bound, Node, Pool, Reservation, Unit
 from common.share import Share
@@ -191,7 +191,8 @@ class NodeService:
         return pool
 
     # ---- register and inventory ----------------------------------------------------------
-    async def register(self, pool: Pool, hostname: str, inventory: Inventory, agent_version: str = "") -> RegisterAnswer:
+    async def register(self, pool: Pool, hostname: str, inventory: Inventory, agent_version: str = "",
+                       machine_id: str = "") -> RegisterAnswer:
         token = "nt_" + secrets.token_urlsafe(32)
 
         def job(tx: Tx) -> Node:
@@ -201,8 +202,10 @@ class NodeService:
                 raise DomainError(INVALID_INPUT, f"hostname: {hostname} is node {existing.id} of pool {existing.pool_id}, "
                                   f"not of pool {pool.id}; use that pool's bootstrap token",
                                   {"field": "hostname", "nodeId": existing.id, "poolId": existing.pool_id})
+            if existing is not None:
+                self._check_takeover(existing, machine_id)
             node_id = existing.id if existing else f"{pool.id}-{hostname}"
-            node = self._apply_inventory(tx, catalog, pool, node_id, hostname, inventory)
+            node = self._apply_inventory(tx, catalog, pool, node_id, hostname, inventory, machine_id=machine_id)
             tx.delete_tokens("node", node_id)
             tx.put_token(token_hash(token), "node", node_id)
             rows = {h: ks for h, ks in self.tokens.rows.items() if ks != ("node", node_id)}
@@ -219,12 +222,59 @@ class NodeService:
         log.info("node registered", node_id=node.id, pool_id=pool.id, units=len(node.units), agent_version=agent_version)
         return RegisterAnswer(node.id, token, pool.id, self.heartbeat_s, self.grace_s, live.rv)
 
+    def _check_takeover(self, node: Node, machine_id: str) -> None:
+        """May this registration take the node? Not while its agent is alive, and once it is lost only from the
+        host that registered it (its machine id), unless an operator released the node's identity."""
+        if node.declared or node.identity_released:
+            return
+        live = self.live.get(node.id)
+        release = f"berth admin nodes release-identity {node.id}"
+        if live is not None and live.last_seen is not None and not live.lost:
+            ago = self.clock.monotonic() - live.last_seen
+            if ago <= self.grace_s:
+                log.warning("registration refused: the node's agent is alive", node_id=node.id,
+                            heartbeat_s_ago=round(ago, 1), machine_id=machine_id)
+                raise DomainError(CONFLICT, f"hostname: {node.hostname} is node {node.id}, whose agent is alive (last "
+                                  f"heartbeat {ago:.0f} s ago); a second agent may not register it. If this host "
+                                  f"replaces it, an operator releases the node first: {release}",
+                                  {"field": "hostname", "nodeId": node.id, "rule": "live_agent"})
+        if node.machine_id and machine_id != node.machine_id:
+            log.warning("registration refused: another machine id", node_id=node.id, recorded=node.machine_id,
+                        machine_id=machine_id)
+            raise DomainError(CONFLICT, f"machineId: node {node.id} was registered by the host with machine id "
+                              f"{node.machine_id}, not {machine_id or '(none)'}; only that host may take it over. If "
+                              f"this host replaces it, an operator releases the node first: {release}",
+                              {"field": "machineId", "nodeId": node.id, "rule": "machine_id"})
+
+    async def release_identity(self, node_id: str) -> Node:
+        """Let the next registration of this node come from any host (a replaced or reinstalled machine)."""
+        def job(tx: Tx) -> Node:
+            catalog = self.catalog.current
+            node = catalog.nodes.get(node_id)
+            if node is None:
+                raise DomainError(NOT_FOUND, f"nodeId: no node {node_id!r}", {"field": "nodeId"})
+            node = replace(node, identity_released=True)
+            tx.put_catalog("node", node_id, encode_item(node))
+            self.catalog.current = catalog.with_changes(nodes={**catalog.nodes, node_id: node})
+            return node
+
+        node = await self.store.call(job)
+        log.warning("node identity released: its next registration may come from any host", node_id=node_id,
+                    recorded_machine_id=node.machine_id)
+        return node
+
     def _apply_inventory(self, tx: Tx, catalog: Catalog, pool: Pool, node_id: str, hostname: str,
-                         inventory: Inventory) -> Node:
+                         inventory: Inventory, machine_id: str | None = None) -> Node:
+        """machine_id: given by a registration (recorded, and any release used up); None keeps the node's."""
         units, gpus, notes = units_of(inventory, pool)
         old = catalog.nodes.get(node_id)
+        if machine_id is None:
+            machine_id, released = (old.machine_id, old.identity_released) if old is not None else ("", False)
+        else:
+            released = False
         node = Node(node_id, pool.id, hostname, units, gpus, capacity_of(inventory), declared=False,
-                    schedulable=old.schedulable if old is not None and not old.declared else True)
+                    schedulable=old.schedulable if old is not None and not old.declared else True,
+                    machine_id=machine_id, identity_released=released)
         if old == node:
             return node
         tx.put_catalog("node", node_id, encode_item(node))

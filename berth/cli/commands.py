@@ -164,6 +164,13 @@ def _confirmation(method: str) -> Callable[[Context, Sequence[str]], Awaitable[i
     return run
 
 
+async def cmd_admin_release_identity(ctx: Context, argv: Sequence[str]) -> int:
+    node = await ctx.client.release_node_identity(ctx.args.node_id)
+    ctx.emit({"node": wire(node)}, f"node {node.id} ({node.hostname}, pool {node.pool_id}): identity released; its "
+                                   "next registration may come from any host, and records that host's machine id")
+    return EXIT_OK
+
+
 COMMANDS: dict[tuple[str, str | None], Callable[[Context, Sequence[str]], Awaitable[int]]] = {
     ("reservations", "create"): cmd_create,
     ("reservations", "quote"): cmd_quote,
@@ -180,6 +187,7 @@ COMMANDS: dict[tuple[str, str | None], Callable[[Context, Sequence[str]], Awaita
     ("confirmations", "get"): _confirmation("get_confirmation"),
     ("confirmations", "approve"): _confirmation("approve_confirmation"),
     ("confirmations", "deny"): _confirmation("deny_confirmation"),
+    ("admin", "release-identity"): cmd_admin_release_identity,
 }
 
 

@@ -184,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("get", "approve", "deny"):
         sub = conf.add_parser(name, parents=[common], help=f"{name} a confirmation")
         sub.add_argument("confirmation_id", metavar="CONFIRMATION")
+
+    admin = groups.add_parser("admin", help="the operator's commands (--token: the bootstrap file's adminToken)")
+    admin_groups = admin.add_subparsers(dest="admin_group", required=True, metavar="GROUP")
+    nodes = admin_groups.add_parser("nodes", help="the fleet's nodes").add_subparsers(
+        dest="command", required=True, metavar="COMMAND")
+    release = nodes.add_parser("release-identity", parents=[common],
+                               help="let the node's next registration come from any host (a replaced machine)")
+    release.add_argument("node_id", metavar="NODE")
     return parser
 
 

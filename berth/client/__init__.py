@@ -7,7 +7,7 @@ fields are `ReservationRequest` (requests.py). docs/python-client.md lists
 the result types and their fields.
 """
 from berth.client.aio import WAIT_STEP_MS, AsyncClient
-from berth.client.answers import (TERMINAL, Alternative, Bound, Condition, Confirmation, Event, EventPage, ExtendResult,
+from berth.client.answers import (TERMINAL, AdminNode, Alternative, Bound, Condition, Confirmation, Event, EventPage, ExtendResult,
                                   Failure, Operation, OperationWait, Placement, Quote, Reservation, ReservationPage,
                                   ReservationTotal, Resources, Usage, UsageLine, decode)
 from berth.client.config import ConfigError, Settings, default_config_path, read_config_file, resolve_settings
@@ -19,7 +19,7 @@ from berth.client.requests import ReservationRequest, create_body, new_idempoten
 from berth.client.sync import Client
 
 __all__ = [
-    "WAIT_STEP_MS", "AsyncClient", "TERMINAL", "Alternative", "Bound", "Condition", "Confirmation", "Event", "EventPage",
+    "WAIT_STEP_MS", "AsyncClient", "TERMINAL", "AdminNode", "Alternative", "Bound", "Condition", "Confirmation", "Event", "EventPage",
     "ExtendResult", "Failure", "Operation", "OperationWait", "Placement", "Quote", "Reservation", "ReservationPage",
     "ReservationTotal", "Resources", "Usage", "UsageLine", "decode", "ConfigError", "Settings",
     "default_config_path", "read_config_file", "resolve_settings", "ERRORS", "AccessDenied", "BadAnswer",

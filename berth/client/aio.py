@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 import aiohttp
 import msgspec
 
-from berth.client.answers import (Confirmation, EventPage, ExtendResult, Operation, OperationWait, Quote, Reservation,
+from berth.client.answers import (AdminNode, Confirmation, EventPage, ExtendResult, Operation, OperationWait, Quote, Reservation,
                                   ReservationPage, Usage, decode)
 from berth.client.config import Settings
 from berth.client.errors import BadAnswer, BerthError, TransportError, error_of
@@ -240,5 +240,11 @@ class AsyncClient:
     async def deny_confirmation(self, confirmation_id: str) -> Confirmation:
         doc = await self.call("iam/confirmations/deny", {"confirmationId": confirmation_id})
         return decode(doc.get("confirmation"), Confirmation)
+
+    # the operator's (the admin token)
+    async def release_node_identity(self, node_id: str) -> AdminNode:
+        """Let the node's next registration come from any host (a replaced or reinstalled machine)."""
+        doc = await self.call("admin/nodes/release-identity", {"nodeId": node_id})
+        return decode(doc.get("node"), AdminNode)
 
 

@@ -196,6 +196,16 @@ class Confirmation(Struct, rename="camel", kw_only=True, frozen=True):
     interval: int | None = None
 
 
+class AdminNode(Struct, rename="camel", kw_only=True, frozen=True):
+    """A node as the admin API shows it."""
+
+    id: str
+    pool_id: str
+    hostname: str
+    machine_id: str = ""
+    identity_released: bool = False
+
+
 T = TypeVar("T")
 
 

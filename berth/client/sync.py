@@ -81,3 +81,4 @@ class Client:
     get_confirmation = _blocking(AsyncClient.get_confirmation)
     approve_confirmation = _blocking(AsyncClient.approve_confirmation)
     deny_confirmation = _blocking(AsyncClient.deny_confirmation)
+    release_node_identity = _blocking(AsyncClient.release_node_identity)

@@ -1,4 +1,5 @@
-"""The admin API (the bootstrap file's `adminToken`): apply a bootstrap document at run time, set a tenant's budget."""
+"""The admin API (the bootstrap file's `adminToken`): apply a bootstrap document at run time, set a tenant's budget,
+release a node's identity (so that a replaced host may register it)."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -17,6 +18,10 @@ from controlplane.domain.pricing import money, parse_money
 class BudgetBody(Struct, forbid_unknown_fields=True):
     tenantId: schemas.Id
     budgetUsd: Annotated[str, Meta(min_length=1, max_length=32)]
+
+
+class NodeBody(Struct, forbid_unknown_fields=True):
+    nodeId: schemas.Id
 
 
 def _admin(request: web.Request):
@@ -45,5 +50,14 @@ async def set_budget(request: web.Request) -> web.Response:
     return json_response({"tenantId": body.tenantId, "budgetUsd": money(amount)})
 
 
+async def release_node_identity(request: web.Request) -> web.Response:
+    cp = _admin(request)
+    body = await read_json(request, NodeBody)
+    node = await cp.nodes.release_identity(body.nodeId)
+    return json_response({"node": {"id": node.id, "poolId": node.pool_id, "hostname": node.hostname,
+                                   "machineId": node.machine_id, "identityReleased": node.identity_released}})
+
+
 def routes() -> list[web.RouteDef]:
-    return [web.post("/api/admin/bootstrap", apply_bootstrap), web.post("/api/admin/tenants/budget", set_budget)]
+    return [web.post("/api/admin/bootstrap", apply_bootstrap), web.post("/api/admin/tenants/budget", set_budget),
+            web.post("/api/admin/nodes/release-identity", release_node_identity)]

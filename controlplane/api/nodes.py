@@ -20,7 +20,8 @@ async def register(request: web.Request) -> web.Response:
     service = request.app[NODES]
     pool = service.pool_of_bootstrap(bearer(request))
     body = await read_json(request, RegisterRequest)
-    return json_response(await service.register(pool, body.hostname, body.inventory, body.agentVersion))
+    return json_response(await service.register(pool, body.hostname, body.inventory, body.agentVersion,
+                                                body.machineId))
 
 
 async def heartbeat(request: web.Request) -> web.Response:

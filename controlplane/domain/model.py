@@ -108,6 +108,8 @@ class Node:
     capacity: Share = NO_SHARE  # allocatable vcpu, memory, hugepages
     declared: bool = True  # from the bootstrap file; False once an agent owns it
     schedulable: bool = True
+    machine_id: str = ""  # the registering host's /etc/machine-id: only it may take the node over once lost
+    identity_released: bool = False  # an operator let the next registration take the node, from any host
 
 
 @dataclass(slots=True)

@@ -81,6 +81,22 @@ def v1_mirrors(name: str) -> list[Path]:
     return out
 
 
+def join_script(v2_dir: Path) -> str:
+    """A shell line that puts the shell into v2_dir (below this process's own cgroup2 cgroup) and into the same
+    place in the v1 devices hierarchy, where that is mounted: both cgroups a unit with Delegate=yes has on a
+    hybrid systemd host. An agent started that way anchors its v1 devices directories below its own (inside the
+    test's tree, removed with it) instead of at the top of that hierarchy, where agents would share them."""
+    line = f'echo $$ > "{v2_dir}/cgroup.procs"'
+    layout = probe_layout()
+    h = layout.hierarchy("devices") if layout.place("devices") == "v1" else None
+    own = {m.hierarchy: m.path for m in host.read_memberships()}
+    if h is not None and h.id in own:
+        mirror = h.dir_of(own[h.id]) / v2_dir.relative_to(_own_cgroup2_dir())
+        mirror.mkdir(parents=True, exist_ok=True)
+        line += f' && echo $$ > "{mirror}/cgroup.procs"'
+    return line
+
+
 @pytest.fixture
 def own_cgroup2() -> Path:
     """A fresh, uniquely named cgroup v2 directory below the test process's own cgroup; removed after."""

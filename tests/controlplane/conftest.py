@@ -92,6 +92,7 @@ class Api:
     def __init__(self, client, clock: FakeClock):
         self.client = client
         self.clock = clock
+        self.registered: dict[str, dict] = {}  # hostname -> the register answer (tests/controlplane/test_nodes.py)
 
     @property
     def cp(self):

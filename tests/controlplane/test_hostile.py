@@ -18,7 +18,7 @@ POST_ROUTES = [
     "/api/compute/operations/get", "/api/compute/operations/wait", "/api/compute/usage/list",
     "/api/iam/confirmations/list", "/api/iam/confirmations/get", "/api/iam/confirmations/approve",
     "/api/iam/confirmations/deny", "/api/nodes/register", "/api/nodes/heartbeat", "/api/nodes/watch",
-    "/api/nodes/report", "/api/admin/bootstrap", "/api/admin/tenants/budget",
+    "/api/nodes/report", "/api/admin/bootstrap", "/api/admin/tenants/budget", "/api/admin/nodes/release-identity",
 ]
 
 

@@ -14,6 +14,7 @@ from tests.controlplane.conftest import HOUR, T0
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOT = "node-token-h100-000001"
+ADMIN = "admin-token-for-tests-0001"
 
 
 def inventory(hostname: str, topology: str = "h100x8.json") -> dict:
@@ -28,8 +29,17 @@ async def node_call(api, method: str, token: str, body: dict):
 
 
 async def register(api, hostname: str = "h1.test", inv: dict | None = None) -> dict:
+    """Register hostname as an agent would, once: asked again (its agent is alive), the answer of the first time."""
+    known = api.registered
+    if hostname in known and inv is None:
+        return known[hostname]
+    if hostname in known:  # a new inventory for a registered node: its heartbeat carries it
+        status, doc = await node_call(api, "heartbeat", known[hostname]["nodeToken"], {"inventory": inv})
+        assert status == 200, doc
+        return known[hostname]
     status, doc = await node_call(api, "register", BOOT, {"hostname": hostname, "inventory": inv or inventory(hostname)})
     assert status == 200, doc
+    known[hostname] = doc
     return doc
 
 
@@ -53,11 +63,53 @@ async def test_tokens_speak_only_for_their_side(api):
     assert status == 401
     status, _ = await node_call(api, "register", "alice", {"hostname": "x", "inventory": {}})
     assert status == 401
-    again = await register(api)  # registering again issues a new token; the old one stops working
+    # registering again while its agent is alive is refused (409 naming the node); once an operator released
+    # the node's identity, it issues a new token and the old one stops working
+    body = {"hostname": "h1.test", "inventory": inventory("h1.test")}
+    status, refused = await node_call(api, "register", BOOT, body)
+    assert (409, "CONFLICT", "h1") == (status, refused["error"]["code"], refused["error"]["details"]["nodeId"])
+    assert "berth admin nodes release-identity h1" in refused["error"]["message"]
+    status, _ = await api.post("/api/admin/nodes/release-identity", "alice", {"nodeId": "h1"})
+    assert status == 401
+    status, released = await api.post("/api/admin/nodes/release-identity", ADMIN, {"nodeId": "h1"})
+    assert (200, True) == (status, released["node"]["identityReleased"])
+    status, again = await node_call(api, "register", BOOT, body)
+    assert status == 200, again
+    assert not api.cp.catalog.current.nodes["h1"].identity_released  # used up by that registration
     status, _ = await node_call(api, "heartbeat", doc["nodeToken"], {})
     assert status == 401
     status, _ = await node_call(api, "heartbeat", again["nodeToken"], {})
     assert status == 200
+    status, missing = await api.post("/api/admin/nodes/release-identity", ADMIN, {"nodeId": "nope"})
+    assert (404, "nodeId") == (status, missing["error"]["details"]["field"])
+
+
+MACHINE_A, MACHINE_B = "a" * 32, "b" * 32
+
+
+async def test_a_lost_node_is_taken_over_only_from_its_own_machine_unless_released(api):
+    body = {"hostname": "h1.test", "inventory": inventory("h1.test"), "machineId": MACHINE_A}
+    status, first = await node_call(api, "register", BOOT, body)
+    assert status == 200 and MACHINE_A == api.cp.catalog.current.nodes["h1"].machine_id
+    status, doc = await node_call(api, "register", BOOT, {**body, "machineId": MACHINE_B})
+    assert (409, "live_agent") == (status, doc["error"]["details"]["rule"])  # alive: refused whoever asks
+    api.clock.advance(31_000)
+    assert await api.cp.nodes.check_lost() == ["h1"]
+    for other in (MACHINE_B, ""):  # lost: another machine, or one that sends none, may not take it
+        status, doc = await node_call(api, "register", BOOT, {**body, "machineId": other})
+        assert (409, "machineId", "h1") == (status, doc["error"]["details"]["field"], doc["error"]["details"]["nodeId"])
+        assert f"machine id {MACHINE_A}" in doc["error"]["message"]
+    status, doc = await node_call(api, "register", BOOT, {**body, "machineId": "not-hex"})
+    assert (400, "machineId") == (status, doc["error"]["details"]["field"])
+    status, same = await node_call(api, "register", BOOT, body)  # the same machine (its state dir lost)
+    assert status == 200 and same["nodeToken"] != first["nodeToken"]
+    assert not api.cp.nodes.live["h1"].lost
+    # a replaced host: the operator releases the identity, and the new machine's id is recorded
+    api.clock.advance(31_000)
+    await api.cp.nodes.check_lost()
+    await api.post("/api/admin/nodes/release-identity", ADMIN, {"nodeId": "h1"})
+    status, _ = await node_call(api, "register", BOOT, {**body, "machineId": MACHINE_B})
+    assert status == 200 and MACHINE_B == api.cp.catalog.current.nodes["h1"].machine_id
 
 
 async def test_watch_answers_the_whole_set_at_once_and_within_100_ms_of_a_change(api):

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from tests.netns import Namespaces
-from tests.cgroups.conftest import (bpf_works, hugetlb_for_own_cgroup, own_cgroup2,  # noqa: F401 (fixtures)
-                                    reserved_1g_hugepages)
+from tests.cgroups.conftest import (bpf_works, hugetlb_for_own_cgroup, join_script,  # noqa: F401 (fixtures)
+                                    own_cgroup2, reserved_1g_hugepages)
 
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGIES = REPO / "examples" / "topologies"
@@ -279,8 +279,10 @@ class AgentProc:
 
     def __init__(self, name: str, *, url: str, token: str, topology: Path, base: Path, state_dir: Path,
                  enable_from: Path | None = None, netns: str | None = None, extra: list[str] = (),
-                 log_dir: Path, env: dict | None = None, layout: str = "scope") -> None:
+                 log_dir: Path, env: dict | None = None, layout: str = "scope",
+                 machine_id: str | None = None) -> None:
         self.name = name
+        self.machine_id = machine_id or uuid.uuid4().hex  # each test agent is a host of its own
         self.url = url
         self.token = token
         self.topology = topology
@@ -305,10 +307,12 @@ class AgentProc:
         token_file = self.state_dir.parent / f"{self.state_dir.name}.token"
         token_file.write_text(self.token + "\n")
         os.chmod(token_file, 0o600)
+        machine_id_file = self.state_dir.parent / f"{self.state_dir.name}.machine-id"
+        machine_id_file.write_text(self.machine_id + "\n")
         cmd = [sys.executable, "-m", "berth", "agent", "--control-plane", self.url,
                "--bootstrap-token-file", str(token_file), "--simulate", str(self.topology), "--cgroup-root", str(self.root),
                "--state-dir", str(self.state_dir), "--log-format", "json", "--backoff-max-seconds", "0.5",
-               "--exec-tenant-user", f"acme={WORKLOAD_UID}", *self.extra]
+               "--exec-tenant-user", f"acme={WORKLOAD_UID}", "--machine-id-file", str(machine_id_file), *self.extra]
         if self.enable_from is not None:
             cmd += ["--cgroup-enable-from", str(self.enable_from)]
         if self.netns:
@@ -322,7 +326,7 @@ class AgentProc:
         log.write(f"--- start {self.starts}\n")
         log.flush()
         # The shell puts itself in the delegated cgroup (as systemd does for a Delegate=yes unit), then execs.
-        script = f'echo $$ > "{self.delegated}/cgroup.procs" && exec "$@"'
+        script = f'{join_script(self.delegated)} && exec "$@"'
         self.proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *self.command()], stdout=log, stderr=log,
                                      stdin=subprocess.DEVNULL, cwd=str(REPO),
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
@@ -393,11 +397,13 @@ def agents(own_cgroup2, workdir):
 
     def make(name: str, url: str, token: str, kind: str = "h100", *, netns: str | None = None,
              extra: list[str] = (), start: bool = True, env: dict | None = None,
-             state_dir: Path | None = None, layout: str = "scope") -> AgentProc:
-        a = AgentProc(name, url=url, token=token, topology=topology(kind, f"{name}-{uuid.uuid4().hex[:4]}", workdir),
+             state_dir: Path | None = None, layout: str = "scope", hostname: str | None = None,
+             machine_id: str | None = None) -> AgentProc:
+        host = hostname or f"{name}-{uuid.uuid4().hex[:4]}"
+        a = AgentProc(name, url=url, token=token, topology=topology(kind, host, workdir),
                       base=own_cgroup2 / name, state_dir=state_dir or workdir / f"state-{name}",
                       enable_from=own_cgroup2, netns=netns, extra=list(extra), log_dir=workdir, env=env,
-                      layout=layout)
+                      layout=layout, machine_id=machine_id)
         made.append(a)
         return a.start() if start else a
 

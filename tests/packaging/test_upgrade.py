@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from cgroups import bpf
+from tests.cgroups.conftest import join_script
 from tests.e2e.conftest import H100_TOKEN, WORKLOAD_UID, ControlPlane, alive, pids_of, topology
 from tests.packaging.conftest import (PACKAGES, PLAIN_ENV, accounts_named, dpkg_status, json_lines, run,
                                       unit_command, wait_for)
@@ -50,7 +51,7 @@ class InstalledAgent:
         with open(self.log, "a") as log:
             log.write(f"--- start {self.starts}\n")
             log.flush()
-            script = f'echo $$ > "{self.unit_cgroup}/cgroup.procs" && exec "$@"'
+            script = f'{join_script(self.unit_cgroup)} && exec "$@"'
             self.proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *argv], stdout=log, stderr=log,
                                          stdin=subprocess.DEVNULL, cwd="/", env={**PLAIN_ENV, **env})
 
