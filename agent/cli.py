@@ -217,6 +217,7 @@ def runtime_main(argv: list[str]) -> int:
         except TopologyError as exc:
             parser.error(f"--simulate {exc}")
     logs.configure(fmt=args.log_format, level=args.log_level, stream=_Stderr())
+    logs.add_secrets([args.bootstrap_token])  # never in a log line, whatever a library prints
     config = AgentConfig(
         control_plane=args.control_plane, bootstrap_token=args.bootstrap_token, state_dir=Path(args.state_dir),
         cgroup_root=args.cgroup_root, cgroup_enable_from=args.cgroup_enable_from, simulate=args.simulate,

@@ -11,7 +11,8 @@ import structlog
 from aiohttp import web
 
 from common import logs
-from controlplane.api.app import create_app
+from controlplane.api import guard
+from controlplane.api.app import create_app, create_metrics_app
 from controlplane.wiring import Config, ConfigError, default_db_url
 
 log = structlog.get_logger("berth.controlplane")
@@ -22,6 +23,16 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"{value!r}: give HOST:PORT, e.g. 127.0.0.1:8080")
     return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
+def positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < 86_400:
+        raise argparse.ArgumentTypeError(f"{value!r}: give seconds above 0 and below a day, e.g. 10")
+    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a remote decision slower than this is a deny (default 2)")
     serve.add_argument("--node-grace", type=float, default=30.0, metavar="SECONDS",
                        help="a node whose agent is silent for longer is lost (default 30)")
+    limits = guard.Limits()
+    serve.add_argument("--request-timeout", type=positive_seconds, default=limits.request_timeout_s,
+                       metavar="SECONDS", help="a request's headers must arrive within this of its first byte, and "
+                       f"then its body within this (default {limits.request_timeout_s:g})")
+    serve.add_argument("--idle-timeout", type=positive_seconds, default=limits.idle_timeout_s, metavar="SECONDS",
+                       help=f"close a connection with no request in progress after this (default "
+                       f"{limits.idle_timeout_s:g})")
+    serve.add_argument("--max-connections", type=int, default=limits.max_connections, metavar="N",
+                       help="connections held open at most; at the cap the longest-waiting idle one is closed "
+                       f"(default: the open-file limit less {guard.FD_RESERVE})")
+    serve.add_argument("--metrics-listen", type=parse_listen, default=None, metavar="HOST:PORT",
+                       help="also serve /metrics without a token on this address, e.g. 127.0.0.1:9464 (default off; "
+                       "the API's /metrics needs the admin token)")
     serve.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--synchronous", choices=("FULL", "NORMAL"), default="FULL",
@@ -46,23 +70,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(config: Config, host: str, port: int) -> None:
-    app = create_app(config)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
-    addresses = [s.getsockname() for s in site._server.sockets]  # type: ignore[union-attr]
-    bound = addresses[0]
-    settle_garbage_collector()
-    log.info("listening", address=f"http://{bound[0]}:{bound[1]}", db=config.db)
-    stop = asyncio.Event()
+class CannotListen(Exception):
+    """A listening address cannot be bound; the message names it and the reason."""
+
+
+async def serve(config: Config, host: str, port: int, limits: guard.Limits = guard.Limits(), cap: int | None = None,
+                metrics_listen: tuple[str, int] | None = None) -> None:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("stopping")
-    await runner.cleanup()
+    conns = guard.Guard(limits, cap if cap is not None else guard.connection_cap(limits))
+    loop.set_exception_handler(conns.exception_handler)
+    app = create_app(config, limits=limits)
+    runners = [web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=limits.idle_timeout_s)]
+    if metrics_listen:
+        runners.append(web.AppRunner(create_metrics_app(app), access_log=None, handle_signals=False,
+                                     keepalive_timeout=limits.idle_timeout_s))
+    try:
+        sites = []
+        for runner, (h, p) in zip(runners, [(host, port), metrics_listen]):
+            await runner.setup()
+            sites.append(await listen(guard.GuardedSite(runner, h, p, conns)))
+        settle_garbage_collector()
+        bound = sites[0].address
+        extra = {"metrics": f"http://{sites[1].address[0]}:{sites[1].address[1]}/metrics"} if metrics_listen else {}
+        log.info("listening", address=f"http://{bound[0]}:{bound[1]}", db=config.db, max_connections=conns.cap,
+                 **extra)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+
+
+async def listen(site: guard.GuardedSite) -> guard.GuardedSite:
+    try:
+        await site.start()
+    except OSError as exc:
+        raise CannotListen(f"cannot listen on {site.name.removeprefix('http://')}: {exc.strerror}") from None
+    return site
 
 
 GC_THRESHOLD = (50_000, 20, 20)
@@ -82,12 +129,19 @@ def main(argv: list[str]) -> int:
     logs.configure(args.log_format, args.log_level)
     config = Config(db=args.db or default_db_url(), bootstrap=args.bootstrap, synchronous=args.synchronous,
                     authzen=args.authzen, authzen_timeout_s=args.authzen_timeout, node_grace_s=args.node_grace)
+    limits = guard.Limits(request_timeout_s=args.request_timeout, idle_timeout_s=args.idle_timeout,
+                          max_connections=args.max_connections)
     try:
-        asyncio.run(serve(config, *args.listen))
+        cap = guard.connection_cap(limits)
+    except ValueError as exc:
+        print(f"berth controlplane: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config, *args.listen, limits=limits, cap=cap, metrics_listen=args.metrics_listen))
     except ConfigError as exc:
         print(f"berth controlplane: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
-        print(f"berth controlplane: cannot listen on {args.listen[0]}:{args.listen[1]}: {exc.strerror}", file=sys.stderr)
+    except CannotListen as exc:
+        print(f"berth controlplane: {exc}", file=sys.stderr)
         return 1
     return 0

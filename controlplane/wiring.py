@@ -8,6 +8,7 @@ from pathlib import Path
 
 import structlog
 
+from common import logs
 from controlplane import bootstrap as bootstrap_file
 from controlplane import catalog as catalog_mod
 from controlplane.catalog import Catalog
@@ -31,6 +32,11 @@ from controlplane.transitions import CatalogRef, Transitions
 
 log = structlog.get_logger("berth.controlplane")
 
+
+
+def secrets_of(tokens: dict[str, list[tuple[str, str]]], admin: str | None) -> list[str]:
+    """Every token a bootstrap document declares (the logs redact them from then on)."""
+    return [token for rows in tokens.values() for token, _ in rows] + ([admin] if admin else [])
 
 class ConfigError(ValueError):
     """The control plane cannot start with this configuration; the message says what to change."""
@@ -130,6 +136,7 @@ class ControlPlane:
             self._check_policies(declared)
         except (bootstrap_file.BootstrapError, ValueError) as exc:
             raise ConfigError(f"--bootstrap {exc}") from None
+        logs.add_secrets(secrets_of(tokens, admin))
         self.store.call_sync(self._bootstrap_job(declared, tokens, admin))
         self._log_applied(str(path))
 
@@ -140,6 +147,7 @@ class ControlPlane:
             self._check_policies(declared)
         except (bootstrap_file.BootstrapError, ValueError) as exc:
             raise DomainError(INVALID_INPUT, f"bootstrap: {exc}", {"field": "body", "rule": str(exc)}) from None
+        logs.add_secrets(secrets_of(tokens, admin))
         before = self.catalog.current.policies
         await self.store.call(self._bootstrap_job(declared, tokens, admin))
         if self.catalog.current.policies != before:

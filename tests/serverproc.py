@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -13,14 +14,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-LISTENING = re.compile(r'"address":\s*"http://([^"]+)"')
+LISTENING = re.compile(r'"address":\s*"http://([^"]+)"|\baddress=\'http://([^\']+)\'')  # JSON, or key=value
 
 
 class ServerProcess:
-    def __init__(self, db: Path, bootstrap: Path, extra: list[str] | None = None):
+    def __init__(self, db: Path, bootstrap: Path, extra: list[str] | None = None, nofile: int | None = None):
         self.db = db
         self.bootstrap = bootstrap
         self.extra = extra or []
+        self.nofile = nofile  # the server's open-file limit (soft and hard), when given
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.lines: list[str] = []
@@ -28,8 +30,14 @@ class ServerProcess:
     def start(self, timeout: float = 20) -> "ServerProcess":
         cmd = [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
                "--db", f"sqlite:///{self.db}", "--bootstrap", str(self.bootstrap), "--log-format", "json", *self.extra]
+        nofile = self.nofile
+
+        def limit_files() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     preexec_fn=limit_files if nofile else None)
         found = threading.Event()
 
         def pump() -> None:
@@ -37,7 +45,7 @@ class ServerProcess:
                 self.lines.append(line)
                 m = LISTENING.search(line)
                 if m and not found.is_set():
-                    self.url = "http://" + m.group(1)
+                    self.url = "http://" + (m.group(1) or m.group(2))
                     found.set()
 
         threading.Thread(target=pump, daemon=True).start()

@@ -2,6 +2,8 @@
 
 The control plane is opened in a cleanup context (before `yield`) and
 closed after; handlers reach it through AppKeys, never through globals.
+`/metrics` on the API needs the admin token; `create_metrics_app(api)` serves
+it without one, for the `--metrics-listen` address.
 """
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ from aiohttp import web
 from controlplane.api import admin as admin_api
 from controlplane.api import billing as billing_api
 from controlplane.api import confirmations as confirmation_api
+from controlplane.api import guard
 from controlplane.api import nodes as node_api
 from controlplane.api import reservations as reservation_api
-from controlplane.api.auth import principal_of
+from controlplane.api.auth import bearer, principal_of
 from controlplane.api.errors import answer_errors
-from controlplane.domain.errors import COMPUTE_ACCESS_REQUIRED, DomainError
+from controlplane.domain.errors import COMPUTE_ACCESS_REQUIRED, UNAUTHENTICATED, DomainError
 from controlplane.wiring import Config, ControlPlane
 
 CONTROL_PLANE = web.AppKey("control_plane", ControlPlane)
@@ -31,7 +34,7 @@ MUTATIONS = frozenset(f"/api/compute/reservations/{m}" for m in ("create", "rele
 @web.middleware
 async def api_middleware(request: web.Request, handler):
     """One middleware (each layer costs every request): the tenant's principal from the token, then the handler,
-    with every refusal as the error envelope."""
+    with every refusal as the error envelope; meanwhile the connection guard counts the connection busy."""
 
     async def call():
         if request.path.startswith(TENANT_PATHS):
@@ -43,7 +46,11 @@ async def api_middleware(request: web.Request, handler):
                                   "scope manage", {"scope": principal.scope, "required": "manage"})
         return await handler(request)
 
-    return await answer_errors(request, call)
+    conn = guard.begin(request)
+    try:
+        return await answer_errors(request, call)
+    finally:
+        guard.end(conn)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -51,8 +58,18 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text: reservations by state, nodes, bindings, heartbeat age, store groups, reconciler passes."""
+    """/metrics on the API's listener: for the admin token only (it names every node)."""
     cp = request.app[CONTROL_PLANE]
+    found = cp.tokens.resolve(bearer(request))
+    if found is None or found[0] != "admin":
+        raise DomainError(UNAUTHENTICATED, "Authorization: /metrics needs the admin token (the bootstrap file's "
+                          "adminToken); or scrape the address of --metrics-listen, which needs none",
+                          {"field": "Authorization"})
+    return metrics_response(cp)
+
+
+def metrics_response(cp: ControlPlane) -> web.Response:
+    """Prometheus text: reservations by state, nodes, bindings, heartbeat age, store groups, reconciler passes."""
     lines = ["# TYPE berth_reservations gauge"]
     for state, count in cp.store.state_counts():
         lines.append(f'berth_reservations{{state="{state}"}} {count}')
@@ -72,8 +89,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
-def create_app(config: Config, control_plane: ControlPlane | None = None) -> web.Application:
+def create_app(config: Config, control_plane: ControlPlane | None = None,
+               limits: guard.Limits | None = None) -> web.Application:
     app = web.Application(middlewares=[api_middleware], client_max_size=1 << 20)
+    app[guard.LIMITS] = limits or guard.Limits()
 
     async def lifecycle(app: web.Application):
         cp = control_plane or await asyncio.to_thread(lambda: ControlPlane(config).open())
@@ -109,4 +128,15 @@ def create_app(config: Config, control_plane: ControlPlane | None = None) -> web
     app.add_routes(node_api.routes())
     app.add_routes(admin_api.routes())
     app.router.add_get("/metrics", metrics)
+    return app
+
+
+def create_metrics_app(api: web.Application) -> web.Application:
+    """`/metrics` alone and without a token, for the `--metrics-listen` address (loopback or a scrape network)."""
+    app = web.Application(middlewares=[guard.track])
+
+    async def scrape(request: web.Request) -> web.Response:
+        return metrics_response(api[CONTROL_PLANE])
+
+    app.router.add_get("/metrics", scrape)
     return app

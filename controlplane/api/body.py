@@ -1,7 +1,8 @@
 """Reading a request's JSON body: the one place every handler reads one, with the checks the wire schemas cannot make.
 
 In order: the Content-Type must be JSON (415 otherwise); the body must
-arrive within the body timeout (408); its structure is checked before it is
+arrive within the request timeout (api/guard.py's Limits, `--request-timeout`;
+408 otherwise); its structure is checked before it is
 decoded: nesting at most MAX_DEPTH deep (deeper is refused rather than
 recursed into), and no object may name a key twice (JSON leaves duplicates
 undefined; taking the last silently would let two readers see two requests);
@@ -19,10 +20,10 @@ import msgspec
 from aiohttp import web
 
 from controlplane import schemas
+from controlplane.api.guard import LIMITS
 from controlplane.domain.errors import INVALID_INPUT, DomainError
 
 MAX_DEPTH = 32  # nested arrays and objects; the deepest document of the API (an inventory) is 6 deep
-BODY_TIMEOUT_S = 10.0  # the whole body must arrive within this, once the headers did
 JSON_TYPES = frozenset({"application/json", ""})  # "" : no Content-Type with an empty body
 
 # A JSON string (with its escapes), or one of the structural characters; everything else is skipped.
@@ -68,9 +69,10 @@ async def read_checked(request: web.Request) -> bytes:
     if request.content_type not in JSON_TYPES or (request.content_type == "" and request.can_read_body):
         raise web.HTTPUnsupportedMediaType(reason=f"Content-Type: {request.content_type or 'none'} is not "
                                                   "application/json")
+    timeout = request.app[LIMITS].request_timeout_s  # the whole body, once the headers did
     try:
-        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        raw = await asyncio.wait_for(request.read(), timeout)
     except asyncio.TimeoutError:
-        raise web.HTTPRequestTimeout(reason=f"body: not received within {BODY_TIMEOUT_S:g} s") from None
+        raise web.HTTPRequestTimeout(reason=f"body: not received within {timeout:g} s") from None
     check_structure(raw)
     return raw

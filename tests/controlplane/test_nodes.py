@@ -239,6 +239,6 @@ async def test_node_api_bodies_are_validated_naming_the_field(api):
 async def test_metrics_are_prometheus_text(api):
     await register(api)
     await api.create(key="a")
-    resp = await api.client.get("/metrics")
+    resp = await api.client.get("/metrics", headers={"Authorization": "Bearer admin-token-for-tests-0001"})
     text = await resp.text()
     assert 'berth_reservations{state="placed"} 1' in text and "berth_nodes 1" in text

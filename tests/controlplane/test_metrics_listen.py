@@ -1,0 +1,95 @@
+"""/metrics is not public: on the API's listener it needs the admin token; `--metrics-listen HOST:PORT` serves it
+without one on a listener of its own (and nothing else there); off by default."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.controlplane.conftest import TOKENS, bootstrap_doc
+from tests.serverproc import ServerProcess
+
+ADMIN = bootstrap_doc()["adminToken"]
+
+
+def get(url: str, token: str | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def listening_line(server: ServerProcess) -> dict:
+    return next(json.loads(line) for line in server.lines if '"listening"' in line)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("metrics")
+    (path / "b.json").write_text(json.dumps(bootstrap_doc()))
+    with ServerProcess(path / "cp.db", path / "b.json", ["--synchronous", "NORMAL",
+                                                         "--metrics-listen", "127.0.0.1:0"]) as proc:
+        status, _ = proc.post("/api/compute/reservations/create", TOKENS["alice"], {
+            "poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1, "idempotencyKey": "m"})
+        assert status == 202
+        proc.metrics_url = listening_line(proc)["metrics"]
+        yield proc
+
+
+@pytest.mark.parametrize("token", [None, TOKENS["alice"], "node-token-h100-000001", ADMIN + "x"])
+def test_the_api_listener_answers_metrics_only_to_the_admin_token(server, token):
+    status, body = get(server.url + "/metrics", token)
+    doc = json.loads(body)
+    assert (status, doc["error"]["code"], doc["error"]["details"]["field"]) == (401, "UNAUTHENTICATED", "Authorization")
+    assert "berth_" not in body
+    if token:
+        assert "admin token" in doc["error"]["message"] and "--metrics-listen" in doc["error"]["message"]
+
+
+def test_the_admin_token_reads_the_same_metrics_as_the_metrics_listener(server):
+    status, with_token = get(server.url + "/metrics", ADMIN)
+    assert status == 200
+    status, scraped = get(server.metrics_url)
+    assert status == 200
+    for text in (with_token, scraped):
+        assert 'berth_reservations{state="placed"} 1' in text or 'berth_reservations{state="binding"} 1' in text
+        assert re.search(r"^berth_nodes \d+$", text, re.M) and "# TYPE berth_store_jobs_total counter" in text
+    assert re.match(r"http://127\.0\.0\.1:\d+/metrics$", server.metrics_url)
+    assert server.metrics_url.rsplit(":", 1)[1] != server.url.rsplit(":", 1)[1]
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/api/openapi.json", "/api/compute/reservations/list"])
+def test_the_metrics_listener_serves_nothing_else(server, path):
+    base = server.metrics_url.removesuffix("/metrics")
+    assert get(base + path, TOKENS["alice"])[0] == 404
+
+
+def test_metrics_listen_is_off_by_default(tmp_path):
+    (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
+    with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json", ["--synchronous", "NORMAL"]) as server:
+        assert "metrics" not in listening_line(server)
+        assert get(server.url + "/metrics")[0] == 401
+
+
+def test_a_metrics_address_in_use_stops_the_start_naming_it(tmp_path):
+    (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
+             "--db", f"sqlite:///{tmp_path / 'cp.db'}", "--bootstrap", str(tmp_path / "b.json"),
+             "--metrics-listen", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=30,
+        )
+    assert out.returncode == 1, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
