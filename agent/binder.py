@@ -104,6 +104,8 @@ class Binder:
         self.checkpoint = checkpoint
         self.wall_ms = wall_ms
         self.reported: dict[str, str] = {}  # reservation id -> what was last reported (status + fingerprint)
+        # reservation id -> OOM kills seen in its cgroup (sent in bound reports; kept in the checkpoint)
+        self.oom_kills: dict[str, int] = {rid: e.oomKills for rid, e in checkpoint.bindings.items() if e.oomKills}
         self.log = log  # the runtime binds node_id once it is known
 
     def key_of(self, name: str) -> str:
@@ -136,8 +138,10 @@ class Binder:
     def _entry(self, want: Want, state, now: int) -> BindingEntry:
         return BindingEntry(reservationId=want.reservation_id, state=state, spec=want.fingerprint,
                             cgroup=str(self.cgroup_of(want.reservation_id)),
-                            parts=[str(d) for d in self.parts_of(want.reservation_id)], tenantId=want.tenant_id, principalId=want.principal_id, devices=list(want.devices),
-                            unenforced=list(want.unenforced), updatedAtMs=now)
+                            parts=[str(d) for d in self.parts_of(want.reservation_id)], tenantId=want.tenant_id,
+                            principalId=want.principal_id, devices=list(want.devices),
+                            unenforced=list(want.unenforced), oomKills=self.oom_kills.get(want.reservation_id, 0),
+                            updatedAtMs=now)
 
     def _report_once(self, rid: str, report: Report, tag: str) -> Report | None:
         if report.message is not None and len(report.message) > MAX_MESSAGE:
@@ -195,9 +199,30 @@ class Binder:
 
     def _bound(self, want: Want) -> Report | None:
         rid = want.reservation_id
+        ooms = self.oom_kills.get(rid, 0)
         return self._report_once(rid, Report(rid, "bound", cgroup=str(self.cgroup_of(rid)), devices=want.devices,
-                                             unenforced=want.unenforced, end=want.end),
-                                 f"bound:{want.fingerprint}:{want.end}")
+                                             unenforced=want.unenforced, end=want.end, oomKills=ooms),
+                                 f"bound:{want.fingerprint}:{want.end}:{ooms}")
+
+    def count_oom_kills(self, reservation_ids) -> dict[str, int]:
+        """Read each bound reservation's OOM kill count (memory.events or v1 memory.oom_control); the ones that
+        grew since the last read, with their new totals (remembered for the next bound report)."""
+        grown: dict[str, int] = {}
+        for rid in reservation_ids:
+            try:
+                memory = self.subtree.stat(self.subtree.name_for(rid)).memory
+            except CgroupError:
+                continue  # removed meanwhile
+            if memory is not None and memory.oom_kills > self.oom_kills.get(rid, 0):
+                grown[rid] = self.oom_kills[rid] = memory.oom_kills
+                entry = self.checkpoint.bindings.get(rid)
+                if entry is not None:
+                    self.checkpoint.set(msgspec.structs.replace(entry, oomKills=memory.oom_kills))
+        for rid in set(self.oom_kills) - set(reservation_ids):
+            del self.oom_kills[rid]
+        if grown:
+            self.checkpoint.save()
+        return grown
 
     def cgroup_of(self, reservation_id: str) -> Path:
         """The one place a reservation's cgroup path is made."""

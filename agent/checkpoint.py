@@ -62,6 +62,7 @@ class BindingEntry(msgspec.Struct, forbid_unknown_fields=True):
     principalId: str = ""
     devices: list[str] = []
     unenforced: list[str] = []
+    oomKills: int = 0  # the OOM kill count last seen in its cgroup (a restarted agent does not report it again)
     updatedAtMs: int = 0
 
 

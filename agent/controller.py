@@ -131,6 +131,28 @@ class BindingController:
         self.metrics.bindings = counts
         self.metrics.unenforced = unenforced
 
+    async def check_oom(self) -> dict[str, int]:
+        """Bound reservations whose cgroup's OOM kill count grew: logged, counted, and a bound report with the
+        new count queued (the control plane sets the reservation's OOMKilled condition)."""
+        bound = [rid for rid, s in self.states.items() if s.get("state") == "bound"]
+        async with self.lock:
+            grown = await asyncio.to_thread(self.binder.count_oom_kills, bound)
+        for rid, total in grown.items():
+            self.metrics.oom_kills += 1
+            self.log.warning("workload OOM-killed", reservation_id=rid, oom_kills=total)
+        if grown:
+            await self.recheck("OOM kill")  # queues the bound reports that carry the new counts
+        return grown
+
+    async def watch_oom(self, every_s: float) -> None:
+        """check_oom every `every_s`: a tenant hears within seconds that its workload outgrew its memory."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.check_oom()
+            except Exception as exc:  # keep watching
+                self.log.error("OOM check failed", error=str(exc))
+
     async def periodic(self, every_s: float) -> None:
         """Re-check the last wanted set every `every_s` (a limit or device program changed behind our back)."""
         while True:

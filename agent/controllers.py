@@ -1,19 +1,21 @@
 """Which cgroup controllers this host lets the agent enforce, and for each missing one the host setting to change.
 
-The agent probes once at start: the controllers offered at the top of the
-subtree it may write (its `enable_from` cgroup, or the workloads root, or
-for a root not made yet what its parent passes down). cpu, cpuset and
-memory may be bound to cgroup v1 on a hybrid host; hugetlb is never
-delegated by systemd. The agent enforces what is offered, says what is not
-(log line, /metrics, /status), and every binding that asks for a missing
-one is reported with it (agent.bindspec), never silently narrowed.
+The agent probes once at start. A controller on cgroup2 is enforceable when
+it is offered at the top of the subtree it may write (its `enable_from`
+cgroup, or the workloads root, or for a root not made yet what its parent
+passes down); hugetlb is never delegated by systemd. A controller a hybrid
+host keeps on a cgroup v1 hierarchy (cpu, cpuset, memory on older Ubuntu,
+RHEL, DGX OS 5) is enforced there, in the reservation's directory of that
+hierarchy (cgroups' v1 backend). The agent enforces what it can, says what
+it cannot (log line, /metrics, /status), and every binding that asks for a
+missing one is reported with it (agent.bindspec), never silently narrowed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cgroups import ALL_CONTROLLERS, host
+from cgroups import ALL_CONTROLLERS, Layout, host, probe_layout
 from cgroups.errors import CgroupError
 from cgroups.files import parse_list, read_file
 
@@ -25,15 +27,20 @@ class ControllerProbe:
     top: Path
     enforced: tuple[str, ...]
     missing: dict[str, str] = field(default_factory=dict)  # controller -> hint
+    v1: tuple[str, ...] = ()  # the enforced ones that live on a cgroup v1 hierarchy
+
+    def _named(self) -> str:
+        return ", ".join(f"{c} (v1)" if c in self.v1 else c for c in self.enforced) or "no controller"
 
     def summary(self) -> str:
         if not self.missing:
-            return f"enforcing {', '.join(self.enforced)} below {self.top}"
-        return (f"enforcing {', '.join(self.enforced) or 'no controller'} below {self.top}; missing "
+            return f"enforcing {self._named()} below {self.top}"
+        return (f"enforcing {self._named()} below {self.top}; missing "
                 f"{', '.join(self.missing)}: " + "; ".join(f"{c}: {h}" for c, h in self.missing.items()))
 
     def to_wire(self) -> dict:
-        return {"top": str(self.top), "enforced": list(self.enforced), "missing": dict(self.missing)}
+        return {"top": str(self.top), "enforced": list(self.enforced), "v1": list(self.v1),
+                "missing": dict(self.missing)}
 
 
 def offered(top: Path) -> frozenset[str]:
@@ -72,10 +79,21 @@ def hint(controller: str, top: Path, *, proc: Path = Path("/proc")) -> str:
 
 
 def probe(top: Path, wanted: tuple[str, ...] = ALL_CONTROLLERS, *, fake: bool = False,
-          proc: Path = Path("/proc")) -> ControllerProbe:
-    """Which of `wanted` can be enforced below `top`, and a hint for each one that cannot."""
-    have = offered(top)
+          proc: Path = Path("/proc"), layout: Layout | None = None) -> ControllerProbe:
+    """Which of `wanted` can be enforced below `top` (on cgroup2, or on the controller's v1 hierarchy), and a hint
+    for each one that cannot. fake: a hand-made cgroupfs at top, with no v1 hierarchies."""
+    if layout is None and not fake:
+        layout = probe_layout(proc)
+    on_v1 = {c for c in wanted if layout is not None and layout.place(c) == "v1"}
+    have = offered(top) | on_v1
     enforced = tuple(c for c in ALL_CONTROLLERS if c in wanted and c in have)
-    missing = {c: (f"{c} is not offered at {top}" if fake else hint(c, top, proc=proc))
-               for c in ALL_CONTROLLERS if c in wanted and c not in have}
-    return ControllerProbe(top, enforced, missing)
+    missing = {}
+    for c in ALL_CONTROLLERS:
+        if c in wanted and c not in have:
+            if fake:
+                missing[c] = f"{c} is not offered at {top}"
+            elif layout is not None and layout.place(c) is None and c in layout.absent:
+                missing[c] = layout.why_absent(c)
+            else:
+                missing[c] = hint(c, top, proc=proc)
+    return ControllerProbe(top, enforced, missing, tuple(c for c in enforced if c in on_v1))

@@ -77,6 +77,7 @@ class AgentMetrics:
         self.controllers_enforced: tuple[str, ...] = ()
         self.controllers_missing: tuple[str, ...] = ()
         self.unenforced: dict[str, int] = {}  # controller -> bindings that asked for it but did not get it
+        self.oom_kills = 0  # times a bound reservation's OOM kill count was seen to grow
 
     def heartbeat_age(self) -> float | None:
         return None if self.last_heartbeat is None else max(0.0, self.clock() - self.last_heartbeat)
@@ -116,6 +117,9 @@ class AgentMetrics:
                "host setting that would add it).",
                [({"controller": c}, 1) for c in self.controllers_enforced]
                + [({"controller": c}, 0) for c in self.controllers_missing])
+        metric("berth_agent_oom_kill_events_total", "counter",
+               "Times the OOM killer was seen to end processes in a bound reservation's cgroup.",
+               [({}, self.oom_kills)])
         metric("berth_agent_bindings_unenforced", "gauge",
                "Bindings whose share asks for a controller this host does not give the agent.",
                [({"controller": c}, n) for c, n in sorted(self.unenforced.items())])

@@ -88,6 +88,7 @@ class AgentConfig:
     heartbeat_s: float | None = None  # None: what the control plane says at register
     rediscover_s: float = 60.0
     reconcile_s: float = 30.0  # re-check (drift repair) the last wanted set this often
+    oom_check_s: float = 2.0  # read each bound reservation's OOM kill count this often
     backoff_min_s: float = 0.2
     backoff_max_s: float = 10.0
     request_timeout_s: float = 10.0
@@ -333,7 +334,8 @@ class Agent:
             assert self.link is not None and self.controller is not None
             self._tasks = [asyncio.ensure_future(c) for c in (
                 self.link.watch_loop(), self.link.heartbeat_loop(), self.link.report_loop(),
-                self.controller.periodic(self.config.reconcile_s), self.watchdog_loop())]
+                self.controller.periodic(self.config.reconcile_s),
+                self.controller.watch_oom(self.config.oom_check_s), self.watchdog_loop())]
             stopper = asyncio.ensure_future(stop.wait())
             self._tasks.append(stopper)
             done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)

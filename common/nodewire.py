@@ -121,7 +121,8 @@ class WatchAnswer(Answer):
 class Report(Request):
     """What the agent made of one binding. `unenforced` names each part of the share this host could not enforce
     (the binding is still bound); `end` is the binding's end as the agent applied it (an extension is done when
-    every bound node reports the new end); `message` says why a binding failed."""
+    every bound node reports the new end); `oomKills` counts the processes the OOM killer ended in the binding's
+    cgroup since it was made (a bound report is sent again when it grows); `message` says why a binding failed."""
 
     reservationId: Id
     status: Literal["bound", "unbound", "failed"]
@@ -129,6 +130,7 @@ class Report(Request):
     cgroup: Path | None = None
     devices: Annotated[tuple[Path, ...], Meta(max_length=256)] = ()
     unenforced: Annotated[tuple[Message, ...], Meta(max_length=32)] = ()
+    oomKills: Annotated[int, Meta(ge=0, le=(1 << 31) - 1)] = 0
     message: Message | None = None
 
 

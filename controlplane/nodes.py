@@ -449,9 +449,17 @@ class NodeService:
     def _bound(self, tx: Tx, res: Reservation, node_id: str, rep: Report, now: int) -> None:
         devices = list(rep.devices)
         mine = next((b for b in res.bound if b.node_id == node_id), None)
-        if mine is not None and (mine.cgroup, mine.devices, mine.end) == (rep.cgroup, devices, rep.end):
+        same = mine is not None and (mine.cgroup, mine.devices, mine.end) == (rep.cgroup, devices, rep.end)
+        if same and rep.oomKills <= mine.oom_kills:
             return  # a repeated report changes nothing
-        res.bound = [b for b in res.bound if b.node_id != node_id] + [Bound(node_id, now, rep.cgroup, devices, rep.end)]
+        before = mine.oom_kills if mine is not None and mine.cgroup == rep.cgroup else 0
+        if rep.oomKills > before:
+            self._oom_killed(tx, res, node_id, rep.oomKills, rep.oomKills - before, now)
+        res.bound = [b for b in res.bound if b.node_id != node_id] + [
+            Bound(node_id, mine.at if same else now, rep.cgroup, devices, rep.end, rep.oomKills)]
+        if same:
+            self.moves.save(tx, res)
+            return
         self.moves.confirm(res, now)
         if rep.unenforced:  # bound, but the host could not enforce all of the share
             res.set_condition("Enforced", "False", "PartialEnforcement",
@@ -460,6 +468,16 @@ class NodeService:
             self.moves.mark_active(tx, res, now)
         else:
             self.moves.save(tx, res)
+
+    def _oom_killed(self, tx: Tx, res: Reservation, node_id: str, total: int, new: int, now: int) -> None:
+        """The tenant learns that its workload outgrew its memory share: a condition on get, an event."""
+        mib = res.resources.memory_mib
+        share = f"{mib / 1024:g} GiB per node" if mib else "the node's memory"
+        res.set_condition("OOMKilled", "True", "MemoryLimit",
+                          f"node {node_id}: the OOM killer ended {total} process(es) of this reservation, which used "
+                          f"more memory than its share ({share}); book more with --memory-gib", now)
+        self.moves.event(tx, res, "reservation.oom-killed", now, nodeId=node_id, oomKills=total, new=new)
+        log.warning("workload OOM-killed", reservation_id=res.id, node_id=node_id, oom_kills=total)
 
     def metrics(self) -> dict[str, Any]:
         now = self.clock.monotonic()

@@ -138,6 +138,7 @@ class Bound:
     cgroup: str | None = None
     devices: list[str] = field(default_factory=list)
     end: int | None = None  # the window's end as the node applied it
+    oom_kills: int = 0  # processes the node's OOM killer ended in the reservation's cgroup, as last reported
 
 
 @dataclass(slots=True)

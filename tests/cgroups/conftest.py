@@ -81,19 +81,35 @@ def v1_mirrors(name: str) -> list[Path]:
     return out
 
 
+AGENT_V1 = ("cpu", "cpuset", "memory", "devices")  # what an agent enforces on a v1 hierarchy where the host has it
+
+
 def join_script(v2_dir: Path) -> str:
     """A shell line that puts the shell into v2_dir (below this process's own cgroup2 cgroup) and into the same
-    place in the v1 devices hierarchy, where that is mounted: both cgroups a unit with Delegate=yes has on a
-    hybrid systemd host. An agent started that way anchors its v1 devices directories below its own (inside the
-    test's tree, removed with it) instead of at the top of that hierarchy, where agents would share them."""
+    place below this process's own cgroup in each v1 hierarchy an agent uses (cpu, cpuset, memory, devices, where
+    the host keeps them on v1): the cgroups a unit with Delegate=yes has on a hybrid systemd host. An agent started
+    that way anchors its v1 directories below its own (inside the test's tree, removed with it) instead of at the
+    top of each hierarchy, where agents would share them. A new cpuset level gets its parent's cpus and mems (a
+    v1 cpuset takes no task before)."""
     line = f'echo $$ > "{v2_dir}/cgroup.procs"'
     layout = probe_layout()
-    h = layout.hierarchy("devices") if layout.place("devices") == "v1" else None
     own = {m.hierarchy: m.path for m in host.read_memberships()}
-    if h is not None and h.id in own:
-        mirror = h.dir_of(own[h.id]) / v2_dir.relative_to(_own_cgroup2_dir())
-        mirror.mkdir(parents=True, exist_ok=True)
-        line += f' && echo $$ > "{mirror}/cgroup.procs"'
+    rel = v2_dir.relative_to(_own_cgroup2_dir())
+    seen: set[int] = set()
+    for c in AGENT_V1:
+        h = layout.hierarchy(c) if layout.place(c) == "v1" else None
+        if h is None or h.id in seen or h.id not in own:
+            continue
+        seen.add(h.id)
+        d = h.dir_of(own[h.id])
+        for part in rel.parts:
+            d = d / part
+            if not d.is_dir():
+                d.mkdir()
+                if "cpuset" in h.controllers:
+                    for f in ("cpuset.cpus", "cpuset.mems"):
+                        (d / f).write_text((d.parent / f).read_text())
+        line += f' && echo $$ > "{d}/cgroup.procs"'
     return line
 
 

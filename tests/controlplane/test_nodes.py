@@ -159,6 +159,34 @@ async def test_bound_reports_from_every_node_make_it_active_and_get_shows_them(a
     assert api.cp.store.billing("acme")[0][0] == res["id"]  # billing started at confirmed readiness
 
 
+async def test_an_oom_kill_count_that_grows_sets_the_condition_and_an_event_once_per_growth(api):
+    node = await register(api, "h1.test")
+    res = (await api.create(key="o", gpuCount=8))[1]["reservation"]
+    await api.settle()
+    bound = {"reservationId": res["id"], "status": "bound", "cgroup": "/sys/fs/cgroup/berth/rsv-o",
+             "devices": ["/dev/nvidia0"]}
+
+    async def report(**extra):
+        status, doc = await node_call(api, "report", node["nodeToken"], {"reports": [{**bound, **extra}]})
+        assert (200, [res["id"]]) == (status, doc["accepted"]), doc
+        got = await api.ok("get", "alice", {"reservationId": res["id"]})
+        _, events = await api.post("/api/compute/events/list", "alice", {"limit": 500})
+        ooms = [e for e in events["events"] if e["type"] == "reservation.oom-killed"]
+        return {c["type"]: c for c in got["conditions"]}.get("OOMKilled"), ooms, got
+
+    cond, ooms, got = await report()
+    assert (None, [], "active") == (cond, ooms, got["state"])
+    for count, events in ((1, 1), (1, 1), (3, 2), (0, 2)):  # a repeat or an older count changes nothing
+        cond, ooms, got = await report(oomKills=count)
+        assert events == len(ooms), (count, ooms)
+    assert ("True", "MemoryLimit") == (cond["status"], cond["reason"])
+    assert "ended 3 process(es)" in cond["message"] and "--memory-gib" in cond["message"]
+    assert {"nodeId": "h1", "oomKills": 3, "new": 2}.items() <= ooms[-1]["data"].items()
+    assert "active" == got["state"] and ["h1"] == [b["nodeId"] for b in got["bound"]]
+    status, doc = await node_call(api, "report", node["nodeToken"], {"reports": [{**bound, "oomKills": -1}]})
+    assert (400, "reports[0].oomKills") == (status, doc["error"]["details"]["field"])
+
+
 async def test_failed_and_foreign_reports(api):
     n1, n2 = await register(api, "h1.test"), await register(api, "h2.test")
     res = (await api.create(key="a", gpuCount=8))[1]["reservation"]

@@ -1,11 +1,13 @@
 """The node agent against the real control plane: two simulated 8-GPU hosts, each agent in its own network
 namespace joined to the control plane's by a veth pair; tenants book, agents bind, `berth exec` runs work.
 
-Real kernel throughout (cgroups below the test's own, eBPF device programs); on this hybrid host only hugetlb
-and the device program are enforceable, and the tests check the agent says so for the rest.
+Real kernel throughout (cgroups below the test's own, eBPF device programs); on this hybrid host cpu, cpuset and
+memory are enforced on their cgroup v1 hierarchies, and the tests check the kernel's files match the share in
+every hierarchy (or, on a host without a controller, that the agent says so).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -77,12 +79,20 @@ def test_a_hold_reservation_is_bound_enforced_usable_and_released(fleet, device_
     line = [e for e in a.events("bound") if e.get("reservation_id") == rid][-1]
     booked = res["resources"]
     unenforced = " ".join(line.get("unenforced") or [])
+    notes = " ".join(line.get("notes") or [])
+    # under --simulate a share larger than this machine is capped at what it really has, and the note says so
+    real_cpus = re.search(r"capped at this host's (\d+) real CPUs", notes)
+    real_mib = re.search(r"capped at this host's real (\d+) MiB", notes)
+    caps = {"cpu": int(real_cpus[1]) if real_cpus else None, "memory": int(real_mib[1]) / 1024 if real_mib else None}
     for controller, value in (("cpu", booked["vcpu"]), ("memory", booked["memoryGiB"])):
         if f"{controller} (" in unenforced:
             assert found.share.vcpu_milli is None if controller == "cpu" else found.share.memory_bytes is None
         else:
             got = found.share.vcpu_milli / 1000 if controller == "cpu" else found.share.memory_bytes / 2**30
-            assert got == pytest.approx(value), (controller, got, value)
+            assert got == pytest.approx(caps[controller] or value, rel=1e-3), (controller, got, value, notes)
+    # and the kernel's files in every hierarchy (cgroup2 and, on a hybrid host, v1) match the record
+    enforced = tuple(c for c in ("cpu", "memory") if f"{c} (" not in unenforced)
+    assert [] == Subtree(a.root, controllers=enforced, anchor_pid=a.pid).drift(f"rsv-{rid}")
 
     # berth exec: its GPU's node opens (ENXIO: no driver, the filter let it through), another GPU's is denied
     other = (mine + 1) % 8
