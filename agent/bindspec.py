@@ -73,9 +73,10 @@ class Want:
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def refusal(binding: Binding) -> str | None:
-    """Why this agent will not make a binding of this kind (None: it will)."""
-    if binding.kind in SUPPORTED_KINDS:
+def refusal(binding: Binding, *, kubernetes: bool = False) -> str | None:
+    """Why this agent will not make a binding of this kind (None: it will). kubernetes: the agent serves device
+    plugins (agent/kubernetes.py), which make kubernetes bindings."""
+    if binding.kind in SUPPORTED_KINDS or (kubernetes and binding.kind == "kubernetes"):
         return None
     if binding.kind in ("node", "kubernetes"):
         return f"binding kind {binding.kind} is not supported by this agent yet"

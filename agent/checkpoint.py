@@ -56,7 +56,8 @@ class BindingEntry(msgspec.Struct, forbid_unknown_fields=True):
     reservationId: str
     state: BindingState
     spec: str  # fingerprint of the share and rules applied (agent.bindspec.Want.fingerprint)
-    cgroup: str
+    cgroup: str  # "" for a kubernetes binding (its pods run in the kubelet's cgroups)
+    kind: str = "hold"
     tenantId: str = ""
     parts: list[str] = []  # its directories in the cgroup v1 hierarchies (berth exec joins them too)
     principalId: str = ""

@@ -22,6 +22,7 @@ import structlog
 from agent.binder import Binder, Have, Outcome, Refused, plan
 from agent.bindspec import BindError, HostView, Want, refusal, want_of
 from agent.checkpoint import Checkpoint
+from agent.kubernetes import KubernetesBindings
 from agent.metrics import AgentMetrics
 from common.nodewire import Binding, Report
 
@@ -30,8 +31,10 @@ log = structlog.get_logger("berth.agent")
 
 class BindingController:
     def __init__(self, binder: Binder, checkpoint: Checkpoint, metrics: AgentMetrics,
-                 host_view: Callable[[], HostView | None], on_reports: Callable[[], None]) -> None:
+                 host_view: Callable[[], HostView | None], on_reports: Callable[[], None],
+                 kubernetes: KubernetesBindings | None = None) -> None:
         self.binder = binder
+        self.kubernetes = kubernetes  # the device plugins for kubernetes bindings (None: refuse them)
         self.checkpoint = checkpoint
         self.metrics = metrics
         self.host_view = host_view  # the current translation context (changes with each discovery)
@@ -55,7 +58,7 @@ class BindingController:
         assert host is not None, "reconcile before the first discovery"
         out: dict[str, Want | BindError | Refused] = {}
         for b in bindings:
-            why = refusal(b)
+            why = refusal(b, kubernetes=self.kubernetes is not None)
             if why:
                 out[b.reservationId] = Refused(why)
                 continue
@@ -70,14 +73,19 @@ class BindingController:
         async with self.lock:
             first = self.wanted is None
             self.wanted = list(bindings)
-            desired = self._desired(bindings)
+            pods = [b for b in bindings if b.kind == "kubernetes" and self.kubernetes is not None]
+            desired = self._desired([b for b in bindings if b not in pods])
+            if self.kubernetes is not None:
+                await self._reconcile_pods(pods)
             actual: dict[str, Have] = await asyncio.to_thread(self.binder.actual)
             actions = plan(desired, actual)
             if resource_version is not None:
                 self.resource_version = resource_version
                 self.checkpoint.set_version(resource_version)
                 self.metrics.resource_version = resource_version
-            for rid in [r for r in self.checkpoint.bindings if r not in desired and r not in actual]:
+            wanted_pods = {b.reservationId for b in pods}
+            for rid in [r for r in self.checkpoint.bindings
+                        if r not in desired and r not in actual and r not in wanted_pods]:
                 entry = self.checkpoint.bindings[rid]
                 self.checkpoint.forget(rid)
                 if entry.state in ("completed", "removing"):
@@ -97,6 +105,18 @@ class BindingController:
             if self.checkpoint.data.pendingReports:
                 self.on_reports()
             return outcomes
+
+    async def _reconcile_pods(self, pods: list[Binding]) -> None:
+        """The kubernetes bindings: advertise, report, and keep the bound ones in the checkpoint."""
+        assert self.kubernetes is not None
+        host = self.host_view()
+        assert host is not None
+        for report in await self.kubernetes.reconcile(pods, host.inventory):
+            self.checkpoint.queue_report(report)
+        for entry in self.kubernetes.bound_entries(pods):
+            old = self.checkpoint.bindings.get(entry.reservationId)
+            if old is None or (old.spec, old.devices, old.state) != (entry.spec, entry.devices, entry.state):
+                self.checkpoint.set(entry)
 
     async def recheck(self, why: str) -> None:
         """Reconcile the last wanted set again (drift repair, a changed inventory); nothing before the first."""
@@ -124,6 +144,8 @@ class BindingController:
                 for u in a.want.unenforced:
                     c = u.split(" ", 1)[0]
                     unenforced[c] = unenforced.get(c, 0) + 1
+        if self.kubernetes is not None:
+            states.update(self.kubernetes.states)
         self.states = states
         counts: dict[str, int] = {}
         for s in states.values():

@@ -97,6 +97,10 @@ def bound_binding(reservation: str, state_dir: Path, cgroup_root: str | None) ->
         state = "not known" if entry is None else entry.state
         raise ExecRefused(EXIT_NOT_BOUND, f"berth exec: reservation {reservation} is not bound on this node "
                                           f"({state} in {state_dir})")
+    if entry.kind == "kubernetes":
+        raise ExecRefused(EXIT_NOT_BOUND, f"berth exec: reservation {reservation} is a kubernetes binding: the kubelet "
+                                          "gives its devices to pods (request its resource in a pod spec), not to "
+                                          "berth exec")
     # The binder recorded where it made the cgroup; --cgroup-root only relocates that (the same name below it).
     path = Path(entry.cgroup) if cgroup_root is None else Path(cgroup_root) / Path(entry.cgroup).name
     if not path.is_dir():

@@ -53,6 +53,7 @@ from agent.discovery import Discovery, Rediscovery, Reserve
 from agent.errors import AgentError
 from common import hostfacts
 from common.hostfacts import HostReadError
+from agent.kubernetes import DEFAULT_KUBELET_ROOT, KubernetesBindings
 from agent.execgate import ExecGate, ExecPolicy, Target
 from common.inventory import Inventory
 from agent.metrics import AgentMetrics, metrics_app
@@ -95,6 +96,7 @@ class AgentConfig:
     proc: Path = Path("/proc")
     sys: Path = Path("/sys")
     machine_id_file: Path = Path("/etc/machine-id")
+    kubelet_root: Path = DEFAULT_KUBELET_ROOT  # where the kubelet's device-plugins/ and pod-resources/ are
 
 
 class Agent:
@@ -111,6 +113,7 @@ class Agent:
         self.subtree: Subtree | None = None
         self.checkpoint: Checkpoint | None = None
         self.controller: BindingController | None = None
+        self.kubernetes: KubernetesBindings | None = None
         self.link: ControlPlaneLink | None = None
         self.inventory: Inventory | None = None
         self.host_view: HostView | None = None
@@ -121,6 +124,7 @@ class Agent:
         self._metrics_runner = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Future] = []
+        self._rechecks: set[asyncio.Future] = set()  # passes asked for by a kubelet registration
 
     # -- start-up -------------------------------------------------------------
 
@@ -153,8 +157,9 @@ class Agent:
         found = binder.actual()
         self.log.info("cgroups found at start", count=len(found), reservations=sorted(found)[:50],
                       without_record=sorted(r for r, h in found.items() if h.share is None) or None)
+        self.kubernetes = KubernetesBindings(cfg.kubelet_root, on_change=self._kubelet_changed)
         self.controller = BindingController(binder, self.checkpoint, self.metrics, lambda: self.host_view,
-                                            self._reports_queued)
+                                            self._reports_queued, kubernetes=self.kubernetes)
         self.link = ControlPlaneLink(
             cfg.control_plane, cfg.bootstrap_token, self.state, self.checkpoint, self.controller, self.metrics,
             inventory=lambda: self.inventory, agent_version=AGENT_VERSION, wall_ms=self.wall_ms,
@@ -179,6 +184,13 @@ class Agent:
             self.log.warning("machine id is not 32 hex digits; not sent", file=str(path))
             return ""
         return text
+
+    def _kubelet_changed(self) -> None:
+        """A device plugin was (re)registered with the kubelet: its bindings can report bound now."""
+        if self.controller is not None:
+            task = asyncio.ensure_future(self.controller.recheck("kubelet registration"))
+            self._rechecks.add(task)
+            task.add_done_callback(self._rechecks.discard)
 
     def _reports_queued(self) -> None:
         if self.link is not None:
@@ -359,9 +371,9 @@ class Agent:
 
     async def shutdown(self) -> None:
         self.notifier.stopping()
-        for t in self._tasks:
+        for t in [*self._tasks, *self._rechecks]:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._rechecks, return_exceptions=True)
         if self._watcher is not None:
             try:
                 self._watcher.stop()
@@ -371,6 +383,8 @@ class Agent:
             self._rediscovery.stop(timeout=2)
         if self._exec_gate is not None:
             await self._exec_gate.stop()
+        if self.kubernetes is not None:
+            await self.kubernetes.stop()
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
         if self.link is not None:

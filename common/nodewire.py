@@ -107,6 +107,7 @@ class Binding(Answer):
     units: tuple[BindingUnit, ...] = ()
     share: BindingShare = BindingShare()
     numaNodes: tuple[int, ...] = ()
+    resourceName: str = ""  # kubernetes: the extended resource the kubelet sees the units as
 
 
 class WatchAnswer(Answer):

@@ -45,9 +45,22 @@ class PerGpuDoc(Struct, forbid_unknown_fields=True):
     memoryGiB: NonNegative
 
 
+# An extended resource name as the kubelet accepts it: a DNS domain, '/', a name of at most 63 characters.
+ResourceName = Annotated[str, Meta(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")]
+DEFAULT_RESOURCE_NAME = "berth.dev/gpu"
+
+
+class KubernetesDoc(Struct, forbid_unknown_fields=True):
+    """policy.kubernetes as an object: which cluster the pool's nodes belong to, and the extended resource their
+    GPUs are advertised as to its kubelets."""
+
+    cluster: Annotated[str, Meta(max_length=128)] = ""
+    resourceName: ResourceName = DEFAULT_RESOURCE_NAME
+
+
 class PolicyDoc(Struct, forbid_unknown_fields=True):
     tenantRoot: bool = False
-    kubernetes: bool | dict = False
+    kubernetes: bool | KubernetesDoc = False
     perGpu: PerGpuDoc | None = None
     placer: Literal["calendar", "pool-lease"] = "calendar"
     budgetCheck: bool = False
@@ -214,6 +227,9 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
         policy = PoolPolicy(
             tenant_root=p.policy.tenantRoot,
             kubernetes=bool(p.policy.kubernetes),
+            kubernetes_cluster=p.policy.kubernetes.cluster if isinstance(p.policy.kubernetes, KubernetesDoc) else "",
+            kubernetes_resource=(p.policy.kubernetes.resourceName if isinstance(p.policy.kubernetes, KubernetesDoc)
+                                 else DEFAULT_RESOURCE_NAME if p.policy.kubernetes else ""),
             per_gpu=per_gpu,
             placer=p.policy.placer,
             budget_check=p.policy.budgetCheck,

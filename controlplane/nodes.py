@@ -82,8 +82,9 @@ def capacity_of(inventory: Inventory) -> Share:
     return Share(inventory.cpus.allocatableVcpuMilli, inventory.memory.allocatableMiB, inventory.hugepages.pages1G.total)
 
 
-def binding_of(res: Reservation, node: Node | None, node_id: str) -> Binding:
-    """What the node's agent is to make of a reservation: its units there, its share and their NUMA nodes."""
+def binding_of(res: Reservation, node: Node | None, node_id: str, pool: Pool | None = None) -> Binding:
+    """What the node's agent is to make of a reservation: its units there, its share and their NUMA nodes (and,
+    for a kubernetes binding, the resource name of its pool)."""
     placement = next((p for p in res.placements if p.node_id == node_id), None)
     by_id = {u.id: u for u in node.units} if node else {}
     units = [by_id[uid] for uid in (placement.units if placement else []) if uid in by_id]
@@ -94,6 +95,7 @@ def binding_of(res: Reservation, node: Node | None, node_id: str) -> Binding:
         units=tuple(BindingUnit(u.id, u.gpu_index, u.uuid, u.mig_profile) for u in units),
         share=BindingShare(share.vcpu_milli, share.memory_mib, share.hugepages_1g),
         numaNodes=tuple(sorted({u.numa_node for u in units if u.numa_node is not None})),
+        resourceName=pool.policy.kubernetes_resource if pool is not None and res.binding == "kubernetes" else "",
     )
 
 
@@ -152,10 +154,11 @@ class NodeService:
     def _reservation_changed(self, res: Reservation) -> None:
         wanted = res.state in (states.BINDING, states.ACTIVE)
         nodes = self.catalog.current.nodes
+        pool = self.catalog.current.pools.get(res.pool_id)
         on = {p.node_id for p in res.placements} if wanted else set()
         for node_id in on:
             live = self._node(node_id)
-            doc = binding_of(res, nodes.get(node_id), node_id)
+            doc = binding_of(res, nodes.get(node_id), node_id, pool)
             if live.bindings.get(res.id) != doc:
                 live.bindings[res.id] = doc
                 self._bump(live)

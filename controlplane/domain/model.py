@@ -57,6 +57,8 @@ class Offer:
 class PoolPolicy:
     tenant_root: bool = False
     kubernetes: bool = False
+    kubernetes_cluster: str = ""
+    kubernetes_resource: str = ""  # the extended resource its nodes' kubelets see the GPUs as (berth.dev/gpu)
     per_gpu: Share | None = None
     placer: str = "calendar"
     budget_check: bool = False

@@ -34,6 +34,8 @@ BOB = "acme-bob-token-000001"
 H100_TOKEN = "node-bootstrap-h100-0001"
 MIG_TOKEN = "node-bootstrap-mig-00001"
 NODE_TOKEN = "node-bootstrap-node-001"
+K8S_TOKEN = "node-bootstrap-k8s-0001"
+K8S_RESOURCE = "berth.dev/h100"
 # The unprivileged user acme's workloads run as on the test agents (--exec-tenant-user acme=64123): a uid with no
 # passwd entry, so nothing on the machine is changed for it. Workloads run the distribution's python, which that
 # uid can reach (this interpreter may live below a root-only home).
@@ -55,9 +57,11 @@ def bootstrap_doc() -> dict:
              "pricePerGpuHourUsd": "0.1"},
             {"id": "metal", "owner": "acme", "region": "eu", "gpuModel": "H100_80GB", "pricePerGpuHourUsd": "1",
              "policy": {"tenantRoot": True}},
+            {"id": "k8s", "owner": "acme", "region": "eu", "gpuModel": "H100_80GB", "pricePerGpuHourUsd": "1",
+             "policy": {"kubernetes": {"cluster": "prod", "resourceName": K8S_RESOURCE}}},
         ],
         "nodeTokens": [{"pool": "h100", "token": H100_TOKEN}, {"pool": "mig", "token": MIG_TOKEN},
-                       {"pool": "metal", "token": NODE_TOKEN}],
+                       {"pool": "metal", "token": NODE_TOKEN}, {"pool": "k8s", "token": K8S_TOKEN}],
         "policies": "permit (principal, action, resource) when { principal.tenant == resource.tenant };",
     }
 
