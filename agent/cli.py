@@ -132,6 +132,12 @@ def _runtime_parser() -> argparse.ArgumentParser:
     p.add_argument("--kubelet-root", metavar="DIR", default=env("BERTH_KUBELET_ROOT", "/var/lib/kubelet"),
                    help="the kubelet's root: kubernetes bindings are served by device plugins in its device-plugins/ "
                         "and read back from its pod-resources/ (default /var/lib/kubelet)")
+    p.add_argument("--kubeconfig", metavar="FILE", default=env("KUBECONFIG"),
+                   help="credentials for the Kubernetes API server, to taint this node while a kubernetes release is "
+                        "stuck and to evict pods from devices a new booking takes (default: $KUBECONFIG, else the "
+                        "pod's service account)")
+    p.add_argument("--kubernetes-node-name", metavar="NAME", default=env("BERTH_KUBERNETES_NODE_NAME"),
+                   help="this host's Node name in its cluster (default: the hostname)")
     p.add_argument("--machine-id-file", metavar="FILE", default=env("BERTH_MACHINE_ID_FILE", "/etc/machine-id"),
                    help="this host's machine id, sent at register: a node lost past the grace may be taken over "
                         "only by the host with the id it first registered with (default /etc/machine-id)")
@@ -228,7 +234,8 @@ def runtime_main(argv: list[str]) -> int:
         exec_policy=policy, watch_timeout_ms=args.watch_timeout_ms, heartbeat_s=args.heartbeat_seconds,
         reconcile_s=args.reconcile_seconds, rediscover_s=args.rediscover_seconds,
         backoff_max_s=args.backoff_max_seconds, request_timeout_s=args.request_timeout_seconds, proc=Path(args.proc_root), sys=Path(args.sys_root),
-        machine_id_file=Path(args.machine_id_file), kubelet_root=Path(args.kubelet_root))
+        machine_id_file=Path(args.machine_id_file), kubelet_root=Path(args.kubelet_root), kubeconfig=args.kubeconfig,
+        kubernetes_node_name=args.kubernetes_node_name)
 
     async def run() -> None:
         stop = asyncio.Event()

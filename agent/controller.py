@@ -74,10 +74,13 @@ class BindingController:
             first = self.wanted is None
             self.wanted = list(bindings)
             pods = [b for b in bindings if b.kind == "kubernetes" and self.kubernetes is not None]
-            desired = self._desired([b for b in bindings if b not in pods])
-            if self.kubernetes is not None:
-                await self._reconcile_pods(pods)
+            others = [b for b in bindings if b not in pods]
             actual: dict[str, Have] = await asyncio.to_thread(self.binder.actual)
+            if self.kubernetes is not None:
+                await self._reconcile_pods(pods, [b for b in others if b.reservationId not in actual])
+                # a new binding whose devices pods of an ended kubernetes booking still hold waits for their eviction
+                others = [b for b in others if b.reservationId not in self.kubernetes.blocked]
+            desired = self._desired(others)
             actions = plan(desired, actual)
             if resource_version is not None:
                 self.resource_version = resource_version
@@ -106,17 +109,20 @@ class BindingController:
                 self.on_reports()
             return outcomes
 
-    async def _reconcile_pods(self, pods: list[Binding]) -> None:
-        """The kubernetes bindings: advertise, report, and keep the bound ones in the checkpoint."""
+    async def _reconcile_pods(self, pods: list[Binding], fresh: list[Binding]) -> None:
+        """The kubernetes bindings: advertise, report, and keep the bound ones in the checkpoint; `fresh` (other
+        bindings not made yet) wait while pods of an ended kubernetes booking hold their devices."""
         assert self.kubernetes is not None
         host = self.host_view()
         assert host is not None
-        for report in await self.kubernetes.reconcile(pods, host.inventory):
+        for report in await self.kubernetes.reconcile(pods, host.inventory, fresh):
             self.checkpoint.queue_report(report)
         for entry in self.kubernetes.bound_entries(pods):
             old = self.checkpoint.bindings.get(entry.reservationId)
             if old is None or (old.spec, old.devices, old.state) != (entry.spec, entry.devices, entry.state):
                 self.checkpoint.set(entry)
+        for rid in self.kubernetes.let_go:  # AllocationReleased reported: nothing of it is left here
+            self.checkpoint.forget(rid)
 
     async def recheck(self, why: str) -> None:
         """Reconcile the last wanted set again (drift repair, a changed inventory); nothing before the first."""

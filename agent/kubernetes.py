@@ -7,6 +7,11 @@ health says otherwise; a device outside every active binding is never
 advertised, so the kubelet cannot give it to a pod. A binding is reported
 `bound` once its plugin is registered with the kubelet and advertises it.
 
+A released binding (the release hold) is withdrawn at once; the kubelet's
+PodResources API says which pods still hold its devices, reported as `held`
+with their names until none does, then `unbound` (AllocationReleased).
+`watch_holds` looks every second while such a binding waits.
+
 What to advertise is a pure function of the wanted bindings and the
 inventory (`advertised_devices`); `KubernetesBindings.reconcile` applies it
 (starting and stopping plugins) and says which reports are due.
@@ -24,6 +29,7 @@ import structlog
 from agent.bindspec import BindError, _find_unit, device_paths
 from agent.checkpoint import BindingEntry
 from agent.kubelet.plugin import DevicePlugin, KubeletError, PluginDevice
+from agent.kubelet.podresources import PodDevices, list_pod_devices, pod_resources_socket
 from common.inventory import Inventory
 from common.nodewire import Binding, Report
 
@@ -49,6 +55,13 @@ def plugin_devices(binding: Binding, inv: Inventory) -> list[PluginDevice]:
             out.append(PluginDevice(gpu.uuid, gpu.health.healthy, gpu.numaNode, device_paths([gpu.minor], []),
                                     gpu.uuid))
     return out
+
+
+def holders_of(binding: Binding, pods: Iterable[PodDevices]) -> list[str]:
+    """The pods (namespace/name) holding any of the binding's devices, as the kubelet's PodResources says."""
+    ids = {u.uuid for u in binding.units}
+    return sorted({f"{p.namespace}/{p.name}" for p in pods
+                   if p.resource_name == binding.resourceName and ids.intersection(p.device_ids)})
 
 
 def advertised_devices(bindings: Iterable[Binding], inv: Inventory) -> tuple[dict[str, list[PluginDevice]],
@@ -85,21 +98,85 @@ class _Plugin:
 
 
 class KubernetesBindings:
-    """The device plugins of this node and the state of each kubernetes binding."""
+    """The device plugins of this node, the state of each kubernetes binding, and the node's side of the release
+    hold (the stuck taint, evictions for a booking that takes held devices)."""
 
     def __init__(self, kubelet_root: Path = DEFAULT_KUBELET_ROOT, *, poll_s: float = 0.25,
-                 on_change: Callable[[], None] = lambda: None) -> None:
+                 on_change: Callable[[], None] = lambda: None, kubeconfig: str | None = None,
+                 node_name: str | None = None, api: Callable[[str], tuple] | None = None) -> None:
         self.kubelet_root = Path(kubelet_root)
         self.poll_s = poll_s
-        self.on_change = on_change  # a plugin was (re)registered: reconcile again, so its bindings report bound
+        self.on_change = on_change  # reconcile again: a plugin (re)registered, or the pods holding devices changed
+        self.kubeconfig = kubeconfig
+        self.node_name = node_name  # the Kubernetes Node of this host (default: the inventory's hostname)
+        self._make_api = api or self._api_of
+        self._api: tuple | None = None  # (NodeTaints, PodEvictions), made when first needed
+        self.api_error: str | None = None
         self.plugins: dict[str, _Plugin] = {}
         self.states: dict[str, dict] = {}  # reservation id -> what /status shows
         self.reported: dict[str, str] = {}  # reservation id -> the tag of the last report
+        self.let_go: list[str] = []  # released bindings reported unbound (AllocationReleased) by the last pass
+        self.blocked: dict[str, list[str]] = {}  # new binding -> pods of an ended one still holding its devices
+        self.holder_view: dict[str, tuple[str, ...]] = {}  # released or blocked binding -> its holders, last seen
+        self.recent: dict[str, frozenset[str]] = {}  # kubernetes bindings seen lately -> their device ids
+        self.tainted: bool | None = None  # the stuck taint as last written (None: not known)
+        self._last_pods: list[PodDevices] | None = []
+        self._advertised_states: dict[str, dict] = {}
+        self._hostname = ""
+        self._pods_error: str | None = None
+        self._evicted_for: dict[str, set[str]] = {}  # ended binding -> the pods evicted from its devices
         self.log = log
 
-    async def reconcile(self, bindings: list[Binding], inv: Inventory) -> list[Report]:
-        """Advertise exactly the wanted bindings' devices; the reports now due (bound, failed, unbound)."""
-        by_resource, refused = advertised_devices(bindings, inv)
+    async def reconcile(self, bindings: list[Binding], inv: Inventory, fresh: Iterable[Binding] = ()) -> list[Report]:
+        """One pass over the node's kubernetes bindings; the reports now due.
+
+        Active ones are advertised (bound once the kubelet accepted the plugin); released ones report the pods
+        that still hold their devices (held) or that none does (unbound: AllocationReleased). A binding not yet
+        bound here (any kind, `fresh` for the others) whose devices pods of an ended binding still hold is
+        `blocked`: those pods are evicted first, and the ended binding is told which. The stuck taint follows
+        whether any released binding is carried on past its window."""
+        released = [b for b in bindings if b.released]
+        active = [b for b in bindings if not b.released]
+        for b in bindings:
+            self._remember(b)
+        self._hostname = inv.hostname
+        new = [b for b in active if self.states.get(b.reservationId, {}).get("state") != "bound"] + list(fresh)
+        # Only a Kubernetes node has pods to ask about (a plain host has no pod-resources socket).
+        kubelet_here = bool(released) or pod_resources_socket(self.kubelet_root).exists()
+        pods = await self._pods() if kubelet_here and (released or new) else []
+        reports: list[Report] = []
+        if pods is not None:
+            reports += await self._evict_for(new, pods, {b.reservationId for b in bindings})
+        advertise = [b for b in active if b.reservationId not in self.blocked]
+        reports += await self._advertise(advertise, inv)
+        states = {**self._advertised_states}
+        for rid in self.blocked:
+            if rid in {b.reservationId for b in active}:
+                states[rid] = {"state": "evicting", "kind": "kubernetes", "holders": self.blocked[rid]}
+        self.let_go = []
+        for b in released:
+            rid = b.reservationId
+            if pods is None:  # the kubelet cannot say: nothing is reported until it can
+                states[rid] = {"state": "held", "kind": "kubernetes", "holders": None}
+                continue
+            holders = holders_of(b, pods)
+            if holders:
+                states[rid] = {"state": "held", "kind": "kubernetes", "holders": holders}
+                reports += self._once(rid, Report(rid, "held", holders=tuple(holders[:256])),
+                                      f"held:{','.join(holders)}")
+            else:
+                states[rid] = {"state": "released", "kind": "kubernetes"}
+                reports += self._once(rid, Report(rid, "unbound"), "unbound")  # AllocationReleased
+                self.let_go.append(rid)
+        self.holder_view = self._view(released, new, pods)
+        await self._taint(any(b.stuck for b in released), inv)
+        for rid in [r for r in self.reported if r not in states and r not in self._evicted_for]:
+            self.reported.pop(rid)  # withdrawn: the checkpoint's entry goes, and its unbound report with it
+        self.states = states
+        return reports
+
+    async def _advertise(self, active: list[Binding], inv: Inventory) -> list[Report]:
+        by_resource, refused = advertised_devices(active, inv)
         for name, devices in by_resource.items():
             await self._ensure(name)
             if name in self.plugins:
@@ -110,7 +187,7 @@ class KubernetesBindings:
             await self._stop(entry)
         reports: list[Report] = []
         states: dict[str, dict] = {}
-        for b in bindings:
+        for b in active:
             rid = b.reservationId
             if rid in refused:
                 states[rid] = {"state": "failed", "kind": "kubernetes", "message": refused[rid]}
@@ -132,10 +209,131 @@ class KubernetesBindings:
                 why = entry.plugin.last_error if entry is not None else None
                 states[rid] = {"state": "binding", "kind": "kubernetes", "resourceName": b.resourceName,
                                "waiting": why or "for the kubelet to accept the device plugin"}
-        for rid in [r for r in self.reported if r not in states]:
-            self.reported.pop(rid)  # withdrawn: the checkpoint's entry goes, and its unbound report with it
-        self.states = states
+        self._advertised_states = states
         return reports
+
+    async def _evict_for(self, new: list[Binding], pods: list[PodDevices], wanted: set[str]) -> list[Report]:
+        """Pods holding devices of a binding not yet bound here belong to an ended binding: evict them, and tell
+        that ended binding (unbound, with the pods) once they are gone."""
+        self.blocked = {}
+        holding: dict[str, set[str]] = {}  # pod -> device ids
+        for p in pods:
+            holding.setdefault(f"{p.namespace}/{p.name}", set()).update(p.device_ids)
+        reports: list[Report] = []
+        for b in new:
+            ids = {u.uuid for u in b.units}
+            in_the_way = sorted(pod for pod, held in holding.items() if ids & held)
+            if not in_the_way:
+                continue
+            self.blocked[b.reservationId] = in_the_way
+            for pod in in_the_way:
+                await self._evict(pod)
+                for old, old_ids in self.recent.items():
+                    if old not in wanted and old_ids & holding[pod]:
+                        self._evicted_for.setdefault(old, set()).add(pod)
+        for old, evicted in list(self._evicted_for.items()):
+            still = [pod for pod in evicted if pod in holding and holding[pod] & self.recent.get(old, frozenset())]
+            if not still:  # gone: the ended binding hears which pods made room
+                reports += self._once(old, Report(old, "unbound", evicted=tuple(sorted(evicted))[:256]),
+                                      f"evicted:{','.join(sorted(evicted))}")
+                del self._evicted_for[old]
+        return reports
+
+    async def _evict(self, pod: str) -> None:
+        namespace, name = pod.split("/", 1)
+        api = self._apis()
+        if api is None:
+            return
+        try:
+            outcome = await api[1].evict_async(namespace, name)
+        except KubeletError as exc:
+            self.log.error("eviction failed", pod=pod, error=str(exc))
+            return
+        if outcome == "evicted":
+            self.log.warning("pod evicted: it held devices a new booking takes", pod=pod)
+
+    async def _taint(self, stuck: bool, inv: Inventory) -> None:
+        """The node carries the KubernetesReleaseStuck NoSchedule taint exactly while a release is carried on."""
+        if stuck == self.tainted or (not stuck and self.tainted is None):
+            return
+        from agent.kubelet.taint import RELEASE_STUCK_TAINT  # the kubernetes client loads only where it is used
+
+        api = self._apis()
+        if api is None:
+            return
+        try:
+            if stuck:
+                await api[0].set_async(RELEASE_STUCK_TAINT)
+            else:
+                await api[0].remove_async(RELEASE_STUCK_TAINT)
+        except KubeletError as exc:
+            self.log.error("cannot change the node's taint", stuck=stuck, error=str(exc))
+            return
+        self.tainted = stuck
+        self.log.warning("node tainted: a kubernetes release is stuck" if stuck else "node taint removed",
+                         taint=f"{RELEASE_STUCK_TAINT}:NoSchedule")
+
+    def _apis(self) -> tuple | None:
+        if self._api is None:
+            try:
+                self._api = self._make_api(self.node_name or self._hostname)
+                self.api_error = None
+            except KubeletError as exc:
+                if self.api_error != str(exc):
+                    self.log.error("no Kubernetes API access: the node cannot be tainted or pods evicted",
+                                   error=str(exc))
+                self.api_error = str(exc)
+                return None
+        return self._api
+
+    def _api_of(self, node_name: str) -> tuple:
+        from agent.kubelet.evict import PodEvictions
+        from agent.kubelet.taint import NodeTaints  # the kubernetes client loads only where it is used
+
+        return (NodeTaints(node_name, kubeconfig=self.kubeconfig), PodEvictions(kubeconfig=self.kubeconfig))
+
+    def _remember(self, b: Binding) -> None:
+        self.recent.pop(b.reservationId, None)
+        self.recent[b.reservationId] = frozenset(u.uuid for u in b.units)
+        while len(self.recent) > 1000:
+            self.recent.pop(next(iter(self.recent)))
+
+    def _view(self, released: list[Binding], new: list[Binding], pods: list[PodDevices] | None) -> dict:
+        view: dict[str, tuple[str, ...]] = {b.reservationId: tuple(holders_of(b, pods or ())) for b in released}
+        for b in new:
+            ids = {u.uuid for u in b.units}
+            view[b.reservationId] = tuple(sorted({f"{p.namespace}/{p.name}" for p in pods or ()
+                                                  if ids.intersection(p.device_ids)}))
+        return view
+
+    async def _pods(self) -> list[PodDevices] | None:
+        """Which pods hold which devices, from the kubelet's PodResources; None (said once) when it cannot tell."""
+        try:
+            self._last_pods = await list_pod_devices(self.kubelet_root)
+            self._pods_error = None
+        except KubeletError as exc:
+            if str(exc) != self._pods_error:
+                self.log.warning("cannot read which pods hold devices", error=str(exc))
+            self._pods_error = str(exc)
+            self._last_pods = None
+        return self._last_pods
+
+    async def watch_holds(self, wanted: Callable[[], list[Binding]], every_s: float = 1.0) -> None:
+        """While released bindings wait for their pods (or new ones for evicted pods to go), look every `every_s`
+        and reconcile when what the kubelet says changed."""
+        while True:
+            await asyncio.sleep(every_s)
+            bindings = wanted()
+            released = [b for b in bindings if b.kind == "kubernetes" and b.released]
+            waiting = [b for b in bindings if b.reservationId in self.blocked]
+            if not released and not waiting:
+                continue
+            try:
+                pods = await self._pods()
+                if pods is not None and self._view(released, waiting, pods) != self.holder_view:
+                    self.on_change()
+            except Exception as exc:  # keep watching
+                self.log.error("hold watch failed", error=str(exc))
 
     def bound_entries(self, bindings: list[Binding]) -> list[BindingEntry]:
         """Checkpoint entries of the bindings bound now (so a restarted agent still reports their unbinding)."""

@@ -97,6 +97,8 @@ class AgentConfig:
     sys: Path = Path("/sys")
     machine_id_file: Path = Path("/etc/machine-id")
     kubelet_root: Path = DEFAULT_KUBELET_ROOT  # where the kubelet's device-plugins/ and pod-resources/ are
+    kubeconfig: str | None = None  # the API server's credentials (None: in-cluster)
+    kubernetes_node_name: str | None = None  # this host's Node (None: the hostname)
 
 
 class Agent:
@@ -157,7 +159,8 @@ class Agent:
         found = binder.actual()
         self.log.info("cgroups found at start", count=len(found), reservations=sorted(found)[:50],
                       without_record=sorted(r for r, h in found.items() if h.share is None) or None)
-        self.kubernetes = KubernetesBindings(cfg.kubelet_root, on_change=self._kubelet_changed)
+        self.kubernetes = KubernetesBindings(cfg.kubelet_root, on_change=self._kubelet_changed, kubeconfig=cfg.kubeconfig,
+                                             node_name=cfg.kubernetes_node_name)
         self.controller = BindingController(binder, self.checkpoint, self.metrics, lambda: self.host_view,
                                             self._reports_queued, kubernetes=self.kubernetes)
         self.link = ControlPlaneLink(
@@ -186,7 +189,7 @@ class Agent:
         return text
 
     def _kubelet_changed(self) -> None:
-        """A device plugin was (re)registered with the kubelet: its bindings can report bound now."""
+        """A device plugin was (re)registered with the kubelet, or the pods holding devices changed: reconcile."""
         if self.controller is not None:
             task = asyncio.ensure_future(self.controller.recheck("kubelet registration"))
             self._rechecks.add(task)
@@ -343,11 +346,12 @@ class Agent:
             self.log.info("agent ready", control_plane=self.config.control_plane,
                           cgroup_root=str(self.layout.root if self.layout else ""),
                           state_dir=str(self.config.state_dir), simulate=self.config.simulate)
-            assert self.link is not None and self.controller is not None
+            assert self.link is not None and self.controller is not None and self.kubernetes is not None
             self._tasks = [asyncio.ensure_future(c) for c in (
                 self.link.watch_loop(), self.link.heartbeat_loop(), self.link.report_loop(),
                 self.controller.periodic(self.config.reconcile_s),
-                self.controller.watch_oom(self.config.oom_check_s), self.watchdog_loop())]
+                self.controller.watch_oom(self.config.oom_check_s), self.watchdog_loop(),
+                self.kubernetes.watch_holds(lambda: self.controller.wanted or []))]
             stopper = asyncio.ensure_future(stop.wait())
             self._tasks.append(stopper)
             done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)

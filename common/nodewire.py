@@ -22,7 +22,8 @@ Path = Annotated[str, Meta(max_length=4096)]
 ResourceVersion = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 REPORT_MAX = 1000  # reports in one call
 BINDING_KINDS = ("hold", "node", "kubernetes")
-REPORT_STATUSES = ("bound", "unbound", "failed")
+REPORT_STATUSES = ("bound", "unbound", "failed", "held")
+Pod = Annotated[str, Meta(min_length=3, max_length=507, pattern=r"^[a-z0-9.-]+/[a-z0-9.-]+$")]  # namespace/name
 
 
 class Request(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -108,6 +109,8 @@ class Binding(Answer):
     share: BindingShare = BindingShare()
     numaNodes: tuple[int, ...] = ()
     resourceName: str = ""  # kubernetes: the extended resource the kubelet sees the units as
+    released: bool = False  # kubernetes: released, devices withdrawn; report the pods holding them until none do
+    stuck: bool = False  # kubernetes: carried on past its window because pods still hold the devices (taint the node)
 
 
 class WatchAnswer(Answer):
@@ -123,15 +126,20 @@ class Report(Request):
     """What the agent made of one binding. `unenforced` names each part of the share this host could not enforce
     (the binding is still bound); `end` is the binding's end as the agent applied it (an extension is done when
     every bound node reports the new end); `oomKills` counts the processes the OOM killer ended in the binding's
-    cgroup since it was made (a bound report is sent again when it grows); `message` says why a binding failed."""
+    cgroup since it was made (a bound report is sent again when it grows); `message` says why a binding failed.
+    For a released kubernetes binding, `held` names the pods (`holders`) that still hold its devices, and
+    `unbound` is AllocationReleased: no pod holds them any more. `evicted` on a bound report names the pods the
+    agent evicted because they held devices of an earlier, ended binding."""
 
     reservationId: Id
-    status: Literal["bound", "unbound", "failed"]
+    status: Literal["bound", "unbound", "failed", "held"]
     end: Annotated[int, Meta(ge=0, le=32503680000000)] | None = None
     cgroup: Path | None = None
     devices: Annotated[tuple[Path, ...], Meta(max_length=256)] = ()
     unenforced: Annotated[tuple[Message, ...], Meta(max_length=32)] = ()
     oomKills: Annotated[int, Meta(ge=0, le=(1 << 31) - 1)] = 0
+    holders: Annotated[tuple[Pod, ...], Meta(max_length=256)] = ()  # held: the pods holding the devices
+    evicted: Annotated[tuple[Pod, ...], Meta(max_length=256)] = ()  # bound: pods evicted to free its devices
     message: Message | None = None
 
 

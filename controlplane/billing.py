@@ -31,18 +31,28 @@ class UsageLine:
     hourly_usd: Decimal
     amount_usd: Decimal
     running: bool  # still accruing
+    held: bool = False  # time after a kubernetes release while pods still held the devices (billed, shown apart)
 
     @property
     def key(self) -> str:
-        return f"{self.day}:{self.reservation_id}"
+        return f"{self.day}:{self.reservation_id}" + (":held" if self.held else "")
 
     def to_wire(self) -> dict:
         return {
             "reservationId": self.reservation_id, "poolId": self.pool_id,
             "day": time.strftime("%Y-%m-%d", time.gmtime(self.day / 1000)), "from": self.start, "to": self.end,
             "seconds": self.seconds, "hourlyUsd": money(self.hourly_usd), "amountUsd": money(self.amount_usd),
-            "running": self.running,
+            "running": self.running, "held": self.held,
         }
+
+
+def _split(start: int, stop: int, held_from: int | None) -> list[tuple[int, int, bool]]:
+    """A billed span as (from, to, held) parts: before and after the release that started a hold."""
+    if held_from is None or held_from >= stop:
+        return [(start, stop, False)]
+    if held_from <= start:
+        return [(start, stop, True)]
+    return [(start, held_from, False), (held_from, stop, True)]
 
 
 class Billing:
@@ -58,13 +68,20 @@ class Billing:
         for rid, pool_id, hourly_text, start, end in self.store.billing(tenant_id, reservation_id):
             hourly = Decimal(hourly_text)
             stop = end if end is not None else now
-            for day, a, b in day_spans(start, stop):
-                if (since is not None and day < since) or (until is not None and day >= until):
-                    continue
-                seconds, amount = charge(hourly, a, b)
-                out.append(UsageLine(rid, pool_id, day, a, b, seconds, hourly, amount, end is None and b == stop))
-        out.sort(key=lambda line: (line.day, line.reservation_id))
+            held_from = self._held_from(rid)
+            for a0, b0, held in _split(start, stop, held_from):
+                for day, a, b in day_spans(a0, b0):
+                    if (since is not None and day < since) or (until is not None and day >= until):
+                        continue
+                    seconds, amount = charge(hourly, a, b)
+                    out.append(UsageLine(rid, pool_id, day, a, b, seconds, hourly, amount, end is None and b == stop,
+                                         held))
+        out.sort(key=lambda line: (line.day, line.reservation_id, line.held))
         return out
+
+    def _held_from(self, reservation_id: str) -> int | None:
+        res = self.store.reservation(reservation_id)
+        return res.held_from if res is not None else None
 
     def spent_usd(self, tenant_id: str) -> Decimal:
         return sum((line.amount_usd for line in self.lines(tenant_id)), Decimal(0))

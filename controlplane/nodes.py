@@ -96,6 +96,7 @@ def binding_of(res: Reservation, node: Node | None, node_id: str, pool: Pool | N
         share=BindingShare(share.vcpu_milli, share.memory_mib, share.hugepages_1g),
         numaNodes=tuple(sorted({u.numa_node for u in units if u.numa_node is not None})),
         resourceName=pool.policy.kubernetes_resource if pool is not None and res.binding == "kubernetes" else "",
+        released=res.hold is not None, stuck=res.hold is not None and res.hold.carried_from is not None,
     )
 
 
@@ -130,9 +131,9 @@ class NodeService:
     # ---- desired bindings -----------------------------------------------------------
     def load(self) -> None:
         """The bindings wanted now, from the store (at start)."""
-        live = self.store.call_sync(lambda tx: tx.live_reservations())
+        live = self.store.call_sync(lambda tx: tx.live_reservations(self.clock.compute_now()))
         for res in live:
-            if res.state in (states.BINDING, states.ACTIVE):
+            if res.state in (states.BINDING, states.ACTIVE) or res.hold is not None:
                 self._reservation_changed(res)
 
     def _node(self, node_id: str) -> NodeLive:
@@ -155,7 +156,8 @@ class NodeService:
         wanted = res.state in (states.BINDING, states.ACTIVE)
         nodes = self.catalog.current.nodes
         pool = self.catalog.current.pools.get(res.pool_id)
-        on = {p.node_id for p in res.placements} if wanted else set()
+        # a held kubernetes release stays wanted (released) on the nodes that have not let go of its devices yet
+        on = {p.node_id for p in res.placements} if wanted else set(res.hold.nodes) if res.hold else set()
         for node_id in on:
             live = self._node(node_id)
             doc = binding_of(res, nodes.get(node_id), node_id, pool)
@@ -363,6 +365,11 @@ class NodeService:
             res.set_condition("NodeLost", "True", "HeartbeatMissed", message, now)
             self.moves.save(tx, res)
             self.moves.event(tx, res, "reservation.node-lost", now, nodeId=node_id)
+        for rid in list(self.live.get(node_id, NodeLive(0, {})).bindings):  # held releases: the hold ends with it
+            res = tx.reservation(rid)
+            if res is not None and res.hold is not None and self.moves.allocation_released(
+                    tx, res, node_id, now, "NodeLost", f"node {node_id} was lost while it held the devices"):
+                freed.add(res.pool_id)
         return freed
 
     async def _found(self, node_id: str) -> None:
@@ -436,6 +443,17 @@ class NodeService:
                 elif rep.status == "unbound":
                     res.bound = [b for b in res.bound if b.node_id != node.id]
                     self.moves.confirm(res, now)
+                    if rep.evicted:
+                        self.moves.event(tx, res, "reservation.pods-evicted", now, nodeId=node.id,
+                                         pods=list(rep.evicted))
+                    if self.moves.allocation_released(tx, res, node.id, now):
+                        tx.on_commit(lambda pool_id=res.pool_id: self.reconciler.capacity_freed(pool_id))
+                    self.moves.save(tx, res)
+                elif rep.status == "held":
+                    if res.hold is None or node.id not in res.hold.nodes:
+                        ignored.append(Ignored(rid, "the reservation holds no devices on this node"))
+                        continue
+                    self.moves.held(res, node.id, list(rep.holders), now)
                     self.moves.save(tx, res)
                 else:  # failed
                     if res.state not in (states.BINDING, states.ACTIVE):

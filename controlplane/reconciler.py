@@ -1,7 +1,8 @@
 """The capacity.reservations reconciler: makes time move for reservations.
 
 placed -> binding at the window's start; binding/active -> released at its
-end; a lapsed lease releases (reason lease-lapsed); a pending fixed window
+end; a held kubernetes release is carried on past its bookings' end, or its
+hold ended (transitions.py); a lapsed lease releases (reason lease-lapsed); a pending fixed window
 whose end passed is cancelled (reason expired); an awaiting-confirmation
 draft lapses after 30 minutes; a pool's pending reservations are retried
 every 30 seconds, and at once when capacity frees (`capacity_freed`: a release,
@@ -24,7 +25,7 @@ from controlplane import confirmations
 from controlplane.domain import states
 from controlplane.domain.clock import Clock
 from controlplane.domain.model import Reservation
-from controlplane.domain.timers import CONFIRMATION, CONFIRMATION_WINDOW_MS, END, EXPIRE, LEASE, RETRY, START
+from controlplane.domain.timers import CONFIRMATION, CONFIRMATION_WINDOW_MS, END, EXPIRE, HOLD, LEASE, RETRY, START
 from controlplane.state import WriterState
 from controlplane.store.port import Store, Tx
 from controlplane.transitions import Transitions
@@ -117,7 +118,16 @@ class Reconciler:
                 retry_pools.append(ident)
                 continue
             res = tx.reservation(ident)
-            if res is None or res.state in states.TERMINAL:
+            if res is None or (res.state in states.TERMINAL and res.hold is None):
+                continue
+            if kind == HOLD:
+                if res.hold is not None and res.hold.until <= now:
+                    moved += 1
+                    pool_id = self.moves.carry_on(tx, res, now)
+                    if pool_id is not None:
+                        freed.add(pool_id)
+                continue
+            if res.state in states.TERMINAL:
                 continue
             if self._handle(tx, kind, res, now):
                 moved += 1

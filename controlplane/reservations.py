@@ -526,24 +526,6 @@ class ReservationService:
         decision = await self.authorizer.decide(AuthzRequest(principal, EXTEND, self._resource(res, principal, attributes)))
         return await self.store.call(lambda tx: self._job_apply_extend(tx, rid, new_end, decision, principal))
 
-    def _room(self, res: Reservation, new_end: int) -> int:
-        """The latest end up to new_end that the reservation's devices and host shares can reach."""
-        latest = self.state.calendar.latest_end(res.id, new_end)
-        catalog = self.catalog.current
-        for b in self.state.calendar.bookings_of(res.id):
-            node = catalog.nodes.get(b.node_id)
-            cal = self.state.calendar.pools[b.pool_id].nodes[b.node_id]
-            if node is None or b.share.empty or cal.host_fits(b.end, latest, b.share, node.capacity):
-                continue
-            starts = sorted({h.start for h in cal.overlapping(b.end, latest) if b.end < h.start} | {latest})
-            room = b.end
-            for s in starts:
-                if not cal.host_fits(b.end, s, b.share, node.capacity):
-                    break
-                room = s
-            latest = min(latest, room)
-        return latest
-
     @staticmethod
     def _check_extendable(res: Reservation | None, rid: str, now: int) -> None:
         """INVALID_STATE unless the reservation is placed, binding or active and its window has not ended yet
@@ -564,8 +546,8 @@ class ReservationService:
                               {"reason": "extend-in-flight", "retryAfterSeconds": EXTEND_RETRY_AFTER_S, "reservationId": rid})
         new_end = cmd.until if cmd.until is not None else (res.end or now) + (cmd.by_ms or 0)
         if new_end <= (res.end or 0):  # already reached: safe to retry, no decision
-            return Answer(res, None, extended=False, available_until=self._room(res, res.end or now))
-        room = self._room(res, new_end)
+            return Answer(res, None, extended=False, available_until=self.moves.room(res, res.end or now))
+        room = self.moves.room(res, new_end)
         if room < new_end:
             return Answer(res, None, extended=False, available_until=room)
         res.pending_change = PendingChange(new_end, now)
@@ -601,7 +583,7 @@ class ReservationService:
                                  exposure(res.hourly_usd, new_end - (res.end or new_end)))
         except DomainError as err:
             return refuse(err)
-        room = self._room(res, new_end)
+        room = self.moves.room(res, new_end)
         if room < new_end:
             self.moves.save(tx, res)
             return Answer(res, self._answer(tx, res).operation, extended=False, available_until=room)
@@ -616,7 +598,7 @@ class ReservationService:
         res.updated_at = now
         self.moves.save(tx, res, res.state)
         self.moves.event(tx, res, "reservation.extended", now, end=new_end)
-        return Answer(res, op, extended=True, available_until=self._room(res, new_end))
+        return Answer(res, op, extended=True, available_until=self.moves.room(res, new_end))
 
     async def renew(self, principal: Principal, reservation_id: str) -> Answer:
         res = self._visible(principal, reservation_id)

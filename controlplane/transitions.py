@@ -19,7 +19,7 @@ from controlplane.catalog import Catalog
 from controlplane.domain import states
 from controlplane.domain.calendar import Booking
 from controlplane.domain.clock import Clock
-from controlplane.domain.model import Failure, Operation, Placement, Reservation
+from controlplane.domain.model import Failure, Hold, Operation, Placement, Reservation
 from controlplane.domain.placement import Ask, place
 from controlplane.domain.preemption import preempt_for
 from controlplane.domain.timers import RETRY_MS
@@ -29,6 +29,8 @@ from controlplane.store.port import Tx
 log = structlog.get_logger("berth.reservations")
 
 WAKE_ATTEMPTS = 64  # pending reservations tried per wake or retry of a pool
+CARRY_STEP_MS = 5 * 60_000  # a held kubernetes booking is carried on past its window in steps of this
+CARRY_MAX_MS = 24 * 3_600_000  # and for this long at most
 
 
 class CatalogRef:
@@ -133,6 +135,24 @@ class Transitions:
         tx.end_bookings(res.id, now)
         tx.touch()
         self.state.calendar.release(res.id, now)
+
+    def room(self, res: Reservation, new_end: int) -> int:
+        """The latest end up to new_end that the reservation's devices and host shares can reach."""
+        latest = self.state.calendar.latest_end(res.id, new_end)
+        catalog = self.catalog.current
+        for b in self.state.calendar.bookings_of(res.id):
+            node = catalog.nodes.get(b.node_id)
+            cal = self.state.calendar.pools[b.pool_id].nodes[b.node_id]
+            if node is None or b.share.empty or cal.host_fits(b.end, latest, b.share, node.capacity):
+                continue
+            starts = sorted({h.start for h in cal.overlapping(b.end, latest) if b.end < h.start} | {latest})
+            room = b.end
+            for s in starts:
+                if not cal.host_fits(b.end, s, b.share, node.capacity):
+                    break
+                room = s
+            latest = min(latest, room)
+        return latest
 
     # ---- moves ---------------------------------------------------------------------
     def place_or_queue(self, tx: Tx, res: Reservation, now: int) -> None:
@@ -257,10 +277,15 @@ class Transitions:
         """
         old = res.state
         target = states.CANCELLED if old == states.PENDING or reason in ("cancel", "expired") else states.RELEASED
-        if old == states.ACTIVE:  # confirmed release: billing stops, at the window's end at the latest
+        held = res.binding == "kubernetes" and bool(res.bound) and reason != "node-lost" and res.end is not None
+        if old == states.ACTIVE and held and now < res.end:
+            res.held_from = now  # the devices stay booked and billed, as held time, until the pods let go
+        elif old == states.ACTIVE:  # confirmed release: billing stops, at the window's end at the latest
             res.billing_end = min(now, res.end) if res.end is not None else now
             tx.bill_until(res.id, res.billing_end)
-        if old in states.BOOKED:
+        if held:
+            self._hold(res, now)
+        elif old in states.BOOKED:
             self.unbook(tx, res, now)
         if old in states.CHARGED:
             tx.touch()
@@ -289,6 +314,100 @@ class Transitions:
         self.event(tx, res, states.EVENT_OF_STATE[res.state], now, reason=reason, **event_data)
         return op
 
+
+    # ---- the release hold (binding: kubernetes) ---------------------------------------------
+    @staticmethod
+    def _hold(res: Reservation, now: int) -> None:
+        nodes = [b.node_id for b in res.bound]
+        res.hold = Hold(since=now, nodes=nodes, until=res.end or now)
+        res.set_condition("DevicesHeld", "True", "ReleaseHold",
+                          f"node {', '.join(nodes)} withdrew the devices from the kubelet; they stay booked"
+                          + (" and billed" if res.held_from is not None else "")
+                          + " until the node reports that no pod holds them (AllocationReleased)", now)
+
+    def held(self, res: Reservation, node_id: str, holders: list[str], now: int) -> None:
+        """A node reports the pods that still hold the devices of a released reservation."""
+        hold = res.hold
+        if hold is None or node_id not in hold.nodes:
+            return
+        hold.holders[node_id] = holders
+        self._held_condition(res, now)
+
+    @staticmethod
+    def _held_condition(res: Reservation, now: int) -> None:
+        hold = res.hold
+        assert hold is not None
+        pods = sorted({p for ps in hold.holders.values() for p in ps})
+        who = (f"pod(s) {', '.join(pods[:10])}" + (f" and {len(pods) - 10} more" if len(pods) > 10 else "")
+               if pods else f"pods on node {', '.join(hold.nodes)}")
+        billed = " and billed" if res.held_from is not None and hold.carried_from is None else ""
+        carried = " (carried on past the window in 5-minute steps, unbilled)" if hold.carried_from is not None else ""
+        res.set_condition("DevicesHeld", "True", "PodsHoldDevices",
+                          f"{who} still hold the devices; they stay booked{billed} until no pod holds them{carried}",
+                          now)
+
+    def allocation_released(self, tx: Tx, res: Reservation, node_id: str, now: int, reason: str = "AllocationReleased",
+                            message: str = "") -> bool:
+        """A node of a held reservation has no pod holding its devices any more (or is lost); True when that ended
+        the hold (its bookings and billing end now)."""
+        hold = res.hold
+        if hold is None or node_id not in hold.nodes:
+            return False
+        hold.nodes.remove(node_id)
+        hold.holders.pop(node_id, None)
+        if hold.nodes:
+            return False
+        self.end_hold(tx, res, now, reason, message or f"node {node_id} reports that no pod holds the devices")
+        return True
+
+    def end_hold(self, tx: Tx, res: Reservation, now: int, reason: str, message: str) -> None:
+        """The hold is over: the bookings end now (at their current end at the latest), held time stops billing."""
+        hold = res.hold
+        if hold is None:
+            return
+        stop = min(now, hold.until)
+        if res.held_from is not None and hold.carried_from is None and res.billing_end is None:
+            res.billing_end = min(now, res.end or now)
+            tx.bill_until(res.id, res.billing_end)
+        self.unbook(tx, res, stop)
+        res.hold = None
+        res.set_condition("DevicesHeld", "False", reason, message, now)
+        self.save(tx, res)
+        self.event(tx, res, "reservation.hold-ended", now, reason=reason)
+
+    def carry_on(self, tx: Tx, res: Reservation, now: int) -> str | None:
+        """At the bookings' end, pods still hold the devices: carry the bookings on by one step while the devices
+        are free (unbilled), up to CARRY_MAX_MS past the window; the pool to wake when that ended the hold."""
+        hold = res.hold
+        if hold is None or now < hold.until or res.end is None:
+            return None
+        limit = res.end + CARRY_MAX_MS
+        if hold.until >= limit:
+            pods = sorted({p for ps in hold.holders.values() for p in ps})
+            self.end_hold(tx, res, now, "CarryOnLimit",
+                          f"pods still held the devices {CARRY_MAX_MS // 3_600_000} h after the window's end"
+                          + (f" ({', '.join(pods[:10])})" if pods else "") + "; the booking ended anyway")
+            return res.pool_id
+        until = self.room(res, min(hold.until + CARRY_STEP_MS, limit))
+        if until <= hold.until:
+            self.end_hold(tx, res, now, "Overtaken", "a booking made for these devices starts now: the node evicts "
+                          "the pods still holding them")
+            return res.pool_id
+        first = hold.carried_from is None
+        if first:
+            hold.carried_from = res.end
+            if res.held_from is not None and res.billing_end is None:
+                res.billing_end = res.end  # the carry-on is not billed
+                tx.bill_until(res.id, res.end)
+        tx.set_bookings_end(res.id, until)
+        tx.touch()
+        self.state.calendar.set_end(res.id, until)
+        hold.until = until
+        self._held_condition(res, now)
+        self.save(tx, res)
+        if first:
+            self.event(tx, res, "reservation.carried-on", now, until=until)
+        return None
 
     @staticmethod
     def confirm(res: Reservation, now: int) -> None:

@@ -127,7 +127,8 @@ class ControlPlane:
         self._rebuild(tx)
 
     def _rebuild(self, tx: Tx) -> None:
-        self.state.rebuild(self.catalog.current, tx.live_reservations(), tx.live_bookings(), self.clock.compute_now())
+        now = self.clock.compute_now()
+        self.state.rebuild(self.catalog.current, tx.live_reservations(now), tx.live_bookings(now), now)
 
     def apply_bootstrap(self, path: str) -> None:
         """Apply the bootstrap file at start (no event loop yet)."""

@@ -24,7 +24,7 @@ import kubernetes
 import structlog
 import urllib3
 
-from agent.kubelet.plugin import KubeletError
+from agent.kubelet.apiserver import ApiServerError, core_api, server_message
 
 log = structlog.get_logger("berth.agent.kubelet")
 
@@ -37,7 +37,7 @@ _REQUEST_TIMEOUT_S = 10
 Taint = dict[str, Any]
 
 
-class NodeTaintError(KubeletError):
+class NodeTaintError(ApiServerError):
     """The Node's taints could not be read or written; the message says what to check."""
 
 
@@ -47,7 +47,7 @@ class NodeTaints:
 
     def __init__(self, node_name: str, *, kubeconfig: str | None = None, client: Any = None) -> None:
         self.node_name = node_name
-        self._core = client if client is not None else _core_api(kubeconfig)
+        self._core = client if client is not None else core_api(kubeconfig)
         self._log = log.bind(node_name=node_name)
 
     def set(self, key: str, value: str = "", effect: str = NO_SCHEDULE) -> bool:
@@ -111,7 +111,7 @@ class NodeTaints:
             if e.status == 409:
                 raise _Conflict() from e
             raise NodeTaintError(f"node {self.node_name}: the API server answered {e.status} {e.reason} "
-                                 f"({_server_message(e)}): {_what_to_check(e.status, self.node_name)}") from e
+                                 f"({server_message(e)}): {_what_to_check(e.status, self.node_name)}") from e
         except urllib3.exceptions.HTTPError as e:
             raise NodeTaintError(f"node {self.node_name}: cannot reach the API server ({e}); check the kubeconfig's "
                                  "server address and the network") from e
@@ -127,25 +127,3 @@ def _what_to_check(status: int, node_name: str) -> str:
     if status in (401, 403):
         return "the agent's credentials may not get and patch nodes: grant it those verbs on nodes (RBAC)"
     return "see the API server's message and log"
-
-
-def _server_message(e: kubernetes.client.ApiException) -> str:
-    """The message of the Status object the API server sent, or its raw body."""
-    body = e.body.decode(errors="replace") if isinstance(e.body, bytes) else str(e.body or "")
-    try:
-        return str(json.loads(body).get("message", body))
-    except (ValueError, AttributeError):
-        return body[:200]
-
-
-def _core_api(kubeconfig: str | None) -> Any:
-    try:
-        if kubeconfig is not None:
-            return kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(config_file=kubeconfig))
-        configuration = kubernetes.client.Configuration()
-        kubernetes.config.load_incluster_config(client_configuration=configuration)
-        return kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(configuration))
-    except (kubernetes.config.ConfigException, OSError) as e:
-        where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster credentials (no kubeconfig was given)"
-        raise NodeTaintError(f"cannot load {where}: {e}; give the agent a kubeconfig file or run it in a pod with "
-                             "a service account") from e

@@ -154,6 +154,7 @@ class UsageLine(Struct, rename="camel", kw_only=True, frozen=True):
     hourly_usd: Decimal
     amount_usd: Decimal
     running: bool = False
+    held: bool = False  # after a kubernetes release, while pods still held the devices
 
 
 class ReservationTotal(Struct, rename="camel", kw_only=True, frozen=True):

@@ -124,6 +124,18 @@ class Condition:
 
 
 @dataclass(slots=True)
+class Hold:
+    """A released kubernetes reservation whose devices pods may still hold (the seed's release hold): its bookings
+    stay, and nothing else books those devices, until every node reports that no pod holds them."""
+
+    since: int  # released at (billing goes on, as held time, until the hold ends within the window)
+    nodes: list[str]  # the nodes that have not yet reported AllocationReleased
+    holders: dict[str, list[str]] = field(default_factory=dict)  # node -> the pods (namespace/name) last reported
+    until: int = 0  # the bookings' end now: the window's end, then each 5-minute carry-on step
+    carried_from: int | None = None  # the window's end, once the bookings are carried on past it (unbilled)
+
+
+@dataclass(slots=True)
 class Placement:
     """The units a reservation holds on one node."""
 
@@ -227,6 +239,8 @@ class Reservation:
     bound: list[Bound] = field(default_factory=list)  # per node, once its agent reported the devices bound
     billing_start: int | None = None  # confirmed readiness (active)
     billing_end: int | None = None  # confirmed release
+    hold: Hold | None = None  # a kubernetes release waiting for the pods to let go of the devices
+    held_from: int | None = None  # when billing became held time (usage shows it apart); kept after the hold
     seq: int = 0  # creation order in the store; list pages on it
 
     @property

@@ -19,6 +19,7 @@ LEASE = "lease"  # the lease deadline passed without a renewal
 EXPIRE = "expire"  # a pending fixed window whose end passed
 CONFIRMATION = "confirmation"  # an awaiting-confirmation draft older than the confirmation window
 RETRY = "retry"  # a pool's pending reservations are tried again (the id is the pool's)
+HOLD = "hold"  # a held kubernetes release reached its bookings' end: carry on, or end the hold
 
 CONFIRMATION_WINDOW_MS = 30 * 60_000
 RETRY_MS = 30_000
@@ -60,6 +61,8 @@ class Timers:
 
     def schedule(self, res: Reservation) -> None:
         """The timers a reservation needs in its current state."""
+        if res.hold is not None:
+            self.add(res.hold.until, HOLD, res.id)
         if res.state in states.TERMINAL:
             return
         if res.lease_deadline is not None and res.state in (states.PENDING, states.PLACED, states.BINDING, states.ACTIVE):

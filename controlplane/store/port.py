@@ -84,10 +84,13 @@ class Tx(Reads, Protocol):
     def delete_tokens(self, kind: str, subject: str) -> None: ...
 
     # what the writer's memory is built from (at start, and after a failed job or commit)
-    def live_reservations(self) -> list[Reservation]: ...
+    def live_reservations(self, now: int) -> list[Reservation]:
+        """Reservations not in a terminal state, and released ones whose bookings still cover time after `now`
+        (a kubernetes release hold)."""
 
-    def live_bookings(self) -> list[Booking]:
-        """Bookings of placed, binding and active reservations that still cover time."""
+    def live_bookings(self, now: int) -> list[Booking]:
+        """Bookings of placed, binding and active reservations that still cover time, and of released ones that
+        end after `now` (a kubernetes release hold)."""
 
     def catalog_docs(self, kind: str) -> list[bytes]: ...
 

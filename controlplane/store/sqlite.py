@@ -320,16 +320,22 @@ class SqliteTx(Reads):
         self._writing().execute("DELETE FROM tokens WHERE kind = ? AND subject = ?", (kind, subject))
 
     # what the writer's memory is built from
-    def live_reservations(self) -> list[Reservation]:
+    def live_reservations(self, now: int) -> list[Reservation]:
         rows = self.conn.execute("SELECT doc, seq FROM reservations WHERE state NOT IN ('released', 'cancelled') ORDER BY seq")
-        return [res for res in (_reservation(doc, seq) for doc, seq in rows) if res.state not in TERMINAL]
+        live = [res for res in (_reservation(doc, seq) for doc, seq in rows) if res.state not in TERMINAL]
+        self.flush()
+        held = self.conn.execute(
+            "SELECT DISTINCT r.doc, r.seq FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
+            " WHERE r.state = 'released' AND b.end_ms > ? ORDER BY r.seq", (now,))
+        return live + [res for res in (_reservation(doc, seq) for doc, seq in held) if res.hold is not None]
 
-    def live_bookings(self) -> list[Booking]:
+    def live_bookings(self, now: int) -> list[Booking]:
         self.flush()
         rows = self.conn.execute(
             "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib,"
             " b.hugepages_1g FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
-            " WHERE r.state IN ('placed', 'binding', 'active') AND b.end_ms > b.start_ms"
+            " WHERE (r.state IN ('placed', 'binding', 'active') OR (r.state = 'released' AND b.end_ms > ?))"
+            " AND b.end_ms > b.start_ms", (now,)
         )
         return [Booking(r[0], r[1], r[2], tuple(r[3].split(",")) if r[3] else (), r[4], r[5], Share(r[6], r[7], r[8]))
                 for r in rows]

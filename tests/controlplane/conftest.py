@@ -11,6 +11,7 @@ from controlplane.domain.clock import FakeClock
 from controlplane.wiring import Config
 
 T0 = 1_800_000_000_000  # the fake clock's start, epoch ms
+K8S_BOOT = "node-token-k8s-0000001"  # the kubernetes pool's node bootstrap token
 HOUR = 3_600_000
 
 TOKENS = {
@@ -81,7 +82,8 @@ def bootstrap_doc() -> dict:
             h100_node("o1", pool="old"),
             h100_node("g1", pool="globex-own"),
         ],
-        "nodeTokens": [{"pool": "h100", "token": "node-token-h100-000001"}],
+        "nodeTokens": [{"pool": "h100", "token": "node-token-h100-000001"},
+                       {"pool": "k8s", "token": K8S_BOOT}],
         "policies": POLICIES,
     }
 

@@ -82,10 +82,10 @@ def check_invariants(cp: ControlPlane) -> None:
         now = cp.clock.compute_now()
         exposure = sum((pricing.exposure(r.hourly_usd, r.duration_ms or 0) if r.state == states.PENDING and r.asap
                         else pricing.exposure(r.hourly_usd, max(0, (r.end or 0) - max(now, r.start or now)))
-                        for r in sq.SqliteTx(conn).live_reservations()
+                        for r in sq.SqliteTx(conn).live_reservations(now)
                         if r.tenant_id == "globex" and r.state in states.CHARGED), Decimal(0))
         assert cp.billing.spent_usd("globex") + exposure <= Decimal(GLOBEX_BUDGET)
-        for res in sq.SqliteTx(conn).live_reservations():
+        for res in sq.SqliteTx(conn).live_reservations(now):
             if res.state in states.CHARGED:
                 expected.setdefault(res.tenant_id, Counter()).update(res.charge)
         for tenant in ("acme", "initech"):
@@ -105,7 +105,7 @@ def check_invariants(cp: ControlPlane) -> None:
         for rid, state in conn.execute("SELECT id, state FROM reservations WHERE state NOT IN ('draft', 'awaiting-confirmation')"):
             assert path[rid][-1] == state, (rid, path[rid], state)
         fresh = WriterState()
-        fresh.rebuild(cp.catalog.current, sq.SqliteTx(conn).live_reservations(), sq.SqliteTx(conn).live_bookings())
+        fresh.rebuild(cp.catalog.current, sq.SqliteTx(conn).live_reservations(now), sq.SqliteTx(conn).live_bookings(now))
         mine = {k: sorted((b.node_id, b.units, b.start, b.end) for b in v) for k, v in cp.state.calendar.by_reservation.items()}
         theirs = {k: sorted((b.node_id, b.units, b.start, b.end) for b in v) for k, v in fresh.calendar.by_reservation.items()}
         assert mine == theirs

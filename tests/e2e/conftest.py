@@ -241,7 +241,7 @@ class ControlPlane:
 
     def create(self, **fields) -> dict:
         body = {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1, **fields}
-        return self.call("create", body)
+        return self.call("create", {k: v for k, v in body.items() if v is not None})  # None: leave the field out
 
     def get(self, rid: str) -> dict:
         return self.call("get", {"reservationId": rid})

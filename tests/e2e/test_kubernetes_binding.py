@@ -112,3 +112,113 @@ def test_the_kubelet_sees_exactly_the_booked_devices_while_the_booking_is_active
     cp.release(res["id"])
     wait_for(lambda: not kubelet.devices(), 5, what="everything withdrawn")
     wait_for(lambda: not cp.get(res["id"]).get("bound"), 5, what="the node's unbound report")
+
+
+def conditions(cp: ControlPlane, rid: str) -> dict[str, dict]:
+    return {c["type"]: c for c in cp.get(rid).get("conditions", [])}
+
+
+def test_a_release_while_a_pod_holds_the_devices_keeps_them_booked_until_allocation_released(k8s):
+    cp, a, kubelet = k8s
+    res = cp.wait_state(cp.create(poolId="k8s", gpuCount=8, binding="kubernetes")["id"], "active", timeout=10)
+    booked = uuids_of(cp, res)
+    wait_for(lambda: kubelet.devices() == booked, 5, what="the booking advertised")
+    held = sorted(booked)[:2]
+    kubelet.kubelet.hold("team-a", "trainer-0", "main", K8S_RESOURCE, held)
+
+    cp.release(res["id"])
+    got = cp.get(res["id"])
+    assert ("released", "True") == (got["state"], conditions(cp, res["id"])["DevicesHeld"]["status"])
+    wait_for(lambda: not kubelet.devices(), 5, what="the devices withdrawn from the kubelet at once")
+    cond = wait_for(lambda: (c := conditions(cp, res["id"])["DevicesHeld"]) and "team-a/trainer-0" in c["message"]
+                    and c, 5, what="the holder named on the reservation")
+    assert "PodsHoldDevices" == cond["reason"] and "billed" in cond["message"]
+
+    # nothing else can book them meanwhile
+    other = cp.create(poolId="k8s", gpuCount=8, binding="kubernetes")
+    assert "pending" == cp.get(other["id"])["state"]
+
+    # the pod ends: AllocationReleased frees the devices, the waiting reservation gets them
+    kubelet.kubelet.free("team-a", "trainer-0")
+    cond = wait_for(lambda: (c := conditions(cp, res["id"])["DevicesHeld"])["status"] == "False" and c, 5,
+                    what="AllocationReleased")
+    assert "AllocationReleased" == cond["reason"]
+    cp.wait_state(other["id"], "active", timeout=10)
+    wait_for(lambda: kubelet.devices() == uuids_of(cp, cp.get(other["id"])), 5, what="the next booking advertised")
+    assert not cp.get(res["id"]).get("bound")
+    _, doc = cp.post("/api/compute/usage/list", {"reservationId": res["id"]})
+    kinds = {line["held"] for line in doc["lines"]}
+    assert kinds == {False, True} and all(line["to"] > line["from"] for line in doc["lines"]), doc["lines"]
+    _, events = cp.post("/api/compute/events/list", {"limit": 500})
+    assert "reservation.hold-ended" in [e["type"] for e in events["events"] if e["reservationId"] == res["id"]]
+
+
+@pytest.fixture
+def k8s_api(agents, workdir, bpf_works):
+    """As k8s, plus a stand-in for the API server (tests/agent/apiserver_stub.py) that the agent reaches with a
+    kubeconfig: its Node can be tainted, and an eviction frees the pod's devices on the test kubelet."""
+    from aiohttp import web
+
+    from tests.agent.apiserver_stub import NodeApi, kubeconfig_for
+
+    root = Path(f"/tmp/bk-{uuid.uuid4().hex[:8]}")
+    root.mkdir()
+    kubelet = KubeletThread(root)
+    api = NodeApi({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-k8s-1", "resourceVersion": "1"},
+                   "spec": {}})
+    api.on_evict = lambda ns, name: kubelet.kubelet.free(ns, name)
+
+    async def serve():
+        runner = web.AppRunner(api.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner
+
+    runner = kubelet.call(serve)
+    kubeconfig = kubeconfig_for(workdir / "kubeconfig", runner.addresses[0][1])
+    cp = ControlPlane(workdir, grace_s=10.0).start()
+    a = agents("k8s", cp.url, K8S_TOKEN, extra=[*FAST, "--kubelet-root", str(root), "--kubeconfig", kubeconfig,
+                                                "--kubernetes-node-name", "gpu-k8s-1"])
+    try:
+        a.wait_event("reconciled", timeout=20)
+        yield cp, a, kubelet, api
+    finally:
+        a.stop()
+        cp.stop()
+        kubelet.call(runner.cleanup)
+        kubelet.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_held_past_its_end_the_node_is_tainted_and_a_booking_made_in_advance_evicts_the_pods(k8s_api):
+    import time
+
+    cp, a, kubelet, api = k8s_api
+    now = int(time.time() * 1000)
+    end = now + 6_000
+    res = cp.wait_state(cp.create(poolId="k8s", gpuCount=8, binding="kubernetes", end=end,
+                                  durationHours=None)["id"], "active", timeout=5)
+    later = cp.create(poolId="k8s", gpuCount=8, binding="kubernetes", start=end + 4_000, end=end + 3_600_000,
+                      durationHours=None)
+    assert "placed" == later["state"]
+    booked = sorted(uuids_of(cp, res))
+    kubelet.kubelet.hold("team-a", "trainer-0", "main", K8S_RESOURCE, booked[:1])
+    api.pods.add(("team-a", "trainer-0"))
+    cp.release(res["id"])
+    wait_for(lambda: "team-a/trainer-0" in conditions(cp, res["id"])["DevicesHeld"]["message"], 5,
+             what="the holder reported")
+
+    # past the window's end, still held: carried on, and the Kubernetes Node is tainted NoSchedule
+    wait_for(lambda: any(t["key"] == "berth.dev/kubernetes-release-stuck" and t["effect"] == "NoSchedule"
+                         for t in api.taints()), 15, 0.1, what="the stuck taint on the Node")
+    assert "carried on past the window" in conditions(cp, res["id"])["DevicesHeld"]["message"]
+
+    # the advance booking's start: the hold is over, the agent evicts the pod, the new booking binds
+    cp.wait_state(later["id"], "active", timeout=15)
+    assert [("team-a", "trainer-0")] == api.evicted
+    assert "Overtaken" == conditions(cp, res["id"])["DevicesHeld"]["reason"]
+    wait_for(lambda: not api.taints(), 10, 0.1, what="the taint removed when the hold ended")
+    _, doc = cp.post("/api/compute/events/list", {"limit": 500})
+    evicted = [e for e in doc["events"] if e["type"] == "reservation.pods-evicted"]
+    assert [(res["id"], ["team-a/trainer-0"])] == [(e["reservationId"], e["data"]["pods"]) for e in evicted]
+    assert uuids_of(cp, cp.get(later["id"])) == kubelet.devices()

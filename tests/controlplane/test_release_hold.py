@@ -1,0 +1,143 @@
+"""The release hold of binding: 'kubernetes', sentence by sentence from the seed, on a fake clock with the node's
+reports sent as its agent would: released at once and the devices withdrawn; booked and billed until
+AllocationReleased (or the node's loss), DevicesHeld meanwhile, nothing else booking them; carried on past the
+window in 5-minute steps, unbilled, at most 24 hours, the node told it is stuck; a booking made in advance takes the
+devices at its start; usage shows the held time apart."""
+from __future__ import annotations
+
+from tests.controlplane.conftest import HOUR, K8S_BOOT, T0
+from tests.controlplane.test_nodes import inventory, node_call
+
+MIN = 60_000
+
+
+async def k8s_node(api) -> str:
+    status, doc = await node_call(api, "register", K8S_BOOT, {"hostname": "k1.test", "inventory": inventory("k1.test")})
+    assert status == 200, doc
+    return doc["nodeToken"]
+
+
+async def active(api, token: str, key: str, **fields) -> dict:
+    body = {"poolId": "k8s", "gpuModel": "H100_80GB", "binding": "kubernetes", "gpuCount": 8, "durationHours": 1, **fields}
+    status, doc = await api.call("create", "alice", {**body, "idempotencyKey": key})
+    assert status == 202, doc
+    res = doc["reservation"]
+    await api.settle()
+    status, doc = await node_call(api, "report", token, {"reports": [{"reservationId": res["id"], "status": "bound"}]})
+    assert doc["accepted"] == [res["id"]], doc
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert "active" == got["state"]
+    return got
+
+
+async def report(api, token: str, rid: str, status: str, **extra) -> dict:
+    code, doc = await node_call(api, "report", token, {"reports": [{"reservationId": rid, "status": status, **extra}]})
+    assert code == 200, doc
+    return doc
+
+
+async def get(api, rid: str) -> dict:
+    return await api.ok("get", "alice", {"reservationId": rid})
+
+
+def condition(res: dict, type_: str) -> dict | None:
+    return next((c for c in res.get("conditions", []) if c["type"] == type_), None)
+
+
+async def wanted(api, token: str) -> dict[str, dict]:
+    code, doc = await node_call(api, "watch", token, {"timeoutMs": 0})
+    assert code == 200, doc
+    return {b["reservationId"]: b for b in doc["bindings"]}
+
+
+async def usage(api, rid: str) -> list[dict]:
+    status, doc = await api.post("/api/compute/usage/list", "alice", {"reservationId": rid})
+    assert status == 200, doc
+    return doc["lines"]
+
+
+async def test_a_released_booking_stays_booked_and_billed_while_pods_hold_it_and_frees_on_allocation_released(api):
+    token = await k8s_node(api)
+    res = await active(api, token, "a")
+    assert {"resourceName": "berth.dev/gpu", "released": False} == {
+        k: (await wanted(api, token))[res["id"]][k] for k in ("resourceName", "released")}
+    await api.settle(10 * MIN)
+    status, doc = await api.call("release", "alice", {"reservationId": res["id"]})
+    assert status == 202 and "released" == doc["reservation"]["state"]
+    got = await get(api, res["id"])
+    assert ("True", "ReleaseHold") == (condition(got, "DevicesHeld")["status"], condition(got, "DevicesHeld")["reason"])
+    assert (await wanted(api, token))[res["id"]]["released"]  # the node withdraws it and watches its pods
+
+    assert not (await report(api, token, res["id"], "held", holders=["team-a/trainer-0"]))["ignored"]
+    assert "team-a/trainer-0" in condition(await get(api, res["id"]), "DevicesHeld")["message"]
+    # nothing else can book the devices meanwhile
+    status, doc = await api.call("create", "alice", {"poolId": "k8s", "gpuModel": "H100_80GB", "binding": "kubernetes", "gpuCount": 8,
+                                                     "durationHours": 1, "idempotencyKey": "b"})
+    waiting = doc["reservation"]
+    assert "pending" == waiting["state"], waiting
+    await api.settle(20 * MIN)
+    assert "pending" == (await get(api, waiting["id"]))["state"]
+
+    await report(api, token, res["id"], "unbound")  # AllocationReleased
+    await api.settle()
+    got = await get(api, res["id"])
+    assert ("False", "AllocationReleased") == (condition(got, "DevicesHeld")["status"],
+                                               condition(got, "DevicesHeld")["reason"])
+    assert res["id"] not in await wanted(api, token)
+    assert "placed" in (await get(api, waiting["id"]))["state"] or "binding" in (await get(api, waiting["id"]))["state"]
+    lines = await usage(api, res["id"])
+    assert [(False, 10 * 60), (True, 20 * 60)] == [(line["held"], line["seconds"]) for line in lines]
+    types = [e["type"] for e in await api.events() if e["reservationId"] == res["id"]]
+    assert "reservation.hold-ended" in types and "reservation.released" in types
+
+
+async def test_still_held_at_the_end_the_booking_is_carried_on_unbilled_and_an_advance_booking_takes_the_devices(api):
+    token = await k8s_node(api)
+    res = await active(api, token, "a")
+    later = await api.call("create", "alice", {"poolId": "k8s", "gpuModel": "H100_80GB", "binding": "kubernetes", "gpuCount": 8,
+                                               "start": T0 + HOUR + 12 * MIN, "durationHours": 1,
+                                               "idempotencyKey": "later"})
+    assert "placed" == later[1]["reservation"]["state"]
+    await api.settle(30 * MIN)
+    await api.call("release", "alice", {"reservationId": res["id"]})
+    await report(api, token, res["id"], "held", holders=["team-a/trainer-0"])
+    await api.settle(30 * MIN)  # the window's end: carried on 5 minutes
+    got = await get(api, res["id"])
+    assert "carried on past the window" in condition(got, "DevicesHeld")["message"]
+    assert (await wanted(api, token))[res["id"]]["stuck"]  # the node taints itself KubernetesReleaseStuck
+    await api.settle(5 * MIN)  # a second step, to 10 minutes past the end
+    await api.settle(5 * MIN)  # 2 minutes short of the advance booking: the last step stops at its start
+    await api.settle(2 * MIN)
+    got = await get(api, res["id"])
+    assert ("False", "Overtaken") == (condition(got, "DevicesHeld")["status"], condition(got, "DevicesHeld")["reason"])
+    assert res["id"] not in await wanted(api, token)
+    assert "binding" == (await get(api, later[1]["reservation"]["id"]))["state"]
+    # billed: 30 minutes active, 30 held; the carry-on not at all
+    assert [(False, 30 * 60), (True, 30 * 60)] == [(line["held"], line["seconds"]) for line in await usage(api, res["id"])]
+    # the pods the agent evicted for the new booking are named on the old reservation
+    await report(api, token, res["id"], "unbound", evicted=["team-a/trainer-0"])
+    evicted = [e for e in await api.events() if e["type"] == "reservation.pods-evicted"]
+    assert [["team-a/trainer-0"]] == [e["data"]["pods"] for e in evicted]
+    types = [e["type"] for e in await api.events() if e["reservationId"] == res["id"]]
+    assert "reservation.carried-on" in types
+
+
+async def test_the_carry_on_stops_after_24_hours_and_a_lost_node_ends_a_hold(api):
+    token = await k8s_node(api)
+    res = await active(api, token, "a")
+    await api.call("release", "alice", {"reservationId": res["id"]})
+    await report(api, token, res["id"], "held", holders=["ns/p"])
+    for _ in range(12 * 24 + 12 + 2):  # the hour of the window, then 24 h of 5-minute steps
+        await api.settle(5 * MIN)
+    got = await get(api, res["id"])
+    assert ("False", "CarryOnLimit") == (condition(got, "DevicesHeld")["status"], condition(got, "DevicesHeld")["reason"])
+    assert "ns/p" in condition(got, "DevicesHeld")["message"]
+    assert res["id"] not in await wanted(api, token)
+
+    second = await active(api, token, "b")
+    await api.call("release", "alice", {"reservationId": second["id"]})
+    api.clock.advance(31_000)
+    await api.cp.nodes.check_lost()
+    await api.settle()
+    got = await get(api, second["id"])
+    assert ("False", "NodeLost") == (condition(got, "DevicesHeld")["status"], condition(got, "DevicesHeld")["reason"])
