@@ -6,6 +6,7 @@ changes nothing, and a changed file replaces what it names.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Literal
@@ -33,9 +34,9 @@ class TenantDoc(Struct, forbid_unknown_fields=True):
 
 class PrincipalDoc(Struct, forbid_unknown_fields=True):
     id: Id
-    tenant: Id
     token: Annotated[str, Meta(min_length=16)]
-    kind: Literal["user", "agent"] = "user"
+    tenant: Id | None = None  # required for users and agents; an operator's is optional (see docs/admin-api.md)
+    kind: Literal["user", "agent", "operator"] = "user"
     delegatedBy: Id | None = None
     scope: Literal["read", "manage"] = "manage"  # a read token gets, lists and quotes; it changes nothing
 
@@ -190,13 +191,15 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
     principals = {}
     tokens: dict[str, list[tuple[str, str]]] = {"principal": [], "node-bootstrap": []}
     for i, p in enumerate(doc.principals):
-        if p.tenant not in tenants:
+        if p.tenant is None and p.kind != "operator":
+            raise BootstrapError(f"principals[{i}].tenant: required for a {p.kind}")
+        if p.tenant is not None and p.tenant not in tenants:
             raise BootstrapError(f"principals[{i}].tenant: no tenant {p.tenant!r}")
         if p.kind == "agent" and p.delegatedBy is None:
             pass  # an agent acting in its own right
         if p.delegatedBy is not None and p.kind != "agent":
             raise BootstrapError(f"principals[{i}].delegatedBy: only an agent acts for a user")
-        principals[p.id] = Principal(p.id, p.tenant, p.kind, p.delegatedBy, p.scope)
+        principals[p.id] = Principal(p.id, p.tenant or "", p.kind, p.delegatedBy, p.scope)
         tokens["principal"].append((p.token, p.id))
     for i, p in enumerate(doc.principals):
         if p.delegatedBy is not None:
@@ -288,14 +291,15 @@ def read(path: str | Path) -> tuple[Catalog, dict[str, list[tuple[str, str]]], s
 def merge(current: Catalog, declared: Catalog) -> Catalog:
     """The catalog after applying a bootstrap: what the file names replaces what is stored.
 
-    A declared node that an agent has taken over keeps the agent's inventory.
+    A declared node that an agent has taken over keeps the agent's inventory; every node keeps the state an
+    operator set (a cordon survives the restart that applies the file again).
     """
     nodes = dict(current.nodes)
     for node_id, node in declared.nodes.items():
         existing = nodes.get(node_id)
         if existing is not None and not existing.declared:
             continue
-        nodes[node_id] = node
+        nodes[node_id] = replace(node, state=existing.state) if existing is not None else node
     return Catalog(
         {**current.tenants, **declared.tenants},
         {**current.principals, **declared.principals},

@@ -18,6 +18,7 @@ from controlplane.domain.ids import token_hash
 from controlplane.iam.cedar import CedarAuthorizer, validate
 from controlplane.billing import Billing
 from controlplane.confirmations import ConfirmationService
+from controlplane.fleet import FleetService
 from controlplane.iam.authorizer import Authorizer
 from controlplane.nodes import NodeService
 from controlplane.operations import OperationService
@@ -103,6 +104,8 @@ class ControlPlane:
         self.operations = OperationService(self.store, self.moves, self.reservations)
         self.nodes = NodeService(self.store, self.clock, self.catalog, self.state, self.moves, self.tokens,
                                  self.reconciler, grace_s=config.node_grace_s)
+        self.fleet = FleetService(self.store, self.clock, self.catalog, self.state, self.moves, self.nodes,
+                                  self.authorizer, self.reconciler, self.billing)
 
     def open(self) -> "ControlPlane":
         self.store.start(self._rebuild)

@@ -9,10 +9,11 @@ Exit codes (docs/cli.md) follow the actor of the API's error code
 from __future__ import annotations
 
 import json
+import shlex
 from decimal import Decimal
 from typing import Any, Sequence
 
-from berth.cli.context import Context, request_command, same_command
+from berth.cli.context import Context, connection_flags, request_command, same_command
 from berth.cli.parser import FLAG_OF_FIELD
 from berth.cli.render import money_rate, when
 from berth.client import TERMINAL, BadAnswer, BerthError, Operation, TransportError
@@ -88,10 +89,41 @@ def _capacity_advice(ctx: Context, err: BerthError) -> list[str]:
     return lines
 
 
+LIST_OF_FIELD = {"nodeId": "berth admin nodes list", "poolId": "berth admin pools list",
+                 "tenantId": "berth admin tenants list"}
+
+
+def _admin_advice(ctx: Context, err: BerthError) -> list[str] | None:
+    """The operator's commands: what to run next (None: the tenant commands' advice applies as well)."""
+    d = err.details
+    flags = connection_flags(ctx)
+    if err.code == "NOT_FOUND" and d.get("field") in LIST_OF_FIELD:
+        return ["next: see what exists: " + shlex.join([*shlex.split(LIST_OF_FIELD[d["field"]]), *flags])]
+    if err.code == "INVALID_STATE":
+        lines = [f"state: {d.get('state')}"]
+        nxt = d.get("next")
+        if nxt == "wait":
+            lines.append("next: wait; the node leaves this state on its own")
+        elif nxt:
+            lines.append("next: " + shlex.join([*shlex.split(str(nxt)), *flags]))
+        return lines
+    if err.code == "UNAUTHENTICATED":
+        return [f"the token (from {ctx.settings.sources.get('token')}) is neither the bootstrap file's adminToken nor "
+                "an operator's (a principal of kind operator): check --token, BERTH_TOKEN or the config file"]
+    if err.code == "ACCESS_DENIED":
+        return [f"no policy lets you {d.get('action')} on {d.get('resource')}: ask whoever keeps the Cedar policies "
+                f"for a permit of Action::\"{d.get('action')}\" (docs/admin-api.md)"]
+    return None
+
+
 def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
     """What to tell the user about a refusal, beyond its message: the details that matter and the next command."""
     d = err.details
     code = err.code
+    if ctx.args.group == "admin":
+        lines = _admin_advice(ctx, err)
+        if lines is not None:
+            return lines
     create = ctx.args.group == "reservations" and ctx.args.command == "create"
     retry_same = (request_command(ctx, "create", {"idempotency_key": ctx.key}, keep=("quote_id", "max_hourly_price", "wait_ms", "idempotency_key"))
                   if create else same_command(ctx, argv))

@@ -1,4 +1,5 @@
-"""The tenant commands, each over one typed client method: `berth reservations|operations|usage|confirmations ...`.
+"""The CLI's commands, each over one typed client method: `berth reservations|operations|usage|confirmations ...` and
+the operator's `berth admin nodes|pools|tenants|events ...`.
 
 Output is a readable table when stdout is a terminal (or BERTH_FORCE_TTY=1,
 or --table) and the API's JSON otherwise (or --json): the typed answer
@@ -17,10 +18,11 @@ from typing import Any, Awaitable, Callable, Sequence, TextIO
 import msgspec
 
 from berth.cli.advice import EXIT_OK, EXIT_TIMEOUT, exit_code_of_operation, report_refusal
-from berth.cli.context import Context, connection_flags
+from berth.cli.context import Context, connection_flags, same_command, without
 from berth.cli.parser import DEFAULT_WAIT_S, request_of
-from berth.cli.render import (render_confirmation, render_list, render_operation, render_quote, render_reservation,
-                              render_usage, table, when)
+from berth.cli.render import (render_confirmation, render_list, render_node, render_node_action, render_nodes,
+                              render_operation, render_pool, render_pools, render_quote, render_reservation,
+                              render_tenant, render_tenants, render_usage, table, when)
 from berth.client import WAIT_STEP_MS, BerthError
 
 
@@ -164,6 +166,67 @@ def _confirmation(method: str) -> Callable[[Context, Sequence[str]], Awaitable[i
     return run
 
 
+async def cmd_admin_nodes_list(ctx: Context, argv: Sequence[str]) -> int:
+    a = ctx.args
+    nodes = await ctx.client.list_nodes(pool_id=a.pool, state=a.state, start=a.start, until=a.until)
+    ctx.emit({"nodes": wire(nodes)}, render_nodes(nodes))
+    return EXIT_OK
+
+
+async def cmd_admin_nodes_get(ctx: Context, argv: Sequence[str]) -> int:
+    node = await ctx.client.get_node(ctx.args.node_id, start=ctx.args.start, until=ctx.args.until)
+    ctx.emit({"node": wire(node)}, render_node(node))
+    return EXIT_OK
+
+
+def _node_action(action: str) -> Callable[[Context, Sequence[str]], Awaitable[int]]:
+    async def run(ctx: Context, argv: Sequence[str]) -> int:
+        result = await getattr(ctx.client, f"{action}_node")(ctx.args.node_id, reason=ctx.args.reason)
+        text = render_node_action(action, result)
+        undo = {"cordon": "uncordon", "drain": "uncordon"}.get(action)
+        if undo and result.node.admin_state in ("cordoned", "draining"):
+            text += "\nundo: " + shlex.join(["berth", "admin", "nodes", undo, result.node.id, *connection_flags(ctx)])
+        ctx.emit(wire(result), text)
+        return EXIT_OK
+
+    return run
+
+
+async def cmd_admin_pools_list(ctx: Context, argv: Sequence[str]) -> int:
+    pools = await ctx.client.list_fleet_pools()
+    ctx.emit({"pools": wire(pools)}, render_pools(pools))
+    return EXIT_OK
+
+
+async def cmd_admin_pools_get(ctx: Context, argv: Sequence[str]) -> int:
+    pool = await ctx.client.get_fleet_pool(ctx.args.pool_id)
+    ctx.emit({"pool": wire(pool)}, render_pool(pool))
+    return EXIT_OK
+
+
+async def cmd_admin_tenants_list(ctx: Context, argv: Sequence[str]) -> int:
+    tenants = await ctx.client.list_tenants()
+    ctx.emit({"tenants": wire(tenants)}, render_tenants(tenants))
+    return EXIT_OK
+
+
+async def cmd_admin_tenants_get(ctx: Context, argv: Sequence[str]) -> int:
+    tenant = await ctx.client.get_tenant(ctx.args.tenant_id)
+    ctx.emit({"tenant": wire(tenant)}, render_tenant(tenant))
+    return EXIT_OK
+
+
+async def cmd_admin_events_list(ctx: Context, argv: Sequence[str]) -> int:
+    page = await ctx.client.list_fleet_events(after=ctx.args.after, limit=ctx.args.limit)
+    rows = [(e.seq, when(e.at), e.type, e.data.get("nodeId"), f"{e.data.get('from')} -> {e.data.get('state')}",
+             e.data.get("by"), e.data.get("reason")) for e in page.events]
+    text = table(("SEQ", "AT", "EVENT", "NODE", "STATE", "BY", "REASON"), rows) if rows else "no events"
+    if page.events:
+        text += f"\nmore: {same_command(ctx, [*without(argv, '--after'), '--after', str(page.next_cursor)])}"
+    ctx.emit(wire(page), text)
+    return EXIT_OK
+
+
 async def cmd_admin_release_identity(ctx: Context, argv: Sequence[str]) -> int:
     node = await ctx.client.release_node_identity(ctx.args.node_id)
     ctx.emit({"node": wire(node)}, f"node {node.id} ({node.hostname}, pool {node.pool_id}): identity released; its "
@@ -187,12 +250,25 @@ COMMANDS: dict[tuple[str, str | None], Callable[[Context, Sequence[str]], Awaita
     ("confirmations", "get"): _confirmation("get_confirmation"),
     ("confirmations", "approve"): _confirmation("approve_confirmation"),
     ("confirmations", "deny"): _confirmation("deny_confirmation"),
-    ("admin", "release-identity"): cmd_admin_release_identity,
+    ("admin nodes", "list"): cmd_admin_nodes_list,
+    ("admin nodes", "get"): cmd_admin_nodes_get,
+    **{("admin nodes", action): _node_action(action) for action in ("cordon", "uncordon", "drain", "clear")},
+    ("admin nodes", "release-identity"): cmd_admin_release_identity,
+    ("admin pools", "list"): cmd_admin_pools_list,
+    ("admin pools", "get"): cmd_admin_pools_get,
+    ("admin tenants", "list"): cmd_admin_tenants_list,
+    ("admin tenants", "get"): cmd_admin_tenants_get,
+    ("admin events", "list"): cmd_admin_events_list,
 }
 
 
+def group_of(args) -> str:
+    """The command's group: `reservations`, ..., or `admin nodes`, `admin pools`, ..."""
+    return f"admin {args.admin_group}" if args.group == "admin" else args.group
+
+
 async def run(ctx: Context, argv: Sequence[str]) -> int:
-    handler = COMMANDS[(ctx.args.group, getattr(ctx.args, "command", None))]
+    handler = COMMANDS[(group_of(ctx.args), getattr(ctx.args, "command", None))]
     try:
         return await handler(ctx, argv)
     except BerthError as err:

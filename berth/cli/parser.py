@@ -101,6 +101,7 @@ FLAG_OF_FIELD = {
     "resources": "--vcpu/--memory-gib/--hugepages", "idempotencyKey": "--idempotency-key",
     "Idempotency-Key": "--idempotency-key", "until": "--until", "by": "--by", "since": "--since",
     "cursor": "--cursor", "limit": "--limit", "state": "--state", "scope": "--scope", "Authorization": "--token",
+    "from": "--from", "reason": "--reason", "after": "--after", "nodeId": "NODE", "tenantId": "TENANT",
 }
 
 
@@ -185,13 +186,45 @@ def build_parser() -> argparse.ArgumentParser:
         sub = conf.add_parser(name, parents=[common], help=f"{name} a confirmation")
         sub.add_argument("confirmation_id", metavar="CONFIRMATION")
 
-    admin = groups.add_parser("admin", help="the operator's commands (--token: the bootstrap file's adminToken)")
+    admin = groups.add_parser("admin", help="the operator's commands (--token: the bootstrap file's adminToken, or "
+                                            "an operator principal's token)")
     admin_groups = admin.add_subparsers(dest="admin_group", required=True, metavar="GROUP")
     nodes = admin_groups.add_parser("nodes", help="the fleet's nodes").add_subparsers(
         dest="command", required=True, metavar="COMMAND")
+    node_list = nodes.add_parser("list", parents=[common], help="every node: state, agent, heartbeat, bookings now and next")
+    node_list.add_argument("--pool", help="only this pool")
+    node_list.add_argument("--state", choices=("ready", "cordoned", "draining", "cleaning", "maintenance", "lost"))
+    node_get = nodes.add_parser("get", parents=[common], help="one node, with its bookings in the window")
+    node_get.add_argument("node_id", metavar="NODE")
+    for sub in (node_list, node_get):
+        sub.add_argument("--from", dest="start", type=_time_text, metavar="TIME", help="bookings from (default now)")
+        sub.add_argument("--until", type=_time_text, metavar="TIME", help="bookings until (default a week after --from)")
+    for name, text in (("cordon", "no new placements on the node; its bookings stay"),
+                       ("uncordon", "a cordoned or draining node takes placements again"),
+                       ("drain", "cordon, and move placed reservations that have not started to other nodes "
+                                 "(or back to pending); active ones run to their end"),
+                       ("clear", "a node in maintenance becomes ready")):
+        sub = nodes.add_parser(name, parents=[common], help=text)
+        sub.add_argument("node_id", metavar="NODE")
+        sub.add_argument("--reason", help="why, recorded in the node's event and the log")
     release = nodes.add_parser("release-identity", parents=[common],
                                help="let the node's next registration come from any host (a replaced machine)")
     release.add_argument("node_id", metavar="NODE")
+    pools = admin_groups.add_parser("pools", help="the fleet's pools").add_subparsers(
+        dest="command", required=True, metavar="COMMAND")
+    pools.add_parser("list", parents=[common], help="every pool: nodes by state, GPUs in use and free")
+    pool_get = pools.add_parser("get", parents=[common], help="one pool")
+    pool_get.add_argument("pool_id", metavar="POOL")
+    tenants = admin_groups.add_parser("tenants", help="the tenants").add_subparsers(
+        dest="command", required=True, metavar="COMMAND")
+    tenants.add_parser("list", parents=[common], help="every tenant: quota used, budget, spend")
+    tenant_get = tenants.add_parser("get", parents=[common], help="one tenant: each quota row, budget, spend")
+    tenant_get.add_argument("tenant_id", metavar="TENANT")
+    events = admin_groups.add_parser("events", help="what operators did to nodes").add_subparsers(
+        dest="command", required=True, metavar="COMMAND")
+    event_list = events.add_parser("list", parents=[common], help="the fleet's events, oldest first")
+    event_list.add_argument("--after", type=int, metavar="SEQ", help="the nextCursor of the previous page")
+    event_list.add_argument("--limit", type=int, help="1 to 500 (default 100)")
     return parser
 
 

@@ -5,7 +5,8 @@ import time
 from typing import Any, Sequence
 
 from berth.cli.context import Context, request_command, same_command, without
-from berth.client import Confirmation, Operation, Quote, Reservation, ReservationPage, Usage
+from berth.client import (AdminNode, AdminPool, AdminTenant, Confirmation, NodeAction, NodeBooking, Operation, Quote,
+                          Reservation, ReservationPage, Usage)
 
 
 def money_rate(value: Any) -> str:
@@ -120,3 +121,135 @@ def render_confirmation(c: Confirmation) -> str:
                    ("expires", when(c.expires_at)), ("decided", when(c.decided_at)), ("asked", c.message)])
 
 
+
+
+# ---- the operator's (berth admin ...) ----------------------------------------------------------------------------
+
+def ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def _booking(b: NodeBooking) -> str:
+    marks = "".join(m for m, on in ((" spot", b.spot), (" carried-on", b.carried_on)) if on)
+    return f"{b.reservation_id} ({b.tenant_id} {b.state}{marks})"
+
+
+def now_and_next(node: AdminNode) -> tuple[str, str]:
+    """The bookings that run now, and the next one to start."""
+    current = [b for b in node.bookings if b.current]
+    started = max((b.start for b in current), default=time.time() * 1000)
+    upcoming = [b for b in node.bookings if not b.current and b.start >= started]
+    now = ", ".join(_booking(b) for b in current) if current else "-"
+    nxt = f"{when(upcoming[0].start)} {_booking(upcoming[0])}" if upcoming else "-"
+    return now, nxt
+
+
+def render_nodes(nodes: Sequence[AdminNode]) -> str:
+    if not nodes:
+        return "no nodes"
+    rows = []
+    for n in nodes:
+        now, nxt = now_and_next(n)
+        rows.append((n.id, n.pool_id, n.state, n.agent_version or ("declared" if n.declared else "-"),
+                     ago(n.heartbeat_age_seconds), n.inventory.gpus, now, nxt))
+    return table(("NODE", "POOL", "STATE", "AGENT", "HEARTBEAT", "GPUS", "NOW", "NEXT"), rows)
+
+
+def render_node(n: AdminNode) -> str:
+    inv = n.inventory
+    state = n.state or "-"
+    if n.admin_state and n.admin_state != n.state:
+        state += f" (set: {n.admin_state})"
+    pairs: list[tuple[str, Any]] = [
+        ("node", n.id), ("pool", n.pool_id), ("hostname", n.hostname), ("state", state),
+        ("placements", "taken" if n.placeable else "none (not ready)"),
+        ("agent", n.agent_version or ("none yet: declared in the bootstrap file" if n.declared else "-")),
+        ("heartbeat", f"{n.last_heartbeat} ({ago(n.heartbeat_age_seconds)})" if n.last_heartbeat else "never"),
+        ("inventory", f"{inv.gpus} GPU ({inv.units} devices), {inv.vcpu:g} vcpu, {inv.memory_gib:g} GiB, "
+                      f"{inv.hugepages_1gi} x 1 GiB hugepages"),
+        ("machine id", n.machine_id or "-"), ("identity released", "yes" if n.identity_released else "no"),
+        ("drained", "yes" if n.drained else "no"),
+    ]
+    if inv.mig_profiles:
+        pairs.insert(8, ("MIG", ", ".join(f"{count} x {p}" for p, count in sorted(inv.mig_profiles.items()))))
+    text = fields(pairs)
+    if n.bookings:
+        text += "\n\n" + table(("RESERVATION", "TENANT", "STATE", "BINDING", "START", "END", "DEVICES", ""),
+                               [(b.reservation_id, b.tenant_id, b.state, b.binding + (", spot" if b.spot else ""),
+                                 when(b.start), when(b.end), ",".join(b.devices),
+                                 ("now" if b.current else "") + (" carried on" if b.carried_on else ""))
+                                for b in n.bookings])
+    else:
+        text += "\n\nno bookings in the window"
+    return text
+
+
+def render_node_action(action: str, r: NodeAction) -> str:
+    n = r.node
+    if r.changed:
+        head = f"node {n.id}: {action} done, now {n.admin_state}"
+    else:
+        head = f"node {n.id}: already {n.admin_state}, nothing changed"
+    lines = [head]
+    for m in r.moved:
+        lines.append(f"moved {m.reservation_id} ({m.tenant_id}) from {', '.join(m.from_nodes)} to {', '.join(m.nodes)}")
+    for rid in r.pending:
+        lines.append(f"back to pending (no other node fits it): {rid}")
+    now, nxt = now_and_next(n)
+    lines.append(f"bookings now: {now}")
+    lines.append(f"next booking: {nxt}")
+    return "\n".join(lines)
+
+
+def _nodes_by_state(counts: dict[str, int]) -> str:
+    return ", ".join(f"{c} {s}" for s, c in counts.items() if c) or "none"
+
+
+def render_pools(pools: Sequence[AdminPool]) -> str:
+    if not pools:
+        return "no pools"
+    return table(("POOL", "OWNER", "REGION", "MODEL", "SHARING", "PRICE", "NODES", "GPUS FREE/TOTAL", "IN USE", "PENDING"),
+                 [(p.id + (" (archived)" if p.archived else ""), p.owner, p.region, p.gpu_model, p.sharing,
+                   money_rate(p.price_per_gpu_hour_usd), _nodes_by_state(p.nodes), f"{p.gpus.free}/{p.gpus.total}",
+                   p.gpus.booked, p.pending) for p in pools])
+
+
+def render_pool(p: AdminPool) -> str:
+    pairs: list[tuple[str, Any]] = [
+        ("pool", p.id), ("owner", p.owner), ("region", p.region), ("model", p.gpu_model), ("sharing", p.sharing),
+        ("price", money_rate(p.price_per_gpu_hour_usd)), ("placer", p.placer), ("archived", "yes" if p.archived else "no"),
+        ("nodes", _nodes_by_state(p.nodes)),
+        ("GPUs", f"{p.gpus.total} total, {p.gpus.booked} in use now, {p.gpus.free} free on ready nodes"),
+        ("devices", f"{p.units.total} total, {p.units.booked} in use now, {p.units.free} free on ready nodes"),
+        ("pending", p.pending),
+    ]
+    return fields(pairs)
+
+
+def _usage(t: AdminTenant) -> list[tuple[str, str, str]]:
+    keys = sorted(set(t.quota) | set(t.used))
+    return [(k, f"{t.used.get(k, 0):g}", f"{t.quota[k]:g}" if k in t.quota else "none") for k in keys]
+
+
+def render_tenants(tenants: Sequence[AdminTenant]) -> str:
+    if not tenants:
+        return "no tenants"
+    rows = []
+    for t in tenants:
+        used = ", ".join(f"{k} {u}/{q}" for k, u, q in _usage(t) if u != "0") or "-"
+        rows.append((t.id, f"${t.budget_usd}" if t.budget_usd is not None else "none", f"${t.spent_usd}",
+                     f"${t.committed_usd}", sum(t.reservations.values()), used))
+    return table(("TENANT", "BUDGET", "SPENT", "COMMITTED", "LIVE", "QUOTA USED/LIMIT"), rows)
+
+
+def render_tenant(t: AdminTenant) -> str:
+    text = fields([("tenant", t.id), ("budget", f"${t.budget_usd}" if t.budget_usd is not None else "none"),
+                   ("spent", f"${t.spent_usd}"), ("committed", f"${t.committed_usd} (live reservations, to their end)"),
+                   ("live", ", ".join(f"{c} {s}" for s, c in t.reservations.items()) or "none")])
+    return text + "\n\n" + table(("QUOTA", "USED", "LIMIT"), _usage(t))

@@ -7,9 +7,11 @@ fields are `ReservationRequest` (requests.py). docs/python-client.md lists
 the result types and their fields.
 """
 from berth.client.aio import WAIT_STEP_MS, AsyncClient
-from berth.client.answers import (TERMINAL, AdminNode, Alternative, Bound, Condition, Confirmation, Event, EventPage, ExtendResult,
-                                  Failure, Operation, OperationWait, Placement, Quote, Reservation, ReservationPage,
-                                  ReservationTotal, Resources, Usage, UsageLine, decode)
+from berth.client.answers import (TERMINAL, AdminNode, AdminPool, AdminTenant, Alternative, Bound, Condition, Confirmation,
+                                  DeviceCount, Event, EventPage, ExtendResult, Failure, FreeStep, MovedReservation,
+                                  NodeAction, NodeBooking, NodeInventory, OfferedPool, Operation, OperationWait,
+                                  Placement, Quote, Reservation, ReservationPage, ReservationTotal, Resources, Usage,
+                                  UsageLine, decode)
 from berth.client.config import ConfigError, Settings, default_config_path, read_config_file, resolve_settings
 from berth.client.errors import (ERRORS, AccessDenied, BadAnswer, BerthError, ComputeAccessRequired, Conflict,
                                  ConfirmationRequired, InsufficientFunds, InvalidInput, InvalidState, NoCapacity,
@@ -19,7 +21,8 @@ from berth.client.requests import ReservationRequest, create_body, new_idempoten
 from berth.client.sync import Client
 
 __all__ = [
-    "WAIT_STEP_MS", "AsyncClient", "TERMINAL", "AdminNode", "Alternative", "Bound", "Condition", "Confirmation", "Event", "EventPage",
+    "WAIT_STEP_MS", "AsyncClient", "TERMINAL", "AdminNode", "AdminPool", "AdminTenant", "DeviceCount", "FreeStep",
+    "MovedReservation", "NodeAction", "NodeBooking", "NodeInventory", "OfferedPool", "Alternative", "Bound", "Condition", "Confirmation", "Event", "EventPage",
     "ExtendResult", "Failure", "Operation", "OperationWait", "Placement", "Quote", "Reservation", "ReservationPage",
     "ReservationTotal", "Resources", "Usage", "UsageLine", "decode", "ConfigError", "Settings",
     "default_config_path", "read_config_file", "resolve_settings", "ERRORS", "AccessDenied", "BadAnswer",

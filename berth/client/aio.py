@@ -19,8 +19,9 @@ from typing import Any, Callable, Mapping
 import aiohttp
 import msgspec
 
-from berth.client.answers import (AdminNode, Confirmation, EventPage, ExtendResult, Operation, OperationWait, Quote, Reservation,
-                                  ReservationPage, Usage, decode)
+from berth.client.answers import (AdminNode, AdminPool, AdminTenant, Confirmation, EventPage, ExtendResult, NodeAction,
+                                  OfferedPool, Operation, OperationWait, Quote, Reservation, ReservationPage, Usage,
+                                  decode)
 from berth.client.config import Settings
 from berth.client.errors import BadAnswer, BerthError, TransportError, error_of
 from berth.client.requests import ReservationRequest, new_idempotency_key, parse_time
@@ -241,10 +242,69 @@ class AsyncClient:
         doc = await self.call("iam/confirmations/deny", {"confirmationId": confirmation_id})
         return decode(doc.get("confirmation"), Confirmation)
 
-    # the operator's (the admin token)
+    # pools, as the tenant sees them
+    async def list_pools(self, *, start: str | int | datetime | None = None,
+                         until: str | int | datetime | None = None) -> builtins.list[OfferedPool]:
+        """The pools the tenant owns or is offered, with their free devices from `start` (default now) to `until`
+        (default a week later)."""
+        doc = await self.call("compute/pools/list", _window(start, until))
+        return decode(doc.get("pools"), list[OfferedPool])
+
+    # the operator's (the bootstrap file's admin token, or an operator principal's token)
     async def release_node_identity(self, node_id: str) -> AdminNode:
         """Let the node's next registration come from any host (a replaced or reinstalled machine)."""
         doc = await self.call("admin/nodes/release-identity", {"nodeId": node_id})
         return decode(doc.get("node"), AdminNode)
+
+    async def list_nodes(self, *, pool_id: str | None = None, state: str | None = None,
+                         start: str | int | datetime | None = None,
+                         until: str | int | datetime | None = None) -> builtins.list[AdminNode]:
+        """Every node the caller may read, with the bookings that overlap [start, until) (default: the next week)."""
+        body = {**_drop_none(poolId=pool_id, state=state), **_window(start, until)}
+        doc = await self.call("admin/nodes/list", body)
+        return decode(doc.get("nodes"), list[AdminNode])
+
+    async def get_node(self, node_id: str, *, start: str | int | datetime | None = None,
+                       until: str | int | datetime | None = None) -> AdminNode:
+        doc = await self.call("admin/nodes/get", {"nodeId": node_id, **_window(start, until)})
+        return decode(doc.get("node"), AdminNode)
+
+    async def cordon_node(self, node_id: str, *, reason: str | None = None) -> NodeAction:
+        """No new placements on the node; its bookings stay. Idempotent (`changed` says whether it was needed)."""
+        return decode(await self.call("admin/nodes/cordon", _drop_none(nodeId=node_id, reason=reason)), NodeAction)
+
+    async def uncordon_node(self, node_id: str, *, reason: str | None = None) -> NodeAction:
+        """A cordoned or draining node takes placements again."""
+        return decode(await self.call("admin/nodes/uncordon", _drop_none(nodeId=node_id, reason=reason)), NodeAction)
+
+    async def drain_node(self, node_id: str, *, reason: str | None = None) -> NodeAction:
+        """Cordon, and move the node's placed reservations that have not started to other nodes (or back to
+        pending where nothing fits); active ones run to their end."""
+        return decode(await self.call("admin/nodes/drain", _drop_none(nodeId=node_id, reason=reason)), NodeAction)
+
+    async def clear_node(self, node_id: str, *, reason: str | None = None) -> NodeAction:
+        """A node in maintenance becomes ready."""
+        return decode(await self.call("admin/nodes/clear", _drop_none(nodeId=node_id, reason=reason)), NodeAction)
+
+    async def list_fleet_pools(self) -> builtins.list[AdminPool]:
+        return decode((await self.call("admin/pools/list", {})).get("pools"), list[AdminPool])
+
+    async def get_fleet_pool(self, pool_id: str) -> AdminPool:
+        return decode((await self.call("admin/pools/get", {"poolId": pool_id})).get("pool"), AdminPool)
+
+    async def list_tenants(self) -> builtins.list[AdminTenant]:
+        return decode((await self.call("admin/tenants/list", {})).get("tenants"), list[AdminTenant])
+
+    async def get_tenant(self, tenant_id: str) -> AdminTenant:
+        return decode((await self.call("admin/tenants/get", {"tenantId": tenant_id})).get("tenant"), AdminTenant)
+
+    async def list_fleet_events(self, *, after: int | None = None, limit: int | None = None) -> EventPage:
+        """The operators' actions on nodes (node.cordoned, node.drained, ...), oldest first."""
+        return decode(await self.call("admin/events/list", _drop_none(after=after, limit=limit)), EventPage)
+
+
+def _window(start: str | int | datetime | None, until: str | int | datetime | None) -> dict[str, int]:
+    return _drop_none(**{"from": None if start is None else parse_time(start),
+                         "until": None if until is None else parse_time(until)})
 
 

@@ -197,14 +197,118 @@ class Confirmation(Struct, rename="camel", kw_only=True, frozen=True):
     interval: int | None = None
 
 
+class NodeBooking(Struct, rename="camel", kw_only=True, frozen=True):
+    """One reservation's hold on a node, as the admin API shows it (`current`: it covers the server's now)."""
+
+    reservation_id: str
+    tenant_id: str
+    state: str
+    start: int
+    end: int
+    binding: str = "hold"
+    spot: bool = False
+    carried_on: bool = False
+    devices: list[str] = []
+    gpus: list[int] = []
+    current: bool = False
+
+
+class NodeInventory(Struct, rename="camel", kw_only=True, frozen=True):
+    gpus: int = 0
+    gpu_indices: list[int] = []
+    units: int = 0
+    mig_profiles: dict[str, int] = {}
+    vcpu: float = 0
+    memory_gib: float = field(default=0, name="memoryGiB")
+    hugepages_1gi: int = field(default=0, name="hugepages1Gi")
+
+
 class AdminNode(Struct, rename="camel", kw_only=True, frozen=True):
-    """A node as the admin API shows it."""
+    """A node as the admin API shows it: `state` is what it reads as now (lost wins), `admin_state` what operators
+    set; release-identity answers only the first five fields."""
 
     id: str
     pool_id: str
     hostname: str
     machine_id: str = ""
     identity_released: bool = False
+    state: str | None = None
+    admin_state: str | None = None
+    lost: bool = False
+    placeable: bool = True
+    declared: bool = False
+    agent_version: str | None = None
+    last_heartbeat: str | None = None  # ISO 8601 UTC
+    heartbeat_age_seconds: float | None = None
+    inventory: NodeInventory = NodeInventory()
+    drained: bool = False
+    bookings: list[NodeBooking] = []
+
+
+class MovedReservation(Struct, rename="camel", kw_only=True, frozen=True):
+    reservation_id: str
+    tenant_id: str
+    from_nodes: list[str] = []
+    nodes: list[str] = []
+
+
+class NodeAction(Struct, rename="camel", kw_only=True, frozen=True):
+    """The answer to cordon, uncordon, drain and clear: the node after it, whether anything changed, and what a
+    drain moved (or sent back to pending)."""
+
+    node: AdminNode
+    changed: bool
+    moved: list[MovedReservation] = []
+    pending: list[str] = []
+
+
+class DeviceCount(Struct, kw_only=True, frozen=True):
+    total: int = 0
+    booked: int = 0
+    free: int = 0
+
+
+class AdminPool(Struct, rename="camel", kw_only=True, frozen=True):
+    id: str
+    owner: str
+    region: str
+    gpu_model: str
+    sharing: str = "exclusive"
+    price_per_gpu_hour_usd: Decimal | None = None
+    archived: bool = False
+    placer: str = "calendar"
+    nodes: dict[str, int] = {}
+    gpus: DeviceCount = DeviceCount()
+    units: DeviceCount = DeviceCount()
+    pending: int = 0
+
+
+class AdminTenant(Struct, rename="camel", kw_only=True, frozen=True):
+    id: str
+    quota: dict[str, float] = {}
+    used: dict[str, float] = {}
+    budget_usd: Decimal | None = None
+    spent_usd: Decimal = Decimal(0)
+    committed_usd: Decimal = Decimal(0)
+    reservations: dict[str, int] = {}
+
+
+class FreeStep(Struct, kw_only=True, frozen=True):
+    at: int
+    units: int
+
+
+class OfferedPool(Struct, rename="camel", kw_only=True, frozen=True):
+    """A pool the tenant owns or is offered, with its free devices over the window asked (steps: `units` free from
+    `at` until the next step)."""
+
+    id: str
+    region: str
+    gpu_model: str
+    sharing: str = "exclusive"
+    price_per_gpu_hour_usd: Decimal | None = None
+    units: int = 0
+    free: list[FreeStep] = []
 
 
 T = TypeVar("T")

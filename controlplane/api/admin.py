@@ -1,18 +1,36 @@
-"""The admin API (the bootstrap file's `adminToken`): apply a bootstrap document at run time, set a tenant's budget,
-release a node's identity (so that a replaced host may register it)."""
+"""The admin API: the operator's calls, with the bootstrap file's `adminToken` or an operator principal's token.
+
+Apply a bootstrap document at run time and set a tenant's budget (the admin
+token only: they rewrite who may do what); and, decided by IAM for an
+operator (every one allowed for the admin token): nodes (list, get, cordon,
+uncordon, drain, clear, release-identity), pools and tenants (list, get) and
+the fleet's events. The request bodies and the answers' shapes are defined
+here, once (docs/admin-api.md).
+"""
 from __future__ import annotations
 
-from typing import Annotated
+import time
+from typing import Annotated, Literal
 
+import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct
 
 from controlplane import schemas
-from controlplane.api.auth import bearer
+from controlplane.api.auth import bearer, operator_of
 from controlplane.api.body import read_checked, read_json
 from controlplane.api.errors import json_response
+from controlplane.domain import node_states
 from controlplane.domain.errors import UNAUTHENTICATED, DomainError, invalid
 from controlplane.domain.pricing import money, parse_money
+from controlplane.domain.quota import wire_amount, wire_key
+from controlplane.fleet import ActionResult, BookingView, Count, NodeView, PoolView, TenantView, window_of
+
+# ---- request bodies -----------------------------------------------------------------------------
+
+NodeState = Literal["ready", "cordoned", "draining", "cleaning", "maintenance", "lost"]
+assert set(NodeState.__args__) == set(node_states.SHOWN)  # type: ignore[attr-defined]
+Reason = Annotated[str, Meta(min_length=1, max_length=200)]
 
 
 class BudgetBody(Struct, forbid_unknown_fields=True):
@@ -24,15 +42,120 @@ class NodeBody(Struct, forbid_unknown_fields=True):
     nodeId: schemas.Id
 
 
-def _admin(request: web.Request):
+class NodeListBody(Struct, forbid_unknown_fields=True):
+    poolId: schemas.Id | None = None
+    state: NodeState | None = None
+    start: schemas.EpochMs | None = msgspec.field(default=None, name="from")  # bookings shown: default now
+    until: schemas.EpochMs | None = None  # default 7 days after from, at most 62
+
+
+class NodeGetBody(Struct, forbid_unknown_fields=True):
+    nodeId: schemas.Id
+    start: schemas.EpochMs | None = msgspec.field(default=None, name="from")
+    until: schemas.EpochMs | None = None
+
+
+class NodeActionBody(Struct, forbid_unknown_fields=True):
+    nodeId: schemas.Id
+    reason: Reason | None = None  # recorded in the event and the log
+
+
+class PoolBody(Struct, forbid_unknown_fields=True):
+    poolId: schemas.Id
+
+
+class TenantBody(Struct, forbid_unknown_fields=True):
+    tenantId: schemas.Id
+
+
+class Nothing(Struct, forbid_unknown_fields=True):
+    """A list of everything the caller may read: no fields."""
+
+
+# ---- answers ------------------------------------------------------------------------------------
+
+def iso(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
+
+
+def booking_to_wire(b: BookingView, now: int) -> dict:
+    return {"reservationId": b.reservation_id, "tenantId": b.tenant_id, "state": b.state, "binding": b.binding,
+            "spot": b.spot, "carriedOn": b.carried_on, "start": b.start, "end": b.end, "devices": list(b.units),
+            "gpus": list(b.gpus), "current": b.covers(now)}
+
+
+def node_to_wire(v: NodeView, now: int) -> dict:
+    n = v.node
+    migs: dict[str, int] = {}
+    for u in n.units:
+        if u.mig_profile:
+            migs[u.mig_profile] = migs.get(u.mig_profile, 0) + 1
+    return {
+        "id": n.id, "poolId": n.pool_id, "hostname": n.hostname,
+        "state": v.state, "adminState": n.state, "lost": v.lost, "placeable": n.placeable,
+        "declared": n.declared, "agentVersion": v.agent_version or None,
+        "lastHeartbeat": iso(v.heartbeat.at) if v.heartbeat else None,
+        "heartbeatAgeSeconds": round(v.heartbeat.age_s, 3) if v.heartbeat else None,
+        "inventory": {"gpus": n.gpu_count, "gpuIndices": sorted({u.gpu_index for u in n.units}),
+                      "units": len(n.units), "migProfiles": migs, **n.capacity.to_wire()},
+        "machineId": n.machine_id, "identityReleased": n.identity_released,
+        "drained": v.drained,
+        "bookings": [booking_to_wire(b, now) for b in v.bookings],
+    }
+
+
+def action_to_wire(r: ActionResult, now: int) -> dict:
+    return {"node": node_to_wire(r.node, now), "changed": r.changed,
+            "moved": [{"reservationId": m.reservation_id, "tenantId": m.tenant_id, "fromNodes": list(m.from_nodes),
+                       "nodes": list(m.to_nodes)} for m in r.moved],
+            "pending": list(r.pending)}
+
+
+def _count(c: Count) -> dict:
+    return {"total": c.total, "booked": c.booked, "free": c.free}
+
+
+def pool_to_wire(v: PoolView) -> dict:
+    p = v.pool
+    return {"id": p.id, "owner": p.owner, "region": p.region, "gpuModel": p.gpu_model, "sharing": p.sharing,
+            "pricePerGpuHourUsd": money(p.price_per_gpu_hour), "archived": p.archived, "placer": p.policy.placer,
+            "nodes": dict(v.nodes), "gpus": _count(v.gpus), "units": _count(v.units), "pending": v.pending}
+
+
+def _amounts(rows) -> dict:
+    return {wire_key(k): wire_amount(k, amount) for k, amount in sorted(rows.items())}
+
+
+def tenant_to_wire(v: TenantView) -> dict:
+    t = v.tenant
+    return {"id": t.id, "quota": _amounts(t.quota), "used": _amounts(v.used),
+            "budgetUsd": money(t.budget_usd) if t.budget_usd is not None else None,
+            "spentUsd": money(v.spent_usd), "committedUsd": money(v.committed_usd),
+            "reservations": dict(v.reservations)}
+
+
+# ---- handlers -----------------------------------------------------------------------------------
+
+def _plane(request: web.Request):
     from controlplane.api.app import CONTROL_PLANE
 
-    cp = request.app[CONTROL_PLANE]
+    return request.app[CONTROL_PLANE]
+
+
+def _admin(request: web.Request):
+    """The admin token only (bootstrap and budgets rewrite who may do what)."""
+    cp = _plane(request)
     found = cp.tokens.resolve(bearer(request))
     if found is None or found[0] != "admin":
         raise DomainError(UNAUTHENTICATED, "Authorization: not the admin token (the bootstrap file's adminToken)",
                           {"field": "Authorization"})
     return cp
+
+
+def _operator(request: web.Request):
+    """(the control plane, the caller: None for the admin token, else an operator principal)."""
+    cp = _plane(request)
+    return cp, operator_of(request, cp.tokens, cp.catalog.current.principals)
 
 
 async def apply_bootstrap(request: web.Request) -> web.Response:
@@ -51,13 +174,80 @@ async def set_budget(request: web.Request) -> web.Response:
 
 
 async def release_node_identity(request: web.Request) -> web.Response:
-    cp = _admin(request)
+    cp, actor = _operator(request)
     body = await read_json(request, NodeBody)
-    node = await cp.nodes.release_identity(body.nodeId)
+    node = await cp.fleet.release_identity(actor, body.nodeId)
     return json_response({"node": {"id": node.id, "poolId": node.pool_id, "hostname": node.hostname,
                                    "machineId": node.machine_id, "identityReleased": node.identity_released}})
 
 
+async def list_nodes(request: web.Request) -> web.Response:
+    cp, actor = _operator(request)
+    body = await read_json(request, NodeListBody)
+    now = cp.clock.compute_now()
+    views = await cp.fleet.list_nodes(actor, window_of(now, body.start, body.until), body.poolId, body.state)
+    return json_response({"nodes": [node_to_wire(v, now) for v in views], "now": now})
+
+
+async def get_node(request: web.Request) -> web.Response:
+    cp, actor = _operator(request)
+    body = await read_json(request, NodeGetBody)
+    now = cp.clock.compute_now()
+    view = await cp.fleet.get_node(actor, body.nodeId, window_of(now, body.start, body.until))
+    return json_response({"node": node_to_wire(view, now), "now": now})
+
+
+def _node_action(action: str):
+    async def handle(request: web.Request) -> web.Response:
+        cp, actor = _operator(request)
+        body = await read_json(request, NodeActionBody)
+        result = await cp.fleet.act(actor, body.nodeId, action, body.reason)
+        return json_response(action_to_wire(result, cp.clock.compute_now()))
+
+    handle.__name__ = f"{action}_node"
+    return handle
+
+
+async def list_pools(request: web.Request) -> web.Response:
+    cp, actor = _operator(request)
+    await read_json(request, Nothing)
+    return json_response({"pools": [pool_to_wire(v) for v in await cp.fleet.list_pools(actor)],
+                          "now": cp.clock.compute_now()})
+
+
+async def get_pool(request: web.Request) -> web.Response:
+    cp, actor = _operator(request)
+    body = await read_json(request, PoolBody)
+    return json_response({"pool": pool_to_wire(await cp.fleet.get_pool(actor, body.poolId))})
+
+
+async def list_tenants(request: web.Request) -> web.Response:
+    cp, actor = _operator(request)
+    await read_json(request, Nothing)
+    return json_response({"tenants": [tenant_to_wire(v) for v in await cp.fleet.list_tenants(actor)]})
+
+
+async def get_tenant(request: web.Request) -> web.Response:
+    cp, actor = _operator(request)
+    body = await read_json(request, TenantBody)
+    return json_response({"tenant": tenant_to_wire(await cp.fleet.get_tenant(actor, body.tenantId))})
+
+
+async def list_events(request: web.Request) -> web.Response:
+    cp, actor = _operator(request)
+    body = await read_json(request, schemas.EventsBody)
+    rows, cursor = await cp.fleet.events(actor, body.after, body.limit)
+    return json_response({"events": rows, "nextCursor": cursor})
+
+
 def routes() -> list[web.RouteDef]:
-    return [web.post("/api/admin/bootstrap", apply_bootstrap), web.post("/api/admin/tenants/budget", set_budget),
-            web.post("/api/admin/nodes/release-identity", release_node_identity)]
+    base = "/api/admin/"
+    return [
+        web.post(base + "bootstrap", apply_bootstrap), web.post(base + "tenants/budget", set_budget),
+        web.post(base + "nodes/release-identity", release_node_identity),
+        web.post(base + "nodes/list", list_nodes), web.post(base + "nodes/get", get_node),
+        *[web.post(base + f"nodes/{action}", _node_action(action)) for action in node_states.ACTIONS],
+        web.post(base + "pools/list", list_pools), web.post(base + "pools/get", get_pool),
+        web.post(base + "tenants/list", list_tenants), web.post(base + "tenants/get", get_tenant),
+        web.post(base + "events/list", list_events),
+    ]

@@ -16,7 +16,9 @@ from controlplane.api import billing as billing_api
 from controlplane.api import confirmations as confirmation_api
 from controlplane.api import guard
 from controlplane.api import nodes as node_api
+from controlplane.api import pools as pool_api
 from controlplane.api import reservations as reservation_api
+from controlplane.api import ui as ui_api
 from controlplane.api.auth import bearer, principal_of
 from controlplane.api.errors import answer_errors
 from controlplane.domain.errors import COMPUTE_ACCESS_REQUIRED, UNAUTHENTICATED, DomainError
@@ -127,6 +129,8 @@ def create_app(config: Config, control_plane: ControlPlane | None = None,
     app.add_routes(billing_api.routes())
     app.add_routes(node_api.routes())
     app.add_routes(admin_api.routes())
+    app.add_routes(pool_api.routes())
+    app.add_routes(ui_api.routes())
     app.router.add_get("/metrics", metrics)
     return app
 

@@ -1,4 +1,5 @@
-"""Bearer tokens on HTTP: the Authorization header read, and resolved to a principal through the token table."""
+"""Bearer tokens on HTTP: the Authorization header read, and resolved to a tenant's principal or an operator through
+the token table."""
 from __future__ import annotations
 
 from aiohttp import web
@@ -26,4 +27,20 @@ def principal_of(request: web.Request, tokens: Tokens, principals) -> Principal:
     principal = principals.get(found[1])
     if principal is None:
         raise DomainError(UNAUTHENTICATED, "Authorization: the token's principal no longer exists", {"field": "Authorization"})
+    if principal.kind == "operator":  # an operator acts on the fleet, never as a tenant
+        raise DomainError(UNAUTHENTICATED, f"Authorization: {principal.id} is an operator; its token calls the admin "
+                          "API (/api/admin/), not the tenant API", {"field": "Authorization"})
+    return principal
+
+
+def operator_of(request: web.Request, tokens: Tokens, principals) -> Principal | None:
+    """Who calls the admin API: None for the bootstrap file's admin token (every fleet action), else an operator
+    principal, whose every action IAM decides."""
+    found = tokens.resolve(bearer(request))
+    if found is not None and found[0] == "admin":
+        return None
+    principal = principals.get(found[1]) if found is not None and found[0] == "principal" else None
+    if principal is None or principal.kind != "operator":
+        raise DomainError(UNAUTHENTICATED, "Authorization: not the admin token (the bootstrap file's adminToken) or "
+                          "an operator's token (a principal of kind operator)", {"field": "Authorization"})
     return principal

@@ -19,7 +19,7 @@ from controlplane.domain.ids import operation_id
 SHARING_MODES = ("exclusive", "mig", "slots")
 BINDINGS = ("hold", "node", "kubernetes")
 PLACERS = ("calendar", "pool-lease")
-PRINCIPAL_KINDS = ("user", "agent")
+PRINCIPAL_KINDS = ("user", "agent", "operator")  # an operator acts on the fleet (/api/admin/), not in a tenant
 SCOPES = ("read", "manage")
 
 
@@ -109,9 +109,15 @@ class Node:
     gpu_count: int
     capacity: Share = NO_SHARE  # allocatable vcpu, memory, hugepages
     declared: bool = True  # from the bootstrap file; False once an agent owns it
-    schedulable: bool = True
+    schedulable: bool = True  # False while the node is lost (its agent silent past the grace)
     machine_id: str = ""  # the registering host's /etc/machine-id: only it may take the node over once lost
     identity_released: bool = False  # an operator let the next registration take the node, from any host
+    state: str = "ready"  # as operators (and cleaning) set it: ready | cordoned | draining | cleaning | maintenance
+
+    @property
+    def placeable(self) -> bool:
+        """Whether placement may put new bookings here: heard from (not lost) and ready (domain/node_states.py)."""
+        return self.schedulable and self.state == "ready"
 
 
 @dataclass(slots=True)

@@ -98,7 +98,7 @@ def _choose_units(node: Node, free: list[Unit], ask: Ask) -> list[str] | None:
 
 def _fit(node: Node, cal: NodeCalendar, ask: Ask) -> tuple[int, list[str]] | None:
     """(leftover free units, chosen units) if the node can take the ask in its window."""
-    if not node.schedulable:
+    if not node.placeable:  # lost, cordoned, draining, cleaning or in maintenance
         return None
     units = eligible_units(node, ask)
     devices = cal.devices

@@ -15,11 +15,21 @@ READ = "compute:reservations:read"
 RELEASE = "compute:reservations:release"
 EXTEND = "compute:reservations:extend"
 ACTIONS = (CREATE, READ, RELEASE, EXTEND)
+# The operator's actions (an Operator principal on Node, Pool and Tenant resources; docs/admin-api.md).
+NODES_READ = "fleet:nodes:read"
+NODES_CORDON = "fleet:nodes:cordon"  # cordon and uncordon
+NODES_DRAIN = "fleet:nodes:drain"
+NODES_CLEAR = "fleet:nodes:clear"
+NODES_RELEASE_IDENTITY = "fleet:nodes:release-identity"
+POOLS_READ = "fleet:pools:read"
+TENANTS_READ = "fleet:tenants:read"
+FLEET_ACTIONS = (NODES_READ, NODES_CORDON, NODES_DRAIN, NODES_CLEAR, NODES_RELEASE_IDENTITY, POOLS_READ, TENANTS_READ)
 
 
 @dataclass(frozen=True, slots=True)
 class Resource:
-    """A compute-reservation (`Reservation`) or compute-tenant (`Tenant`) with its attributes."""
+    """A compute-reservation (`Reservation`), compute-tenant (`Tenant`), or for operators a `Node` or `Pool`, with its
+    attributes."""
 
     type: str
     id: str
@@ -44,7 +54,7 @@ class Decision:
 
 
 def principal_type(principal: Principal) -> str:
-    return "Agent" if principal.kind == "agent" else "User"
+    return {"agent": "Agent", "operator": "Operator"}.get(principal.kind, "User")
 
 
 def tenant_resource(tenant_id: str) -> Resource:

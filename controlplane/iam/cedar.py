@@ -26,7 +26,7 @@ from controlplane.iam.authorizer import AuthzRequest, Decision, Resource, princi
 
 SCHEMA_PATH = Path(__file__).with_name("berth.cedarschema")
 MEMO_SIZE = 8192
-_NAMES_AN_ENTITY = re.compile(r"\b(Reservation|Tenant)::")
+_NAMES_AN_ENTITY = re.compile(r"\b(Reservation|Tenant|Node|Pool)::")
 
 
 class PolicyError(ValueError):

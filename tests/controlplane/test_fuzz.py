@@ -13,12 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane import schemas
+from controlplane.api import admin, pools
 from tests.controlplane.conftest import TOKENS, bootstrap_doc
 from tests.serverproc import ServerProcess
 
 from common import nodewire
 
-TENANT, BOOTSTRAP, NODE = "alice", "node-token-h100-000001", "node"  # whose token a method takes
+TENANT, BOOTSTRAP, NODE, ADMIN = "alice", "node-token-h100-000001", "node", "admin"  # whose token a method takes
 
 METHODS = {
     "/api/compute/reservations/create": (schemas.CreateBody, {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1}, TENANT),
@@ -35,6 +36,18 @@ METHODS = {
     "/api/nodes/heartbeat": (nodewire.HeartbeatRequest, {}, NODE),
     "/api/nodes/watch": (nodewire.WatchRequest, {"timeoutMs": 0}, NODE),
     "/api/nodes/report": (nodewire.ReportRequest, {"reports": [{"reservationId": "rsv_x", "status": "unbound"}]}, NODE),
+    "/api/compute/pools/list": (pools.PoolsBody, {}, TENANT),
+    "/api/admin/nodes/list": (admin.NodeListBody, {}, ADMIN),
+    "/api/admin/nodes/get": (admin.NodeGetBody, {"nodeId": "h1"}, ADMIN),
+    **{f"/api/admin/nodes/{action}": (admin.NodeActionBody, {"nodeId": "nope"}, ADMIN)
+       for action in ("cordon", "uncordon", "drain", "clear")},
+    "/api/admin/nodes/release-identity": (admin.NodeBody, {"nodeId": "nope"}, ADMIN),
+    "/api/admin/pools/list": (admin.Nothing, {}, ADMIN),
+    "/api/admin/pools/get": (admin.PoolBody, {"poolId": "h100"}, ADMIN),
+    "/api/admin/tenants/list": (admin.Nothing, {}, ADMIN),
+    "/api/admin/tenants/get": (admin.TenantBody, {"tenantId": "acme"}, ADMIN),
+    "/api/admin/tenants/budget": (admin.BudgetBody, {"tenantId": "nope", "budgetUsd": "1"}, ADMIN),
+    "/api/admin/events/list": (schemas.EventsBody, {}, ADMIN),
 }
 
 
@@ -138,7 +151,8 @@ def server(tmp_path_factory):
     with ServerProcess(path / "cp.db", path / "b.json", ["--synchronous", "NORMAL"]) as proc:
         status, doc = proc.post("/api/nodes/register", BOOTSTRAP, {"hostname": "h1.test", "inventory": inventory()})
         assert status == 200, doc
-        proc.tokens = {TENANT: TOKENS["alice"], BOOTSTRAP: BOOTSTRAP, NODE: doc["nodeToken"]}
+        proc.tokens = {TENANT: TOKENS["alice"], BOOTSTRAP: BOOTSTRAP, NODE: doc["nodeToken"],
+                       ADMIN: bootstrap_doc()["adminToken"]}
         yield proc
 
 
@@ -162,7 +176,7 @@ json_values = st.recursive(
 @given(method=st.sampled_from(sorted(METHODS)), body=st.dictionaries(
     st.sampled_from(["poolId", "gpuModel", "gpuCount", "nodeCount", "start", "end", "durationHours", "binding",
                      "resources", "spot", "leaseSeconds", "reservationId", "scope", "limit", "cursor", "after",
-                     "wait", "state", "x"]),
+                     "wait", "state", "nodeId", "poolId", "tenantId", "from", "until", "reason", "x"]),
     json_values, max_size=6))
 def test_random_bodies_never_produce_a_500(server, method, body):
     status, doc = server.post(method, server.tokens[METHODS[method][2]], json.dumps(body).encode())

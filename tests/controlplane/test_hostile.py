@@ -19,6 +19,9 @@ POST_ROUTES = [
     "/api/iam/confirmations/list", "/api/iam/confirmations/get", "/api/iam/confirmations/approve",
     "/api/iam/confirmations/deny", "/api/nodes/register", "/api/nodes/heartbeat", "/api/nodes/watch",
     "/api/nodes/report", "/api/admin/bootstrap", "/api/admin/tenants/budget", "/api/admin/nodes/release-identity",
+    "/api/admin/nodes/list", "/api/admin/nodes/get", "/api/admin/nodes/cordon", "/api/admin/nodes/uncordon",
+    "/api/admin/nodes/drain", "/api/admin/nodes/clear", "/api/admin/pools/list", "/api/admin/pools/get",
+    "/api/admin/tenants/list", "/api/admin/tenants/get", "/api/admin/events/list", "/api/compute/pools/list",
 ]
 
 

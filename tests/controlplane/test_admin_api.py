@@ -1,0 +1,200 @@
+"""The operator's admin API through real HTTP: nodes (with real agent inventories), cordon, drain, uncordon, clear,
+pools, tenants, the fleet's events, operators decided by Cedar; the tenant's pools with free capacity; the
+calendar page's files. Every refusal names the field and the rule, with the documented code."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.controlplane.conftest import HOUR, T0, bootstrap_doc
+from tests.controlplane.test_fleet import OPERATOR_POLICIES, OPERATORS
+from tests.controlplane.test_nodes import inventory, node_call, register
+
+ADMIN = "admin-token-for-tests-0001"
+OLGA = OPERATORS[0]["token"]
+ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+
+async def admin(api, path: str, body: dict | None = None, who: str = ADMIN):
+    return await api.post(f"/api/admin/{path}", who, body or {})
+
+
+async def ok(api, path: str, body: dict | None = None, who: str = ADMIN) -> dict:
+    status, doc = await admin(api, path, body, who)
+    assert 200 == status, doc
+    return doc
+
+
+async def add_operators(api) -> None:
+    doc = bootstrap_doc()
+    doc["principals"] += OPERATORS
+    doc["policies"] += OPERATOR_POLICIES
+    await ok(api, "bootstrap", doc)
+
+
+async def test_a_node_shows_its_agent_heartbeat_inventory_identity_and_bookings_now_and_next(api):
+    status, reg = await node_call(api, "register", "node-token-h100-000001", {
+        "hostname": "h1.test", "inventory": inventory("h1.test"), "agentVersion": "0.1.0", "machineId": "a" * 32})
+    assert 200 == status, reg
+    api.clock.advance(2_000)
+    now = (await api.create(key="now", gpuCount=8))[1]["reservation"]  # fills one node
+    later = (await api.create(key="later", gpuCount=2, start=T0 + 5 * HOUR, end=T0 + 6 * HOUR))[1]["reservation"]
+    got = (await ok(api, "nodes/get", {"nodeId": "h1"}))["node"]
+    assert ("h1", "h100", "h1.test", "ready", "ready", False, True) == (
+        got["id"], got["poolId"], got["hostname"], got["state"], got["adminState"], got["lost"], got["placeable"])
+    assert ("0.1.0", "a" * 32, False, False) == (got["agentVersion"], got["machineId"], got["identityReleased"],
+                                                 got["declared"])
+    assert ISO.match(got["lastHeartbeat"]) and 2.0 == got["heartbeatAgeSeconds"]
+    inv = got["inventory"]
+    assert (8, list(range(8)), 8, 223.0) == (inv["gpus"], inv["gpuIndices"], inv["units"], inv["vcpu"])
+    assert inv["memoryGiB"] > 0 and "hugepages1Gi" in inv
+    listed = {n["id"]: n for n in (await ok(api, "nodes/list", {"poolId": "h100"}))["nodes"]}
+    assert {"h1", "h2"} == set(listed)
+    mine = [b for n in listed.values() for b in n["bookings"]]
+    by_id = {b["reservationId"]: b for b in mine}
+    assert (True, False) == (by_id[now["id"]]["current"], by_id[later["id"]]["current"])
+    b = by_id[later["id"]]
+    assert ("acme", "placed", "hold", False, False, T0 + 5 * HOUR, T0 + 6 * HOUR, 2) == (
+        b["tenantId"], b["state"], b["binding"], b["spot"], b["carriedOn"], b["start"], b["end"], len(b["gpus"]))
+    assert listed["h2"]["declared"] and listed["h2"]["lastHeartbeat"] is None  # no agent yet
+    # a window that ends before the later booking leaves it out
+    window = {n["id"]: n for n in (await ok(api, "nodes/list", {"poolId": "h100", "until": T0 + HOUR}))["nodes"]}
+    assert [now["id"]] == [b["reservationId"] for n in window.values() for b in n["bookings"]]
+
+
+async def test_cordon_outlives_the_agents_inventory_and_drain_moves_work_over_http(api):
+    node = await register(api, "h1.test")
+    await register(api, "h2.test")
+    future = (await api.create(key="f", gpuCount=1, start=T0 + 3 * HOUR, end=T0 + 4 * HOUR))[1]["reservation"]
+    a = future["placements"][0]["nodeId"]
+    b = "h2" if a == "h1" else "h1"
+    cordoned = await ok(api, "nodes/cordon", {"nodeId": "h1", "reason": "fan failure"})
+    assert (True, "cordoned", False) == (cordoned["changed"], cordoned["node"]["state"], cordoned["node"]["placeable"])
+    status, _ = await node_call(api, "heartbeat", node["nodeToken"], {"inventory": inventory("h1.test")})
+    assert 200 == status
+    assert "cordoned" == api.cp.catalog.current.nodes["h1"].state  # a new inventory keeps the operator's cordon
+    await ok(api, "nodes/uncordon", {"nodeId": "h1"})
+    drained = await ok(api, "nodes/drain", {"nodeId": a})
+    assert [{"reservationId": future["id"], "tenantId": "acme", "fromNodes": [a], "nodes": [b]}] == drained["moved"]
+    assert ([], "draining") == (drained["pending"], drained["node"]["adminState"])
+    got = await api.ok("get", "alice", {"reservationId": future["id"]})
+    assert ("placed", b) == (got["state"], got["placements"][0]["nodeId"])
+    moved = [e for e in await api.events() if e["type"] == "reservation.moved"]
+    assert [future["id"]] == [e["reservationId"] for e in moved]
+    events = (await ok(api, "events/list"))["events"]
+    assert ["node.cordoned", "node.uncordoned", "node.drained"] == [e["type"] for e in events]
+    assert "fan failure" == events[0]["data"]["reason"]
+    page = await ok(api, "events/list", {"after": events[1]["seq"], "limit": 1})
+    assert ([events[2]["seq"]], events[2]["seq"]) == ([e["seq"] for e in page["events"]], page["nextCursor"])
+
+
+@pytest.mark.parametrize("path, body, status, code, field", [
+    ("nodes/get", {"nodeId": "nope"}, 404, "NOT_FOUND", "nodeId"),
+    ("nodes/cordon", {"nodeId": "nope"}, 404, "NOT_FOUND", "nodeId"),
+    ("nodes/clear", {"nodeId": "h1", "reason": ""}, 400, "INVALID_INPUT", "reason"),
+    ("nodes/list", {"state": "asleep"}, 400, "INVALID_INPUT", "state"),
+    ("nodes/list", {"poolId": "nope"}, 404, "NOT_FOUND", "poolId"),
+    ("nodes/list", {"from": T0, "until": T0}, 400, "INVALID_INPUT", "until"),
+    ("nodes/list", {"from": T0, "until": T0 + 63 * 24 * HOUR}, 400, "INVALID_INPUT", "until"),
+    ("nodes/get", {"nodeId": "h1", "from": -1}, 400, "INVALID_INPUT", "from"),
+    ("nodes/drain", {}, 400, "INVALID_INPUT", "nodeId"),
+    ("pools/get", {"poolId": "nope"}, 404, "NOT_FOUND", "poolId"),
+    ("pools/list", {"x": 1}, 400, "INVALID_INPUT", "x"),
+    ("tenants/get", {"tenantId": "nope"}, 404, "NOT_FOUND", "tenantId"),
+    ("events/list", {"limit": 0}, 400, "INVALID_INPUT", "limit"),
+])
+async def test_each_refusal_names_its_field_and_rule(api, path, body, status, code, field):
+    got_status, doc = await admin(api, path, body)
+    assert (status, code, field) == (got_status, doc["error"]["code"], doc["error"]["details"]["field"]), doc
+
+
+async def test_an_action_the_state_does_not_allow_is_invalid_state_naming_the_command_that_works(api):
+    await ok(api, "nodes/cordon", {"nodeId": "h1"})
+    status, doc = await admin(api, "nodes/clear", {"nodeId": "h1"})
+    err = doc["error"]
+    assert (409, "INVALID_STATE", "nodeId", "cordoned", "berth admin nodes uncordon h1") == (
+        status, err["code"], err["details"]["field"], err["details"]["state"], err["details"]["next"])
+    assert "clear needs a node in ready or maintenance" == err["details"]["rule"]
+
+
+async def test_tenant_tokens_are_not_operators_and_operators_are_not_tenants(api):
+    await add_operators(api)
+    for who in ("alice", "node-token-h100-000001"):
+        status, doc = await admin(api, "nodes/list", who=who)
+        assert (401, "UNAUTHENTICATED", "Authorization") == (status, doc["error"]["code"], doc["error"]["details"]["field"])
+    status, doc = await api.call("list", OLGA, {})
+    assert (401, "Authorization") == (status, doc["error"]["details"]["field"])
+    assert "operator" in doc["error"]["message"]
+    status, doc = await admin(api, "tenants/budget", {"tenantId": "acme", "budgetUsd": "1"}, who=OLGA)
+    assert 401 == status  # budgets and bootstraps stay the admin token's
+
+
+async def test_an_operator_does_what_cedar_permits(api):
+    await add_operators(api)
+    listed = (await ok(api, "nodes/list", who=OLGA))["nodes"]
+    assert {"h1", "h2", "b1", "o1", "g1"} == {n["id"] for n in listed}  # the eu nodes only
+    assert (await ok(api, "nodes/cordon", {"nodeId": "h1"}, who=OLGA))["changed"]
+    status, doc = await admin(api, "nodes/drain", {"nodeId": "h1"}, who=OLGA)
+    assert (403, "ACCESS_DENIED", "fleet:nodes:drain") == (status, doc["error"]["code"], doc["error"]["details"]["action"])
+    status, doc = await admin(api, "nodes/release-identity", {"nodeId": "h1"}, who=OLGA)
+    assert (403, "fleet:nodes:release-identity") == (status, doc["error"]["details"]["action"])
+    assert [] == (await ok(api, "pools/list", who=OLGA))["pools"]
+    otto = OPERATORS[1]["token"]  # acme's, read-scoped
+    status, doc = await admin(api, "nodes/uncordon", {"nodeId": "h1"}, who=otto)
+    assert (403, "COMPUTE_ACCESS_REQUIRED") == (status, doc["error"]["code"])
+    events = (await ok(api, "events/list", who=otto))["events"]
+    assert [("node.cordoned", "olga")] == [(e["type"], e["data"]["by"]) for e in events]
+
+
+async def test_pools_and_tenants_for_operators(api):
+    await api.create(key="a", gpuCount=3)
+    await api.post("/api/admin/tenants/budget", ADMIN, {"tenantId": "acme", "budgetUsd": "75.5"})
+    pools = {p["id"]: p for p in (await ok(api, "pools/list"))["pools"]}
+    h100 = pools["h100"]
+    assert ("acme", "eu", "H100_80GB", "exclusive", "2.500000", False, "calendar") == (
+        h100["owner"], h100["region"], h100["gpuModel"], h100["sharing"], h100["pricePerGpuHourUsd"],
+        h100["archived"], h100["placer"])
+    assert ({"total": 16, "booked": 3, "free": 13}, 2, 0) == (h100["gpus"], h100["nodes"]["ready"], h100["pending"])
+    assert ({"total": 2, "booked": 0, "free": 2}, 13) == (pools["mig"]["gpus"], pools["mig"]["units"]["total"])
+    assert pools["old"]["archived"]
+    got = (await ok(api, "pools/get", {"poolId": "slots"}))["pool"]
+    assert ({"total": 2, "booked": 0, "free": 2}, 4) == (got["gpus"], got["units"]["total"])
+    tenants = {t["id"]: t for t in (await ok(api, "tenants/list"))["tenants"]}
+    acme = tenants["acme"]
+    assert ({"gpu:H100_80GB": 3}, 64, 32.0, "75.500000", "0.000000", "7.500000", {"placed": 1}) == (
+        acme["used"], acme["quota"]["gpu:H100_80GB"], acme["quota"]["vcpu"], acme["budgetUsd"], acme["spentUsd"],
+        acme["committedUsd"], acme["reservations"])
+    assert {} == (await ok(api, "tenants/get", {"tenantId": "globex"}))["tenant"]["used"]
+
+
+async def test_a_tenant_reads_its_pools_with_the_free_devices_over_a_window(api):
+    await api.create(key="a", gpuCount=3)
+    status, doc = await api.post("/api/compute/pools/list", "alice", {"until": T0 + 2 * HOUR})
+    assert 200 == status, doc
+    pools = {p["id"]: p for p in doc["pools"]}
+    assert {"h100", "mig", "k8s", "slots", "budget"} == set(pools)  # owned or offered, not archived
+    assert (16, [{"at": T0, "units": 13}, {"at": T0 + HOUR, "units": 16}], "2.500000", T0) == (
+        pools["h100"]["units"], pools["h100"]["free"], pools["h100"]["pricePerGpuHourUsd"], doc["now"])
+    status, doc = await api.post("/api/compute/pools/list", "carol", {"until": T0 + HOUR})
+    assert {"h100", "k8s", "globex-own"} == {p["id"] for p in doc["pools"]}
+    status, doc = await api.post("/api/compute/pools/list", "alice", {"until": 1})
+    assert (400, "until") == (status, doc["error"]["details"]["field"])
+
+
+async def test_the_calendar_page_is_served_with_a_strict_content_policy(api):
+    resp = await api.client.get("/ui/")
+    body = await resp.text()
+    assert (200, "text/html") == (resp.status, resp.content_type)
+    assert '<script src="app.js" defer></script>' in body and 'id="token"' in body
+    assert "script-src 'self'" in resp.headers["Content-Security-Policy"]
+    assert "frame-ancestors 'none'" in resp.headers["Content-Security-Policy"]
+    for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
+        resp = await api.client.get(f"/ui/{name}")
+        assert (200, kind) == (resp.status, resp.content_type)
+    resp = await api.client.get("/ui", allow_redirects=False)
+    assert (302, "/ui/") == (resp.status, resp.headers["Location"])
+    for path in ("/ui/nope.js", "/ui/..%2Fpools.py", "/ui/__init__.py"):
+        resp = await api.client.get(path)
+        assert 404 == resp.status, path
+        assert "NOT_FOUND" == (await resp.json())["error"]["code"]
