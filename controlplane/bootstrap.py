@@ -299,7 +299,8 @@ def merge(current: Catalog, declared: Catalog) -> Catalog:
         existing = nodes.get(node_id)
         if existing is not None and not existing.declared:
             continue
-        nodes[node_id] = replace(node, state=existing.state) if existing is not None else node
+        nodes[node_id] = (replace(node, state=existing.state, state_reason=existing.state_reason)
+                          if existing is not None else node)
     return Catalog(
         {**current.tenants, **declared.tenants},
         {**current.principals, **declared.principals},

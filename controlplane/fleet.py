@@ -44,7 +44,7 @@ from controlplane.transitions import CatalogRef, Transitions
 
 log = structlog.get_logger("berth.fleet")
 
-FLEET_EVENTS = "@fleet"  # the events stream of operator actions (no tenant id can start with "@")
+FLEET_EVENTS = node_states.FLEET_EVENTS
 DAY_MS = 86_400_000
 DEFAULT_WINDOW_MS = 7 * DAY_MS
 MAX_WINDOW_MS = 62 * DAY_MS
@@ -99,6 +99,7 @@ class NodeView:
     heartbeat: Heartbeat | None
     bookings: tuple[BookingView, ...]  # those overlapping the window, by start
     drained: bool  # holds no booking that ends after now
+    stuck: tuple[str, ...] = ()  # kubernetes releases carried on here now (the KubernetesReleaseStuck condition)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,8 +341,10 @@ class FleetService:
             heartbeat = Heartbeat(now - round(age * 1000), age)
         lost = not node.schedulable
         drained = cal is None or not any(hb.end > now for hb in cal.host)  # the calendar keeps only live bookings
+        stuck = tuple(b.reservation_id for b in bookings_on(node, cal, reservations, Window(now, now + 1))
+                      if b.carried_on)
         return NodeView(node, node_states.shown(node.state, lost), lost, live.agent_version if live else "",
-                        heartbeat, tuple(bookings_on(node, cal, reservations, window)), drained)
+                        heartbeat, tuple(bookings_on(node, cal, reservations, window)), drained, stuck)
 
     # ---- nodes ----------------------------------------------------------------------------------
     async def list_nodes(self, actor: Principal | None, window: Window, pool_id: str | None = None,
@@ -390,7 +393,7 @@ class FleetService:
                                "next": nxt})
         now = self.clock.compute_now()
         changed = after != node.state
-        current = replace(node, state=after) if changed else node
+        current = replace(node, state=after, state_reason="") if changed else node
         if changed:
             tx.put_catalog("node", node_id, encode_item(current))
             # Before any move, so that placement no longer sees the node as a place for them.

@@ -280,7 +280,8 @@ class NodeService:
         node = Node(node_id, pool.id, hostname, units, gpus, capacity_of(inventory), declared=False,
                     schedulable=old.schedulable if old is not None and not old.declared else True,
                     machine_id=machine_id, identity_released=released,
-                    state=old.state if old is not None else "ready")  # an operator's cordon outlives inventories
+                    state=old.state if old is not None else "ready",  # an operator's cordon outlives inventories
+                    state_reason=old.state_reason if old is not None else "")
         if old == node:
             return node
         tx.put_catalog("node", node_id, encode_item(node))

@@ -11,12 +11,13 @@ reconciler (reconciler.py) both go through here.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import structlog
 
-from controlplane.catalog import Catalog
-from controlplane.domain import states
+from controlplane.catalog import Catalog, encode_item
+from controlplane.domain import node_states, states
 from controlplane.domain.calendar import Booking
 from controlplane.domain.clock import Clock
 from controlplane.domain.model import Failure, Hold, Operation, Placement, Reservation
@@ -384,9 +385,12 @@ class Transitions:
         limit = res.end + CARRY_MAX_MS
         if hold.until >= limit:
             pods = sorted({p for ps in hold.holders.values() for p in ps})
-            self.end_hold(tx, res, now, "CarryOnLimit",
-                          f"pods still held the devices {CARRY_MAX_MS // 3_600_000} h after the window's end"
-                          + (f" ({', '.join(pods[:10])})" if pods else "") + "; the booking ended anyway")
+            stuck = list(hold.nodes)
+            why = (f"pods still held the devices of {res.id} {CARRY_MAX_MS // 3_600_000} h after the window's end"
+                   + (f" ({', '.join(pods[:10])})" if pods else ""))
+            self.end_hold(tx, res, now, "CarryOnLimit", why + "; the booking ended anyway")
+            for node_id in stuck:  # the node cannot free what it was given back: an operator looks at it
+                self.to_maintenance(tx, node_id, "KubernetesReleaseStuck", why, now)
             return res.pool_id
         until = self.room(res, min(hold.until + CARRY_STEP_MS, limit))
         if until <= hold.until:
@@ -408,6 +412,21 @@ class Transitions:
         if first:
             self.event(tx, res, "reservation.carried-on", now, until=until)
         return None
+
+    def to_maintenance(self, tx: Tx, node_id: str, reason: str, message: str, now: int) -> None:
+        """The platform takes a node out of placement until an operator clears it (`berth admin nodes clear`)."""
+        catalog = self.catalog.current
+        node = catalog.nodes.get(node_id)
+        if node is None or node.state == node_states.MAINTENANCE:
+            return
+        current = replace(node, state=node_states.MAINTENANCE, state_reason=f"{reason}: {message}")
+        tx.put_catalog("node", node_id, encode_item(current))
+        tx.touch()
+        self.catalog.current = catalog.with_changes(nodes={**catalog.nodes, node_id: current})
+        tx.event(node_states.FLEET_EVENTS, None, "node.maintenance", now,
+                 {"nodeId": node_id, "poolId": node.pool_id, "state": node_states.MAINTENANCE, "from": node.state,
+                  "by": "platform", "reason": reason, "message": message})
+        log.warning("node to maintenance", node_id=node_id, reason=reason, message=message)
 
     @staticmethod
     def confirm(res: Reservation, now: int) -> None:

@@ -92,7 +92,8 @@ def node_to_wire(v: NodeView, now: int) -> dict:
             migs[u.mig_profile] = migs.get(u.mig_profile, 0) + 1
     return {
         "id": n.id, "poolId": n.pool_id, "hostname": n.hostname,
-        "state": v.state, "adminState": n.state, "lost": v.lost, "placeable": n.placeable,
+        "state": v.state, "adminState": n.state, "stateReason": n.state_reason, "lost": v.lost,
+        "placeable": n.placeable, "conditions": node_conditions(v),
         "declared": n.declared, "agentVersion": v.agent_version or None,
         "lastHeartbeat": iso(v.heartbeat.at) if v.heartbeat else None,
         "heartbeatAgeSeconds": round(v.heartbeat.age_s, 3) if v.heartbeat else None,
@@ -102,6 +103,16 @@ def node_to_wire(v: NodeView, now: int) -> dict:
         "drained": v.drained,
         "bookings": [booking_to_wire(b, now) for b in v.bookings],
     }
+
+
+def node_conditions(v: NodeView) -> list[dict]:
+    """Berth's node conditions: KubernetesReleaseStuck while pods hold the devices of a released booking past its
+    window (the node's Kubernetes Node carries a NoSchedule taint of that name meanwhile)."""
+    if not v.stuck:
+        return []
+    return [{"type": "KubernetesReleaseStuck", "status": "True", "reservations": list(v.stuck),
+             "message": f"pods still hold the devices of released {', '.join(v.stuck)}: carried on in 5-minute "
+                        "steps, unbilled, for at most 24 h; then the node goes to maintenance"}]
 
 
 def action_to_wire(r: ActionResult, now: int) -> dict:

@@ -113,6 +113,7 @@ class Node:
     machine_id: str = ""  # the registering host's /etc/machine-id: only it may take the node over once lost
     identity_released: bool = False  # an operator let the next registration take the node, from any host
     state: str = "ready"  # as operators (and cleaning) set it: ready | cordoned | draining | cleaning | maintenance
+    state_reason: str = ""  # why the node is in its state, when the platform put it there (maintenance)
 
     @property
     def placeable(self) -> bool:

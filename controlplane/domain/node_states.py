@@ -19,6 +19,8 @@ READY, CORDONED, DRAINING, CLEANING, MAINTENANCE, LOST = (
 STORED = (READY, CORDONED, DRAINING, CLEANING, MAINTENANCE)
 SHOWN = (*STORED, LOST)  # what a node's `state` reads on the wire (lost wins while it lasts)
 
+FLEET_EVENTS = "@fleet"  # the events stream of node actions (no tenant id can start with "@")
+
 CORDON, UNCORDON, DRAIN, CLEAR = "cordon", "uncordon", "drain", "clear"
 ACTIONS = (CORDON, UNCORDON, DRAIN, CLEAR)
 

@@ -6,6 +6,7 @@ devices at its start; usage shows the held time apart."""
 from __future__ import annotations
 
 from tests.controlplane.conftest import HOUR, K8S_BOOT, T0
+from tests.controlplane.test_admin_api import ADMIN
 from tests.controlplane.test_nodes import inventory, node_call
 
 MIN = 60_000
@@ -105,11 +106,14 @@ async def test_still_held_at_the_end_the_booking_is_carried_on_unbilled_and_an_a
     got = await get(api, res["id"])
     assert "carried on past the window" in condition(got, "DevicesHeld")["message"]
     assert (await wanted(api, token))[res["id"]]["stuck"]  # the node taints itself KubernetesReleaseStuck
+    status, doc = await api.post("/api/admin/nodes/get", ADMIN, {"nodeId": "k1"})
+    assert [("KubernetesReleaseStuck", [res["id"]])] == [(c["type"], c["reservations"]) for c in doc["node"]["conditions"]]
     await api.settle(5 * MIN)  # a second step, to 10 minutes past the end
     await api.settle(5 * MIN)  # 2 minutes short of the advance booking: the last step stops at its start
     await api.settle(2 * MIN)
     got = await get(api, res["id"])
     assert ("False", "Overtaken") == (condition(got, "DevicesHeld")["status"], condition(got, "DevicesHeld")["reason"])
+    assert [] == (await api.post("/api/admin/nodes/get", ADMIN, {"nodeId": "k1"}))[1]["node"]["conditions"]
     assert res["id"] not in await wanted(api, token)
     assert "binding" == (await get(api, later[1]["reservation"]["id"]))["state"]
     # billed: 30 minutes active, 30 held; the carry-on not at all
@@ -133,6 +137,16 @@ async def test_the_carry_on_stops_after_24_hours_and_a_lost_node_ends_a_hold(api
     assert ("False", "CarryOnLimit") == (condition(got, "DevicesHeld")["status"], condition(got, "DevicesHeld")["reason"])
     assert "ns/p" in condition(got, "DevicesHeld")["message"]
     assert res["id"] not in await wanted(api, token)
+    # the node could not free what it was given back: maintenance, with the reason, until an operator clears it
+    status, doc = await api.post("/api/admin/nodes/get", ADMIN, {"nodeId": "k1"})
+    assert ("maintenance", False) == (doc["node"]["state"], doc["node"]["placeable"]), doc
+    assert doc["node"]["stateReason"].startswith("KubernetesReleaseStuck: pods still held the devices of " + res["id"])
+    [event] = [e for e in (await api.post("/api/admin/events/list", ADMIN, {}))[1]["events"]
+               if e["type"] == "node.maintenance"]
+    assert ("k1", "platform", "KubernetesReleaseStuck") == (event["data"]["nodeId"], event["data"]["by"],
+                                                                 event["data"]["reason"])
+    status, doc = await api.post("/api/admin/nodes/clear", ADMIN, {"nodeId": "k1"})
+    assert (200, "ready", "") == (status, doc["node"]["state"], doc["node"]["stateReason"]), doc
 
     second = await active(api, token, "b")
     await api.call("release", "alice", {"reservationId": second["id"]})
