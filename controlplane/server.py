@@ -11,7 +11,8 @@ import structlog
 from aiohttp import web
 
 from common import logs
-from controlplane.api import guard
+from controlplane.api import access_log, guard
+from controlplane.api.access_log import AccessLog
 from controlplane.api.app import create_app, create_metrics_app
 from controlplane.wiring import Config, ConfigError, default_db_url
 
@@ -23,6 +24,13 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"{value!r}: give HOST:PORT, e.g. 127.0.0.1:8080")
     return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
+def access_log_option(value: str) -> AccessLog | None:
+    try:
+        return access_log.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--access-log: ")) from None
 
 
 def positive_seconds(value: str) -> float:
@@ -63,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-listen", type=parse_listen, default=None, metavar="HOST:PORT",
                        help="also serve /metrics without a token on this address, e.g. 127.0.0.1:9464 (default off; "
                        "the API's /metrics needs the admin token)")
+    serve.add_argument("--access-log", type=access_log_option, default=None, metavar="off|all|sample:N",
+                       help="one structured line per request (method, path, status, duration, tenant, principal, "
+                       "reservation; never a token): all, 1 in N with every error, or off (default)")
     serve.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--synchronous", choices=("FULL", "NORMAL"), default="FULL",
@@ -75,11 +86,11 @@ class CannotListen(Exception):
 
 
 async def serve(config: Config, host: str, port: int, limits: guard.Limits = guard.Limits(), cap: int | None = None,
-                metrics_listen: tuple[str, int] | None = None) -> None:
+                metrics_listen: tuple[str, int] | None = None, access_log: AccessLog | None = None) -> None:
     loop = asyncio.get_running_loop()
     conns = guard.Guard(limits, cap if cap is not None else guard.connection_cap(limits))
     loop.set_exception_handler(conns.exception_handler)
-    app = create_app(config, limits=limits)
+    app = create_app(config, limits=limits, access_log=access_log)
     runners = [web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=limits.idle_timeout_s)]
     if metrics_listen:
         runners.append(web.AppRunner(create_metrics_app(app), access_log=None, handle_signals=False,
@@ -137,7 +148,8 @@ def main(argv: list[str]) -> int:
         print(f"berth controlplane: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(config, *args.listen, limits=limits, cap=cap, metrics_listen=args.metrics_listen))
+        asyncio.run(serve(config, *args.listen, limits=limits, cap=cap, metrics_listen=args.metrics_listen,
+                          access_log=args.access_log))
     except ConfigError as exc:
         print(f"berth controlplane: {exc}", file=sys.stderr)
         return 2

@@ -8,10 +8,12 @@ it without one, for the `--metrics-listen` address.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from aiohttp import web
 
 from controlplane.api import admin as admin_api
+from controlplane.api.access_log import AccessLog
 from controlplane.api import billing as billing_api
 from controlplane.api import confirmations as confirmation_api
 from controlplane.api import guard
@@ -25,6 +27,7 @@ from controlplane.domain.errors import COMPUTE_ACCESS_REQUIRED, UNAUTHENTICATED,
 from controlplane.wiring import Config, ControlPlane
 
 CONTROL_PLANE = web.AppKey("control_plane", ControlPlane)
+ACCESS_LOG = web.AppKey("access_log", AccessLog)
 
 PUBLIC_PATHS = frozenset({"/healthz"})
 TENANT_PATHS = ("/api/compute/", "/api/iam/")  # authenticated with a tenant's token
@@ -49,10 +52,15 @@ async def api_middleware(request: web.Request, handler):
         return await handler(request)
 
     conn = guard.begin(request)
+    started = time.perf_counter()
     try:
-        return await answer_errors(request, call)
+        response = await answer_errors(request, call)
     finally:
         guard.end(conn)
+    access = request.app.get(ACCESS_LOG)
+    if access is not None:
+        await access.line(request, response, time.perf_counter() - started)
+    return response
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -92,9 +100,11 @@ def metrics_response(cp: ControlPlane) -> web.Response:
 
 
 def create_app(config: Config, control_plane: ControlPlane | None = None,
-               limits: guard.Limits | None = None) -> web.Application:
+               limits: guard.Limits | None = None, access_log: AccessLog | None = None) -> web.Application:
     app = web.Application(middlewares=[api_middleware], client_max_size=1 << 20)
     app[guard.LIMITS] = limits or guard.Limits()
+    if access_log is not None:
+        app[ACCESS_LOG] = access_log
 
     async def lifecycle(app: web.Application):
         cp = control_plane or await asyncio.to_thread(lambda: ControlPlane(config).open())
