@@ -66,6 +66,7 @@ class PolicyDoc(Struct, forbid_unknown_fields=True):
     placer: Literal["calendar", "pool-lease"] = "calendar"
     budgetCheck: bool = False
     slotsPerGpu: Annotated[int, Meta(ge=1, le=64)] = 4
+    endingWarningMinutes: Annotated[int, Meta(ge=0, le=1440)] = 30  # reservation.ending before each end; 0: none
 
 
 class OfferQuotaDoc(Struct, forbid_unknown_fields=True):
@@ -237,6 +238,7 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
             placer=p.policy.placer,
             budget_check=p.policy.budgetCheck,
             slots_per_gpu=p.policy.slotsPerGpu,
+            ending_warning_ms=p.policy.endingWarningMinutes * 60_000,
         )
         assert p.sharing in SHARING_MODES
         pools[p.id] = Pool(

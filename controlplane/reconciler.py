@@ -25,7 +25,8 @@ from controlplane import confirmations
 from controlplane.domain import states
 from controlplane.domain.clock import Clock
 from controlplane.domain.model import Reservation
-from controlplane.domain.timers import CONFIRMATION, CONFIRMATION_WINDOW_MS, END, EXPIRE, HOLD, LEASE, RETRY, START
+from controlplane.domain.timers import (CONFIRMATION, CONFIRMATION_WINDOW_MS, END, ENDING, EXPIRE, HOLD, LEASE, RETRY,
+                                       START)
 from controlplane.state import WriterState
 from controlplane.store.port import Store, Tx
 from controlplane.transitions import Transitions
@@ -154,6 +155,8 @@ class Reconciler:
             if res.state in states.BOOKED and res.end is not None and res.end <= now:
                 return self._end_window(tx, res, now)
             return False
+        if kind == ENDING:
+            return self._warn_ending(tx, res, now)
         if kind == EXPIRE:
             if res.state == states.PENDING and not res.asap and res.end is not None and res.end <= now:
                 self.moves.end(tx, res, now, "expired", actor="provider")
@@ -165,6 +168,19 @@ class Reconciler:
                 return True
             return False
         return False
+
+    def _warn_ending(self, tx: Tx, res: Reservation, now: int) -> bool:
+        """reservation.ending, once per end, while the end is within the pool's warning time and not yet reached
+        (a timer for an end since moved by an extension is stale: the new end has its own)."""
+        end = res.end
+        if (res.state not in (states.BINDING, states.ACTIVE) or end is None or not res.ending_warning_ms
+                or res.ending_warned == end
+                or not end - res.ending_warning_ms <= now < end):
+            return False
+        res.ending_warned = end
+        self.moves.save(tx, res)
+        self.moves.event(tx, res, "reservation.ending", now, end=end, secondsLeft=(end - now) // 1000)
+        return False  # no state moved
 
     def _end_window(self, tx: Tx, res: Reservation, now: int) -> bool:
         # A window that ends before its devices were reported bound fails the create: the platform's doing.

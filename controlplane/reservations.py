@@ -81,6 +81,7 @@ def draft_of(principal: Principal, key: str, fp: str, plan: Plan, now: int) -> R
         state=states.DRAFT, binding=plan.binding, gpu_model=pool.gpu_model, sharing=pool.sharing,
         gpu_count=plan.gpu_count, node_count=plan.node_count, created_at=now, updated_at=now,
         mig_profile=plan.mig_profile, spot=plan.spot, lease_seconds=plan.lease_seconds,
+        ending_warning_ms=pool.policy.ending_warning_ms,
     )
     apply_plan(res, plan)
     return res

@@ -63,6 +63,7 @@ class PoolPolicy:
     placer: str = "calendar"
     budget_check: bool = False
     slots_per_gpu: int = 4
+    ending_warning_ms: int = 30 * 60_000  # reservation.ending this long before a booking's end (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +249,8 @@ class Reservation:
     billing_end: int | None = None  # confirmed release
     hold: Hold | None = None  # a kubernetes release waiting for the pods to let go of the devices
     held_from: int | None = None  # when billing became held time (usage shows it apart); kept after the hold
+    ending_warning_ms: int = 0  # the pool's endingWarningMinutes when it was created
+    ending_warned: int | None = None  # the end that reservation.ending was emitted for (an extension re-arms it)
     seq: int = 0  # creation order in the store; list pages on it
 
     @property

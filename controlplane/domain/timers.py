@@ -20,6 +20,7 @@ EXPIRE = "expire"  # a pending fixed window whose end passed
 CONFIRMATION = "confirmation"  # an awaiting-confirmation draft older than the confirmation window
 RETRY = "retry"  # a pool's pending reservations are tried again (the id is the pool's)
 HOLD = "hold"  # a held kubernetes release reached its bookings' end: carry on, or end the hold
+ENDING = "ending"  # a booked reservation's end is near: reservation.ending, once per end
 
 CONFIRMATION_WINDOW_MS = 30 * 60_000
 RETRY_MS = 30_000
@@ -71,6 +72,8 @@ class Timers:
             self.add(res.start, START, res.id)
         if res.state in states.BOOKED and res.end is not None:
             self.add(res.end, END, res.id)
+            if res.ending_warning_ms and res.ending_warned != res.end:
+                self.add(res.end - res.ending_warning_ms, ENDING, res.id)
         if res.state == states.PENDING and not res.asap and res.end is not None:
             self.add(res.end, EXPIRE, res.id)
         if res.state == states.AWAITING_CONFIRMATION:
