@@ -97,6 +97,8 @@ class BindingController:
             for o in outcomes:
                 if o.action.kind in ("create", "update") and o.ok:
                     self.metrics.bind_latency.observe(time.monotonic() - seen)
+                if o.ok:
+                    self.metrics.binder_took(o.action.kind, o.seconds)
                 if o.repaired:
                     self.metrics.drift_repairs += len(o.repaired)
             self._update_states(outcomes)

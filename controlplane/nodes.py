@@ -502,12 +502,17 @@ class NodeService:
         self.moves.event(tx, res, "reservation.oom-killed", now, nodeId=node_id, oomKills=total, new=new)
         log.warning("workload OOM-killed", reservation_id=res.id, node_id=node_id, oom_kills=total)
 
-    def metrics(self) -> dict[str, Any]:
+    def gauges(self) -> list[tuple[Node, str, float | None, int, int]]:
+        """Per node for /metrics: (node, state with lost over the operator's, heartbeat age or None, bindings
+        wanted, releases held)."""
         now = self.clock.monotonic()
-        return {
-            "nodes": len(self.live),
-            "lost": sum(1 for n in self.live.values() if n.lost),
-            "bindings": sum(len(n.bindings) for n in self.live.values()),
-            "heartbeat_age": {nid: now - n.last_seen for nid, n in self.live.items() if n.last_seen is not None},
-        }
+        out = []
+        for node in self.catalog.current.nodes.values():
+            live = self.live.get(node.id)
+            age = now - live.last_seen if live is not None and live.last_seen is not None else None
+            wanted = list(live.bindings.values()) if live is not None else []
+            held = sum(1 for b in wanted if b.released)
+            lost = (live is not None and live.lost) or not node.schedulable
+            out.append((node, "lost" if lost else node.state, age, len(wanted) - held, held))
+        return out
 

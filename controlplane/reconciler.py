@@ -18,6 +18,8 @@ reported).
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Callable
 
 import structlog
 
@@ -47,6 +49,7 @@ class Reconciler:
         self._background: set[asyncio.Future] = set()
         self.passes = 0
         self.transitions = 0
+        self.pass_took: Callable[[float], None] = lambda seconds: None  # each pass's duration, for /metrics
 
     def wake(self) -> None:
         """Something is due now (a window that already started): pass at once, not at the next tick."""
@@ -67,7 +70,9 @@ class Reconciler:
 
     async def run_once(self) -> int:
         """One pass over what is due now; the number of reservations it moved."""
+        started = time.perf_counter()
         moved, freed, more = await self.store.call(self._pass)
+        self.pass_took(time.perf_counter() - started)
         self.passes += 1
         self.transitions += moved
         for pool_id in freed:

@@ -29,6 +29,7 @@ from controlplane.state import WriterState
 from controlplane.store.port import Store, Tx
 from controlplane.store.sqlite import SqliteStore, StoreError
 from controlplane.tokens import Tokens
+from controlplane.metrics import ControlPlaneMetrics
 from controlplane.transitions import CatalogRef, Transitions
 
 log = structlog.get_logger("berth.controlplane")
@@ -106,9 +107,12 @@ class ControlPlane:
                                  self.reconciler, grace_s=config.node_grace_s)
         self.fleet = FleetService(self.store, self.clock, self.catalog, self.state, self.moves, self.nodes,
                                   self.authorizer, self.reconciler, self.billing)
+        self.metrics = ControlPlaneMetrics()
+        self.reconciler.pass_took = self.metrics.passed
+        self.metrics.watch(self)
 
     def open(self) -> "ControlPlane":
-        self.store.start(self._rebuild)
+        self.store.start(self._rebuild, self.metrics.group_committed)
         self.store.call_sync(self._load)
         if self.config.bootstrap:
             self.apply_bootstrap(self.config.bootstrap)

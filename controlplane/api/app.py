@@ -12,6 +12,7 @@ import time
 
 from aiohttp import web
 
+from common import metrics as common_metrics
 from controlplane.api import admin as admin_api
 from controlplane.api.access_log import AccessLog
 from controlplane.api import billing as billing_api
@@ -75,28 +76,12 @@ async def metrics(request: web.Request) -> web.Response:
         raise DomainError(UNAUTHENTICATED, "Authorization: /metrics needs the admin token (the bootstrap file's "
                           "adminToken); or scrape the address of --metrics-listen, which needs none",
                           {"field": "Authorization"})
-    return metrics_response(cp)
+    return metrics_response(cp, request)
 
 
-def metrics_response(cp: ControlPlane) -> web.Response:
-    """Prometheus text: reservations by state, nodes, bindings, heartbeat age, store groups, reconciler passes."""
-    lines = ["# TYPE berth_reservations gauge"]
-    for state, count in cp.store.state_counts():
-        lines.append(f'berth_reservations{{state="{state}"}} {count}')
-    node = cp.nodes.metrics()
-    ages = node["heartbeat_age"]
-    lines += [
-        "# TYPE berth_nodes gauge", f"berth_nodes {node['nodes']}",
-        "# TYPE berth_nodes_lost gauge", f"berth_nodes_lost {node['lost']}",
-        "# TYPE berth_bindings gauge", f"berth_bindings {node['bindings']}",
-        "# TYPE berth_node_heartbeat_age_seconds gauge",
-        *[f'berth_node_heartbeat_age_seconds{{node="{nid}"}} {age:.3f}' for nid, age in sorted(ages.items())],
-        "# TYPE berth_store_groups_total counter", f"berth_store_groups_total {cp.store.groups}",
-        "# TYPE berth_store_jobs_total counter", f"berth_store_jobs_total {cp.store.jobs}",
-        "# TYPE berth_reconciler_passes_total counter", f"berth_reconciler_passes_total {cp.reconciler.passes}",
-        "# TYPE berth_reconciler_transitions_total counter", f"berth_reconciler_transitions_total {cp.reconciler.transitions}",
-    ]
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+def metrics_response(cp: ControlPlane, request: web.Request) -> web.Response:
+    """One scrape of the control plane's registry (controlplane/metrics.py; every metric in docs/operations.md)."""
+    return common_metrics.scrape(cp.metrics.registry, request)
 
 
 def create_app(config: Config, control_plane: ControlPlane | None = None,
@@ -114,6 +99,7 @@ def create_app(config: Config, control_plane: ControlPlane | None = None,
         app[billing_api.OPERATIONS] = cp.operations
         app[billing_api.BILLING] = cp.billing
         app[node_api.NODES] = cp.nodes
+        app[reservation_api.METRICS] = cp.metrics
         tasks = [asyncio.ensure_future(cp.reconciler.run()), asyncio.ensure_future(cp.nodes.run_monitor())] \
             if config.reconcile else []
         yield
@@ -150,7 +136,7 @@ def create_metrics_app(api: web.Application) -> web.Application:
     app = web.Application(middlewares=[guard.track])
 
     async def scrape(request: web.Request) -> web.Response:
-        return metrics_response(api[CONTROL_PLANE])
+        return metrics_response(api[CONTROL_PLANE], request)
 
     app.router.add_get("/metrics", scrape)
     return app

@@ -7,14 +7,19 @@ renew and events answer 200.
 """
 from __future__ import annotations
 
+import time
+
 from aiohttp import web
 
 from controlplane import schemas
 from controlplane.api.body import read_json
 from controlplane.api.errors import json_response
+from controlplane.domain.errors import DomainError
+from controlplane.metrics import ControlPlaneMetrics
 from controlplane.reservations import Answer, ReservationService
 
 SERVICE = web.AppKey("reservations", ReservationService)
+METRICS = web.AppKey("metrics", ControlPlaneMetrics)
 
 
 def _one(answer: Answer, status: int = 200) -> web.Response:
@@ -26,9 +31,19 @@ def _one(answer: Answer, status: int = 200) -> web.Response:
 
 
 async def create(request: web.Request) -> web.Response:
-    body = await read_json(request, schemas.CreateBody)
-    command = schemas.create_command(body, request.headers.get("Idempotency-Key"))
-    return _one(await request.app[SERVICE].create(request["principal"], command), 202)
+    started, outcome = time.perf_counter(), "error"
+    try:
+        body = await read_json(request, schemas.CreateBody)
+        command = schemas.create_command(body, request.headers.get("Idempotency-Key"))
+        answer = await request.app[SERVICE].create(request["principal"], command)
+        outcome = answer.reservation.state
+        return _one(answer, 202)
+    except DomainError as exc:
+        outcome = exc.code
+        raise
+    finally:
+        if METRICS in request.app:
+            request.app[METRICS].created(outcome, time.perf_counter() - started)
 
 
 async def get(request: web.Request) -> web.Response:

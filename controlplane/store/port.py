@@ -104,8 +104,9 @@ class Store(Reads, Protocol):
     groups: int  # writer groups committed (metrics)
     jobs: int  # jobs run
 
-    def start(self, on_reset: Callable[[Tx], None]) -> None:
-        """Start the writer; on_reset(tx) rebuilds the writer's memory from the database."""
+    def start(self, on_reset: Callable[[Tx], None], on_group: Callable[[int], None] | None = None) -> None:
+        """Start the writer; on_reset(tx) rebuilds the writer's memory from the database; on_group(jobs) hears
+        each committed group's size."""
 
     def call(self, job: Callable[[Tx], T]) -> Awaitable[T]:
         """Run job(tx) in the writer's next group; the answer comes after the group's commit."""
@@ -128,5 +129,6 @@ class Store(Reads, Protocol):
     def billing(self, tenant_id: str, reservation_id: str | None = None) -> list[tuple[str, str, str, int, int | None]]:
         """(reservation, pool, hourly USD, start, end or None) of the tenant's billed reservations."""
 
-    def state_counts(self) -> list[tuple[str, int]]: ...
+    def state_counts(self) -> list[tuple[str, str, int]]:
+        """(pool, state, reservations) of every pool and state that has any."""
 

@@ -368,6 +368,7 @@ class Writer:
         self._appends = Appends()  # rows of the open group's jobs not yet written
         self.groups = 0
         self.jobs = 0
+        self.group_committed: Callable[[int], None] = lambda jobs: None  # each group's size, for /metrics
 
     def call(self, fn: Callable[[SqliteTx], Any]) -> "asyncio.Future[Any]":
         loop = asyncio.get_running_loop()
@@ -436,6 +437,7 @@ class Writer:
             self._lock.release()
         self.groups += 1
         self.jobs += len(answers)
+        self.group_committed(len(answers))
         if committed:
             _run_hooks(hooks)
         _resolve(answers)
@@ -592,8 +594,10 @@ class SqliteStore(Reads):
         self.conn = connect(path, synchronous)
         self.writer: Writer | None = None
 
-    def start(self, on_reset: Callable[[SqliteTx], None]) -> None:
+    def start(self, on_reset: Callable[[SqliteTx], None], on_group: Callable[[int], None] | None = None) -> None:
         self.writer = Writer(self.path, self._synchronous, on_reset)
+        if on_group is not None:
+            self.writer.group_committed = on_group
 
     def call(self, job: Callable[[SqliteTx], Any]) -> "asyncio.Future[Any]":
         assert self.writer is not None, "start() the store first"
@@ -666,5 +670,6 @@ class SqliteStore(Reads):
             args.append(reservation_id)
         return list(self.conn.execute(sql + " ORDER BY start_ms, reservation_id", args))
 
-    def state_counts(self) -> list[tuple[str, int]]:
-        return list(self.conn.execute("SELECT state, COUNT(*) FROM reservations GROUP BY state ORDER BY state"))
+    def state_counts(self) -> list[tuple[str, str, int]]:
+        return list(self.conn.execute(
+            "SELECT pool_id, state, COUNT(*) FROM reservations GROUP BY pool_id, state ORDER BY pool_id, state"))

@@ -421,3 +421,11 @@ def test_metrics_render_in_the_prometheus_text_format():
     assert (1, 0) == (s['berth_agent_controller_enforced{controller="hugetlb"}'],
                       s['berth_agent_controller_enforced{controller="cpu"}'])
     assert "# TYPE berth_agent_bind_latency_seconds histogram" in text
+    for kind, seconds in (("create", 0.003), ("remove", 0.02), ("remove", 0.04), ("keep", 5.0), ("refuse", 5.0)):
+        m.binder_took(kind, seconds)
+    s = _samples(m.render())
+    ops = {k: v for k, v in s.items() if k.startswith("berth_agent_binding_operation_seconds_count")}
+    assert {'berth_agent_binding_operation_seconds_count{operation="bind"}': 1,
+            'berth_agent_binding_operation_seconds_count{operation="unbind"}': 2} == ops
+    assert 0.06 == pytest.approx(s['berth_agent_binding_operation_seconds_sum{operation="unbind"}'])
+    assert not any(k.endswith("_created") for k in s)

@@ -60,8 +60,9 @@ def test_the_admin_token_reads_the_same_metrics_as_the_metrics_listener(server):
     status, scraped = get(server.metrics_url)
     assert status == 200
     for text in (with_token, scraped):
-        assert 'berth_reservations{state="placed"} 1' in text or 'berth_reservations{state="binding"} 1' in text
-        assert re.search(r"^berth_nodes \d+$", text, re.M) and "# TYPE berth_store_jobs_total counter" in text
+        assert re.search(r'^berth_reservations\{pool="h100",state="(placed|binding)"\} 1\.0$', text, re.M)
+        assert re.search(r'^berth_nodes\{pool="h100",state="\w+"\} \d', text, re.M)
+        assert "# TYPE berth_store_jobs_total counter" in text
     assert re.match(r"http://127\.0\.0\.1:\d+/metrics$", server.metrics_url)
     assert server.metrics_url.rsplit(":", 1)[1] != server.url.rsplit(":", 1)[1]
 

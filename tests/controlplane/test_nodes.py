@@ -269,4 +269,5 @@ async def test_metrics_are_prometheus_text(api):
     await api.create(key="a")
     resp = await api.client.get("/metrics", headers={"Authorization": "Bearer admin-token-for-tests-0001"})
     text = await resp.text()
-    assert 'berth_reservations{state="placed"} 1' in text and "berth_nodes 1" in text
+    assert 'berth_reservations{pool="h100",state="placed"} 1.0' in text
+    assert 'berth_nodes{pool="h100",state="ready"} 2.0' in text

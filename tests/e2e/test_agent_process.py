@@ -104,9 +104,10 @@ def test_metrics_and_status_and_the_hugetlb_share_on_the_kernel(cp, agents, bpf_
 
     metrics = _get(f"http://{address}/metrics")
     samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
-    assert "1" == samples['berth_agent_bindings{state="bound"}']
-    assert "1" == samples['berth_agent_controller_enforced{controller="hugetlb"}']
-    assert int(samples["berth_agent_bind_latency_seconds_count"]) >= 1
+    assert 1 == float(samples['berth_agent_bindings{state="bound"}'])
+    assert 1 == float(samples['berth_agent_controller_enforced{controller="hugetlb"}'])
+    assert float(samples["berth_agent_bind_latency_seconds_count"]) >= 1
+    assert float(samples['berth_agent_binding_operation_seconds_count{operation="bind"}']) >= 1
     assert float(samples["berth_agent_heartbeat_age_seconds"]) < 10
     assert "berth_agent_watch_reconnects_total" in samples
 
@@ -115,7 +116,7 @@ def test_metrics_and_status_and_the_hugetlb_share_on_the_kernel(cp, agents, bpf_
     assert rid in status["bindings"] and "bound" == status["bindings"][rid]["state"]
     for c, hint in status["controllers"]["missing"].items():
         samples_key = f'berth_agent_controller_enforced{{controller="{c}"}}'
-        assert "0" == samples[samples_key] and hint, c
+        assert 0 == float(samples[samples_key]) and hint, c
         assert f"{c} (" in " ".join(status["bindings"][rid]["unenforced"]) or c == "cpuset"
     cp.release(rid)
     wait_for(lambda: not cgroup.exists(), 3, what="the cgroup removed")

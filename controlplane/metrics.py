@@ -1,0 +1,94 @@
+"""The control plane's figures for Prometheus: what is booked, what the nodes say, and how fast the parts work.
+
+Gauges are read when scraped (in the manner of kube-state-metrics), from the
+store (reservations by pool and state), the catalog and the node service
+(nodes by pool and state, heartbeat age, bindings wanted and releases held
+per node); counters and histograms are fed by the parts as they work: a
+create's latency by outcome (the HTTP edge), each store group's size (the
+writer), each reconciler pass's duration. One registry per control plane.
+Every metric is listed in docs/operations.md.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from common.metrics import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
+    from controlplane.wiring import ControlPlane
+
+GROUP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the writer's group holds at most 256 jobs
+
+
+class ControlPlaneMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.create_seconds = Histogram(
+            "berth_create_duration_seconds", "Create requests from their body read to the answer, by outcome (the "
+            "reservation's state, or the error code).", ["outcome"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.group_jobs = Histogram(
+            "berth_store_group_jobs", "Jobs committed together by one store transaction (one fsync).",
+            buckets=GROUP_BUCKETS, registry=self.registry)
+        self.pass_seconds = Histogram(
+            "berth_reconciler_pass_duration_seconds", "One reconciler pass over the timers due.",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def created(self, outcome: str, seconds: float) -> None:
+        self.create_seconds.labels(outcome).observe(seconds)
+
+    def group_committed(self, jobs: int) -> None:
+        self.group_jobs.observe(jobs)
+
+    def passed(self, seconds: float) -> None:
+        self.pass_seconds.observe(seconds)
+
+    def watch(self, cp: "ControlPlane") -> None:
+        """Read `cp`'s gauges at every scrape from now on."""
+        self.registry.register(_Snapshot(cp))
+
+
+class _Snapshot:
+    """Reservations, nodes and bindings as the control plane holds them at the scrape."""
+
+    def __init__(self, cp: "ControlPlane") -> None:
+        self.cp = cp
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        reservations = GaugeMetricFamily("berth_reservations", "Reservations by pool and state (released and "
+                                         "cancelled ones included: they stay listed).", labels=["pool", "state"])
+        for pool, state, n in self.cp.store.state_counts():
+            reservations.add_metric([pool, state], n)
+        yield reservations
+        nodes = GaugeMetricFamily("berth_nodes", "Nodes by pool and state: ready, cordoned, draining, cleaning, "
+                                  "maintenance, or lost (its agent silent past the grace).", labels=["pool", "state"])
+        age = GaugeMetricFamily("berth_node_heartbeat_age_seconds", "Seconds since the node's agent last sent a "
+                                "heartbeat (absent for a node never heard from).", labels=["node", "pool"])
+        bindings = GaugeMetricFamily("berth_node_bindings", "Bindings the control plane wants on each node: bound "
+                                     "(binding or active reservations) or held (a kubernetes release whose devices "
+                                     "pods still hold).", labels=["node", "pool", "state"])
+        by_state: dict[tuple[str, str], int] = {}
+        for node, state, heartbeat_age, wanted, held in self.cp.nodes.gauges():
+            by_state[(node.pool_id, state)] = by_state.get((node.pool_id, state), 0) + 1
+            if heartbeat_age is not None:
+                age.add_metric([node.id, node.pool_id], heartbeat_age)
+            bindings.add_metric([node.id, node.pool_id, "bound"], wanted)
+            bindings.add_metric([node.id, node.pool_id, "held"], held)
+        for (pool, state), n in sorted(by_state.items()):
+            nodes.add_metric([pool, state], n)
+        yield nodes
+        yield age
+        yield bindings
+        yield CounterMetricFamily("berth_store_groups", "Store transactions committed (each one fsync).",
+                                  value=self.cp.store.groups)
+        yield CounterMetricFamily("berth_store_jobs", "Store jobs run (creates, reports, reconciler passes...).",
+                                  value=self.cp.store.jobs)
+        yield CounterMetricFamily("berth_reconciler_passes", "Reconciler passes run.",
+                                  value=self.cp.reconciler.passes)
+        yield CounterMetricFamily("berth_reconciler_transitions", "Reservations the reconciler moved (a window "
+                                  "started or ended, a grace ran out).", value=self.cp.reconciler.transitions)
