@@ -23,6 +23,7 @@ from agent.binder import Binder, Have, Outcome, Refused, plan
 from agent.bindspec import BindError, HostView, Want, refusal, want_of
 from agent.checkpoint import Checkpoint
 from agent.kubernetes import KubernetesBindings
+from agent.lifetime import Lifetimes
 from agent.metrics import AgentMetrics
 from common.nodewire import Binding, Report
 
@@ -32,8 +33,9 @@ log = structlog.get_logger("berth.agent")
 class BindingController:
     def __init__(self, binder: Binder, checkpoint: Checkpoint, metrics: AgentMetrics,
                  host_view: Callable[[], HostView | None], on_reports: Callable[[], None],
-                 kubernetes: KubernetesBindings | None = None) -> None:
+                 kubernetes: KubernetesBindings | None = None, lifetimes: Lifetimes | None = None) -> None:
         self.binder = binder
+        self.lifetimes = lifetimes  # the end.json files hold workloads read (None: none written)
         self.kubernetes = kubernetes  # the device plugins for kubernetes bindings (None: refuse them)
         self.checkpoint = checkpoint
         self.metrics = metrics
@@ -102,6 +104,9 @@ class BindingController:
                 if o.repaired:
                     self.metrics.drift_repairs += len(o.repaired)
             self._update_states(outcomes)
+            if self.lifetimes is not None:
+                self.lifetimes.sync(b for b in others if b.kind == "hold"
+                                    and self.states.get(b.reservationId, {}).get("state") == "bound")
             if first or any(o.action.kind != "keep" for o in outcomes):
                 counts: dict[str, int] = {}
                 for o in outcomes:

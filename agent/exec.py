@@ -36,7 +36,7 @@ import socket
 import sys
 from pathlib import Path
 
-from agent import confine
+from agent import confine, lifetime
 from agent.checkpoint import DEFAULT_STATE_DIR, EXEC_SOCKET, Checkpoint, CheckpointError, read_boot_id
 from agent.execgate import FORWARDED_SIGNALS, ExecPolicy, NoWorkloadUser
 from cgroups.record import XattrRecords
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return exc.code
     sys.stdout.flush()
-    return confine.run(command, os.environ, cwd, user)
+    return confine.run(command, {**os.environ, **lifetime.environment(state_dir, args.reservation)}, cwd, user)
 
 
 if __name__ == "__main__":  # pragma: no cover

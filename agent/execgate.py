@@ -49,6 +49,7 @@ from typing import Callable, Mapping
 
 import structlog
 
+from agent import lifetime
 from agent.confine import WorkloadUser, spec
 
 log = structlog.get_logger("berth.agent.exec")
@@ -393,8 +394,8 @@ class ExecGate:
             raise Refused("FAILED", f"starting the launcher: {exc}") from None
         os.close(r)
         with os.fdopen(w, "wb") as f:
-            f.write(spec(target.procs_or_default(), user, call.doc["argv"], call.doc.get("env", {}),
-                         call.doc.get("cwd")))
+            env = {**call.doc.get("env", {}), **lifetime.environment(self.path.parent, call.doc["reservationId"])}
+            f.write(spec(target.procs_or_default(), user, call.doc["argv"], env, call.doc.get("cwd")))
         self.log.info("exec started", reservation_id=call.doc["reservationId"], caller_uid=call.uid,
                       pid=proc.pid, user=user.describe(), cgroup=str(target.path))
         return proc

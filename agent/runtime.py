@@ -57,6 +57,7 @@ from agent.kubernetes import DEFAULT_KUBELET_ROOT, KubernetesBindings
 from agent.execgate import ExecGate, ExecPolicy, Target
 from common.inventory import Inventory
 from agent.metrics import AgentMetrics, metrics_app
+from agent.lifetime import Lifetimes
 from agent.link import ControlPlaneLink
 from agent.sdnotify import Notifier
 from cgroups import Subtree, read_proc_devices
@@ -162,7 +163,8 @@ class Agent:
         self.kubernetes = KubernetesBindings(cfg.kubelet_root, on_change=self._kubelet_changed, kubeconfig=cfg.kubeconfig,
                                              node_name=cfg.kubernetes_node_name)
         self.controller = BindingController(binder, self.checkpoint, self.metrics, lambda: self.host_view,
-                                            self._reports_queued, kubernetes=self.kubernetes)
+                                            self._reports_queued, kubernetes=self.kubernetes,
+                                            lifetimes=Lifetimes(cfg.state_dir))
         self.link = ControlPlaneLink(
             cfg.control_plane, cfg.bootstrap_token, self.state, self.checkpoint, self.controller, self.metrics,
             inventory=lambda: self.inventory, agent_version=AGENT_VERSION, wall_ms=self.wall_ms,

@@ -111,6 +111,8 @@ class Binding(Answer):
     resourceName: str = ""  # kubernetes: the extended resource the kubelet sees the units as
     released: bool = False  # kubernetes: released, devices withdrawn; report the pods holding them until none do
     stuck: bool = False  # kubernetes: carried on past its window because pods still hold the devices (taint the node)
+    endingAt: int = 0  # when reservation.ending is due for this end (epoch ms); 0: the pool gives no warning
+    ending: bool = False  # the control plane emitted reservation.ending for this end (an extension turns it off)
 
 
 class WatchAnswer(Answer):

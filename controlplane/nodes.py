@@ -97,6 +97,8 @@ def binding_of(res: Reservation, node: Node | None, node_id: str, pool: Pool | N
         numaNodes=tuple(sorted({u.numa_node for u in units if u.numa_node is not None})),
         resourceName=pool.policy.kubernetes_resource if pool is not None and res.binding == "kubernetes" else "",
         released=res.hold is not None, stuck=res.hold is not None and res.hold.carried_from is not None,
+        endingAt=res.end - res.ending_warning_ms if res.end and res.ending_warning_ms else 0,
+        ending=res.end is not None and res.ending_warned == res.end,
     )
 
 

@@ -1,6 +1,6 @@
 """Tenant root on bare metal (`binding: node`): what the agent changes on the node to hand it over and take it back.
 
-The package owns three things and nothing else:
+The package owns four things and nothing else:
 
 - `authorized_keys`: the agent-owned keys directory sshd reads
   (`AuthorizedKeysFile <--ssh-keys-dir>/%u`): the tenant's public keys per
@@ -12,6 +12,8 @@ The package owns three things and nothing else:
 - `sessions`: the process baseline taken at the hand-over and the end of
   every session and process that came from the tenant's keys at the
   hand-back (what it can and cannot guarantee is in its docstring).
+- `notice`: a message to the tenant's login terminals (the warning before
+  the reservation ends).
 
 Cleaning the node afterwards (and the out-of-band reset for
 `cleaning: redfish`, which lives in `controlplane.bmc`) is not here.

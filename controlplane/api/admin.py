@@ -9,13 +9,13 @@ here, once (docs/admin-api.md).
 """
 from __future__ import annotations
 
-import time
 from typing import Annotated, Literal
 
 import msgspec
 from aiohttp import web
 from msgspec import Meta, Struct
 
+from common.times import iso
 from controlplane import schemas
 from controlplane.api.auth import bearer, operator_of
 from controlplane.api.body import read_checked, read_json
@@ -73,10 +73,6 @@ class Nothing(Struct, forbid_unknown_fields=True):
 
 
 # ---- answers ------------------------------------------------------------------------------------
-
-def iso(ms: int) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
-
 
 def booking_to_wire(b: BookingView, now: int) -> dict:
     return {"reservationId": b.reservation_id, "tenantId": b.tenant_id, "state": b.state, "binding": b.binding,

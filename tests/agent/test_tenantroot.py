@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from agent.tenantroot.authorized_keys import Entry, KeysDir, KeysDirError, expiry_time
+from agent.tenantroot import notice
 from agent.tenantroot.hostkeys import HostKeysError, host_key_fingerprints, parse_endpoint, ssh_endpoint
 from agent.tenantroot.sessions import (NEW_PROCESS, SSH_SESSION, SSHD_COMMS, Ended, SessionsError, baseline,
                                        end_sessions, plan)
@@ -475,3 +476,68 @@ def test_the_ended_processes_are_reported_with_pid_comm_and_rule(sshd_server, te
         shell in {e.pid for e in ended}, "sleep" in comms, bool(comms - {"sleep"}) and comms - {"sleep"} <= SSHD_COMMS,
         {e.rule for e in ended})  # sshd (OpenSSH < 9.8) or sshd-session, and the session's sleep
     assert all(isinstance(e, Ended) and e.starttime > 0 for e in ended)
+
+
+# -- notice: a message to the user's login sessions ------------------------------------------------------------
+
+
+def drain(fd: int, timeout: float = 5.0, until: bytes = b"***\r\n") -> bytes:
+    """What arrives on a pty master within timeout (until `until` is seen)."""
+    import select
+    got = b""
+    deadline = time.monotonic() + timeout
+    while until not in got and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        got += os.read(fd, 4096)
+    return got
+
+
+def test_the_ending_message_reaches_roots_session_terminal_named_by_its_sshd_title(tree):
+    master, slave = os.openpty()
+    try:
+        name = os.ttyname(slave)  # /dev/pts/N, a real pty owned by root (this process)
+        n = name.rsplit("/", 1)[1]
+        tree.add(300, comm="sshd-session", uid=0, title=f"sshd-session: root@pts/{n}")
+        tree.add(301, comm="sshd-session", uid=0, title="sshd-session: bob@pts/999")  # another user's
+        text = notice.ending_message("rsv-1", "2026-12-03T12:00:00.000Z", 30)
+        assert [Path(name)] == notice.tell("root", 0, text, proc=tree.root)
+        got = drain(master).decode()
+        assert "reservation rsv-1 ends at 2026-12-03T12:00:00.000Z (in 30 min)" in got and "extend rsv-1" in got
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_a_pty_of_another_user_is_never_written_even_when_a_title_names_it(tree, tenant_user):
+    master, slave = os.openpty()  # owned by root, not by the tenant user
+    try:
+        n = os.ttyname(slave).rsplit("/", 1)[1]
+        tree.add(300, comm="sshd", uid=0, title=f"sshd: {tenant_user.pw_name}@pts/{n}")
+        assert [] == notice.tell(tenant_user.pw_name, tenant_user.pw_uid, "x", proc=tree.root)
+        assert b"" == drain(master, timeout=0.2)
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_the_message_reaches_a_real_ssh_login_terminal(sshd_server, tenant_key):
+    user = pwd.getpwnam(sshd_server.user)
+    KeysDir(sshd_server.keys_dir).install(user.pw_name, "r-1", [key_of(tenant_key[1])], now_ms() + HOUR_MS)
+    command = sshd_server.ssh_command(tenant_key[0], "tty; exec sleep 60")
+    command.insert(1, "-tt")  # a login with a terminal, as a tenant's interactive session has
+    session = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.PIPE)
+    try:
+        lines = []  # sshd may first say that the user has no home
+        while len(lines) < 3 and not (lines and lines[-1].startswith("/dev/pts/")):
+            lines.append(session.stdout.readline().decode().strip())
+        tty = lines[-1]
+        assert tty.startswith("/dev/pts/"), lines
+        text = notice.ending_message("rsv-9", "2026-12-03T12:00:00.000Z", 29)
+        assert [Path(tty)] == notice.tell(user.pw_name, user.pw_uid, text)
+        got = drain(session.stdout.fileno()).decode()
+        assert "*** Berth: reservation rsv-9 ends at 2026-12-03T12:00:00.000Z (in 29 min)" in got, got
+    finally:
+        session.kill()
+        session.wait(5)
