@@ -1,9 +1,6 @@
-"""Berth's version: read from the installed distribution's metadata, whose one source is pyproject.toml."""
+"""Berth's version, as the CLI and the client name it: defined once in common/version.py."""
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from common.version import VERSION
 
-try:
-    VERSION = _version("berth")
-except PackageNotFoundError:  # pragma: no cover - running from a checkout that was never installed
-    VERSION = "0+unknown"
+__all__ = ["VERSION"]

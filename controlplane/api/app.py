@@ -19,6 +19,7 @@ from controlplane.api import billing as billing_api
 from controlplane.api import confirmations as confirmation_api
 from controlplane.api import guard
 from controlplane.api import nodes as node_api
+from controlplane.api import openapi
 from controlplane.api import pools as pool_api
 from controlplane.api import reservations as reservation_api
 from controlplane.api import ui as ui_api
@@ -30,7 +31,7 @@ from controlplane.wiring import Config, ControlPlane
 CONTROL_PLANE = web.AppKey("control_plane", ControlPlane)
 ACCESS_LOG = web.AppKey("access_log", AccessLog)
 
-PUBLIC_PATHS = frozenset({"/healthz"})
+PUBLIC_PATHS = frozenset({"/healthz", openapi.PATH})
 TENANT_PATHS = ("/api/compute/", "/api/iam/")  # authenticated with a tenant's token
 # What a read-scoped token may not call: every method that changes something.
 MUTATIONS = frozenset(f"/api/compute/reservations/{m}" for m in ("create", "release", "cancel", "extend", "renew")) | \
@@ -128,6 +129,7 @@ def create_app(config: Config, control_plane: ControlPlane | None = None,
     app.add_routes(pool_api.routes())
     app.add_routes(ui_api.routes())
     app.router.add_get("/metrics", metrics)
+    openapi.setup(app)
     return app
 
 

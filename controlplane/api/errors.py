@@ -1,18 +1,20 @@
 """The error envelope; statuses come from the one table of error codes (common/errors.py).
 
-Every refusal leaves as `{"error": {"code", "message", "details"}}`. An
-unexpected failure is logged with a reference and answered as
+Every refusal leaves as `{"error": {"code", "message", "details"}}`, encoded
+from ErrorEnvelope, the one definition the API description (api/openapi.py)
+also reads. An unexpected failure is logged with a reference and answered as
 PROVIDER_UNAVAILABLE (the platform's fault; retry with the same key), never
 as a bare 500.
 """
 from __future__ import annotations
 
 import time
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable, Literal
 
 import msgspec
 import structlog
 from aiohttp import web
+from msgspec import Struct
 
 from common import errors as error_table
 from controlplane.domain import errors as e
@@ -20,6 +22,23 @@ from controlplane.domain import errors as e
 log = structlog.get_logger("berth.api")
 
 STATUS = error_table.STATUS  # the one table of codes to statuses (common/errors.py)
+
+Code = Literal[error_table.CODES]
+
+
+class ErrorBody(Struct):
+    """What was refused: a code of the table, a message for people, and details for programs (`details.field`)."""
+
+    code: Code
+    message: str
+    details: dict[str, Any]
+
+
+class ErrorEnvelope(Struct):
+    """Every refusal of the API, whatever its status: `{"error": {"code", "message", "details"}}`."""
+
+    error: ErrorBody
+
 
 _encoder = msgspec.json.Encoder(decimal_format="string")
 
@@ -36,15 +55,15 @@ def error_response(err: e.DomainError, status: int | None = None) -> web.Respons
     details = err.details
     if err.code == e.PROVIDER_UNAVAILABLE and "retryAfterSeconds" not in details:
         details = {**details, "retryAfterSeconds": RETRY_AFTER_S}
-    resp = json_response({"error": {"code": err.code, "message": err.message, "details": details}},
-                         status or STATUS[err.code])
+    resp = json_response(ErrorEnvelope(ErrorBody(err.code, err.message, details)), status or STATUS[err.code])
     if "retryAfterSeconds" in details:
         resp.headers["Retry-After"] = str(details["retryAfterSeconds"])
     return resp
 
 
-_HTTP_CODES = {404: e.NOT_FOUND, 405: e.INVALID_INPUT, 408: e.INVALID_INPUT, 413: e.INVALID_INPUT, 415: e.INVALID_INPUT}
-_HTTP_FIELDS = {408: "body", 413: "body", 415: "Content-Type"}
+# aiohttp's own refusals, in the envelope with their HTTP status; BODY_FIELDS: those that name what a body got wrong.
+HTTP_CODES = {404: e.NOT_FOUND, 405: e.INVALID_INPUT, 408: e.INVALID_INPUT, 413: e.INVALID_INPUT, 415: e.INVALID_INPUT}
+BODY_FIELDS = {408: "body", 413: "body", 415: "Content-Type"}
 
 
 async def answer_errors(request: web.Request, call: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -56,13 +75,13 @@ async def answer_errors(request: web.Request, call: Callable[[], Awaitable[web.S
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = _HTTP_CODES.get(exc.status, e.INVALID_INPUT)
+        code = HTTP_CODES.get(exc.status, e.INVALID_INPUT)
         message = {
             404: f"no method {request.path}",
             405: f"{request.method} is not allowed on {request.path}; use POST",
             413: "body: too large",
         }.get(exc.status, exc.reason)
-        field = _HTTP_FIELDS.get(exc.status)
+        field = BODY_FIELDS.get(exc.status)
         return error_response(e.DomainError(code, message, {"field": field, "rule": message} if field else {}),
                               exc.status)
     except Exception:
