@@ -28,13 +28,13 @@ from controlplane.catalog import encode_item
 from controlplane.domain import node_states, states
 from controlplane.domain.calendar import NodeCalendar, PoolCalendar
 from controlplane.domain.clock import Clock
-from controlplane.domain.errors import (ACCESS_DENIED, COMPUTE_ACCESS_REQUIRED, INVALID_STATE, DomainError, invalid,
+from controlplane.domain.errors import (COMPUTE_ACCESS_REQUIRED, INVALID_STATE, DomainError, invalid,
                                         not_found)
 from controlplane.domain.model import Node, Pool, Principal, Reservation, Tenant
 from controlplane.domain.timers import RETRY_MS
 from controlplane.iam.authorizer import (NODES_CLEAR, NODES_CORDON, NODES_DRAIN, NODES_READ, NODES_RELEASE_IDENTITY,
                                          POOLS_READ, TENANTS_READ, Authorizer, AuthzRequest, Resource,
-                                         tenant_resource)
+                                         access_denied, tenant_resource)
 from controlplane.nodes import NodeService
 from controlplane.reconciler import Reconciler
 from controlplane.reservations import iam_unavailable
@@ -300,9 +300,8 @@ class FleetService:
         if decision.unavailable:
             raise iam_unavailable(decision)
         if not decision.allowed:
-            raise DomainError(ACCESS_DENIED, f"{actor.id} may not {action.split(':', 1)[1]} "
-                              f"{resource.type.lower()} {resource.id}: no policy permits it",
-                              {"action": action, "resource": resource.id, "errors": list(decision.errors)})
+            raise access_denied(decision, f"{actor.id} may not {action.split(':', 1)[1]} "
+                                f"{resource.type.lower()} {resource.id}", {"action": action, "resource": resource.id})
 
     async def _allowed(self, actor: Principal | None, action: str, resources: Sequence[Resource]) -> list[bool]:
         """One batch decision per list: the resources the operator may see (a failed decision hides the item)."""

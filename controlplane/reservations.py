@@ -34,7 +34,7 @@ from controlplane.domain.ids import reservation_id
 from controlplane.domain.model import Operation, PendingChange, Principal, Reservation, Tenant
 from controlplane.domain.pricing import exposure, money
 from controlplane.iam.authorizer import (
-    CREATE, EXTEND, READ, RELEASE, Authorizer, AuthzRequest, Decision, Resource, tenant_resource,
+    CREATE, EXTEND, READ, RELEASE, Authorizer, AuthzRequest, Decision, Resource, access_denied, tenant_resource,
 )
 from controlplane.quotes import Quotes
 from controlplane.reconciler import Reconciler
@@ -125,11 +125,8 @@ class ReservationService:
         if decision.unavailable:
             raise iam_unavailable(decision)
         if not decision.allowed:
-            raise DomainError(
-                ACCESS_DENIED,
-                f"{principal.id} may not {action.rsplit(':', 1)[-1]} {resource.type.lower()} {resource.id}",
-                {"action": action, "resource": resource.id, "errors": list(decision.errors)},
-            )
+            raise access_denied(decision, f"{principal.id} may not {action.rsplit(':', 1)[-1]} "
+                                f"{resource.type.lower()} {resource.id}", {"action": action, "resource": resource.id})
         return decision
 
     def _resource(self, res: Reservation, principal: Principal, attributes: dict[str, Any] | None = None) -> Resource:
@@ -351,8 +348,8 @@ class ReservationService:
             res.decision = "deny"
             res.updated_at = now
             self.moves.save(tx, res)
-            tx.refuse(DomainError(ACCESS_DENIED, f"{principal.id} may not create this reservation",
-                                  {"action": CREATE, "errors": list(verdict.decision.errors)}))
+            tx.refuse(access_denied(verdict.decision, f"{principal.id} may not create this reservation",
+                                    {"action": CREATE}))
             return None
         if verdict.outcome == "confirm" and res.state == states.DRAFT:
             conf = confirmations.open_for(res, principal, verdict.approver, plan, now)
@@ -572,8 +569,8 @@ class ReservationService:
         if decision.unavailable:
             return refuse(iam_unavailable(decision))
         if not decision.allowed:
-            return refuse(DomainError(ACCESS_DENIED, f"{principal.id} may not extend reservation {rid} to {new_end}",
-                                      {"action": EXTEND, "reservationId": rid, "errors": list(decision.errors)}))
+            return refuse(access_denied(decision, f"{principal.id} may not extend reservation {rid} to {new_end}",
+                                        {"action": EXTEND, "reservationId": rid}))
         if res.state not in states.BOOKED:
             return refuse(DomainError(INVALID_STATE, f"reservation {rid} became {res.state} meanwhile",
                                       {"state": res.state, "reservationId": rid}))

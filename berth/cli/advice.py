@@ -111,6 +111,9 @@ def _admin_advice(ctx: Context, err: BerthError) -> list[str] | None:
         return [f"the token (from {ctx.settings.sources.get('token')}) is neither the bootstrap file's adminToken nor "
                 "an operator's (a principal of kind operator): check --token, BERTH_TOKEN or the config file"]
     if err.code == "ACCESS_DENIED":
+        if d.get("policy"):
+            return [f"refused by policy {d['policy']}" + (f": {d['reason']}" if d.get("reason") else "")
+                    + ": ask whoever keeps the Cedar policies (docs/admin-api.md)"]
         return [f"no policy lets you {d.get('action')} on {d.get('resource')}: ask whoever keeps the Cedar policies "
                 f"for a permit of Action::\"{d.get('action')}\" (docs/admin-api.md)"]
     return None
@@ -165,8 +168,15 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         return [f"the token (from {ctx.settings.sources.get('token')}) is not accepted: check --token, BERTH_TOKEN "
                 "or the config file"]
     if code == "ACCESS_DENIED":
-        lines = ["your principal may not do this: ask a tenant admin to change the policy"]
-        if create:
+        if d.get("confirmationId"):  # a person decided (or let it lapse), not a policy
+            lines = [f"confirmation {d['confirmationId']} was denied or lapsed: ask whoever decides it, then send a "
+                     "new request"]
+        elif d.get("policy"):
+            lines = [f"refused by policy {d['policy']}" + (f": {d['reason']}" if d.get("reason") else "")
+                     + "; change the request, or ask a tenant admin about the policy"]
+        else:
+            lines = ["no policy permits this for your principal: ask a tenant admin for a permit"]
+        if create and getattr(ctx.args, "idempotency_key", None):
             lines.append("a refused key stays refused: a new request needs a new key (drop --idempotency-key)")
         return lines
     if code == "COMPUTE_ACCESS_REQUIRED":

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
+from controlplane.domain.errors import ACCESS_DENIED, DomainError
 from controlplane.domain.model import Principal
 
 CREATE = "compute:reservations:create"
@@ -51,6 +52,19 @@ class Decision:
     errors: tuple[str, ...] = ()  # why a decision could not be made (then it is a deny)
     confirm: bool = False  # a deny that the decision service says a person may overturn (remote context)
     unavailable: bool = False  # no decision could be had (the service unreachable): a deny, and the platform's fault
+    policy: str = ""  # a deny: the forbid that matched (its @id annotation, else Cedar's id); "": no permit matched
+    reason: str = ""  # a deny: that forbid's @reason annotation (or the decision service's context.reason)
+
+
+def access_denied(decision: Decision, message: str, details: dict[str, Any]) -> DomainError:
+    """The ACCESS_DENIED of a deny: the message says the forbid's reason (or that no policy permits it), and the
+    details name the policy."""
+    if decision.reason:
+        message = f"{message}: {decision.reason}"
+    elif not decision.policy and not decision.errors:
+        message = f"{message}: no policy permits it"
+    extra = {"policy": decision.policy, "reason": decision.reason} if decision.policy or decision.reason else {}
+    return DomainError(ACCESS_DENIED, message, {**details, **extra, "errors": list(decision.errors)})
 
 
 def principal_type(principal: Principal) -> str:

@@ -47,7 +47,10 @@ def _decision(body: Any) -> Decision:
     confirmation = context.get("confirmation")
     confirm = isinstance(confirmation, dict) and confirmation.get("required") is True
     reason = context.get("reason")
-    return Decision(body["decision"], (str(reason),) if reason else (), (), confirm=confirm and not body["decision"])
+    policy = context.get("policy")
+    denied = not body["decision"]
+    return Decision(body["decision"], (str(reason),) if reason else (), (), confirm=confirm and denied,
+                    policy=str(policy)[:200] if denied and policy else "", reason=str(reason)[:500] if denied and reason else "")
 
 
 class AuthZenAuthorizer:

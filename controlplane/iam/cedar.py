@@ -40,6 +40,16 @@ def validate(policies: str) -> None:
         raise PolicyError("; ".join(str(e) for e in result.errors) or "policies do not validate")
 
 
+def forbid_annotations(policies: str) -> dict[str, tuple[str, str]]:
+    """Cedar's id of each forbid policy -> (its @id annotation or that id, its @reason annotation or "")."""
+    try:
+        static = json.loads(cedarpy.policies_to_json_str(policies)).get("staticPolicies", {})
+    except Exception:  # noqa: BLE001 - annotations only improve messages; the set itself parsed
+        return {}
+    return {pid: (str(p.get("annotations", {}).get("id") or pid), str(p.get("annotations", {}).get("reason") or ""))
+            for pid, p in static.items() if p.get("effect") == "forbid"}
+
+
 def _attr(value: Any) -> Any:
     if isinstance(value, Principal):
         return {"__entity": {"type": principal_type(value), "id": value.id}}
@@ -62,6 +72,7 @@ class CedarAuthorizer:
         except Exception as exc:  # cedarpy raises ValueError/RuntimeError variants
             raise PolicyError(f"policies do not parse: {exc}") from exc
         self._policies = parsed
+        self._forbids = forbid_annotations(policies)
         self._entities: dict[tuple, cedarpy.Entities] = {}
         self._memo: OrderedDict | None = None if _NAMES_AN_ENTITY.search(policies) else OrderedDict()
 
@@ -116,10 +127,16 @@ class CedarAuthorizer:
             "context": req.context,
         }
 
-    @staticmethod
-    def _decision(result: cedarpy.AuthzResult) -> Decision:
+    def _decision(self, result: cedarpy.AuthzResult) -> Decision:
         diagnostics = result.diagnostics
-        return Decision(bool(result.allowed), tuple(diagnostics.reasons), tuple(str(e) for e in diagnostics.errors))
+        reasons = tuple(diagnostics.reasons)
+        policy = reason = ""
+        if not result.allowed:
+            matched = [self._forbids[r] for r in reasons if r in self._forbids]
+            if matched:
+                policy, reason = matched[0]
+        return Decision(bool(result.allowed), reasons, tuple(str(e) for e in diagnostics.errors), policy=policy,
+                        reason=reason)
 
     def decide_now(self, req: AuthzRequest) -> Decision:
         key = self._memo_key(req)

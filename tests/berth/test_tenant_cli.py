@@ -184,6 +184,9 @@ REFUSALS = [
     ("invalid input", [*ONE[:4], "--gpu-count", "0", "--hours", "1"], "alice", 3,
      ["INVALID_INPUT (HTTP 400): gpuCount: must be an integer >= 1", "next: fix --gpu-count"]),
     ("unknown token", ONE, "not-a-token-of-anyone", 3, ["UNAUTHENTICATED (HTTP 401)", "from env BERTH_TOKEN"]),
+    ("policy", [*ONE[:6], "--hours", "200"], "alice", 3,
+     ["ACCESS_DENIED (HTTP 403): alice may not create this reservation: reservations longer than 168 h are not "
+      "allowed", "refused by policy max-week: reservations longer than 168 h are not allowed"]),
 ]
 
 
@@ -194,6 +197,7 @@ def test_a_refused_create_says_what_to_do_next_and_exits_by_whose_move_it_is(ber
     for text in said:
         assert text in run.err
     assert "" == run.out
+    assert "--idempotency-key" in " ".join(said) or "drop --idempotency-key" not in run.err  # no key given: no hint
 
 
 def test_a_refusal_in_json_mode_prints_the_envelope(berth):

@@ -27,6 +27,8 @@ POLICIES = """
 permit (principal, action, resource) when { principal.tenant == resource.tenant };
 forbid (principal is Agent, action == Action::"compute:reservations:create", resource is Reservation)
   when { resource.gpuCount > 2 };
+@id("max-week")
+@reason("reservations longer than 168 h are not allowed")
 forbid (principal, action in [Action::"compute:reservations:create", Action::"compute:reservations:extend"], resource is Reservation)
   when { resource.durationHours > 168 };
 forbid (principal == User::"bob", action == Action::"compute:reservations:read", resource is Reservation)

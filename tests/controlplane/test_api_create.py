@@ -258,4 +258,13 @@ async def test_duration_cap_policy_uses_rounded_up_hours(api):
     status, _ = await api.create(key="d1", durationHours=168)
     assert status == 202
     status, doc = await api.create(key="d2", durationHours=168.01)
-    assert doc["error"]["code"] == "ACCESS_DENIED"
+    err = doc["error"]
+    assert ("ACCESS_DENIED", "max-week", "reservations longer than 168 h are not allowed") == (
+        err["code"], err["details"]["policy"], err["details"]["reason"])
+    assert err["message"].endswith(": reservations longer than 168 h are not allowed")
+
+
+async def test_a_forbid_without_annotations_is_named_by_cedars_id(api):
+    status, doc = await api.create("robot", key="big", gpuCount=4)  # the agents' forbid has no @id or @reason
+    assert (403, "policy1", "") == (status, doc["error"]["details"]["policy"], doc["error"]["details"]["reason"])
+    assert doc["error"]["message"] == "robot may not create this reservation"

@@ -75,3 +75,22 @@ async def test_batch_decisions_match_single_ones():
     reqs = [AuthzRequest(bob, READ, _res(f"r{i}", principal=bob if i % 2 else ALICE)) for i in range(6)]
     batch = await az.decide_many(reqs)
     assert [d.allowed for d in batch] == [az._decide(r).allowed for r in reqs] == [False, True] * 3
+
+
+def test_a_deny_names_the_forbid_that_matched_with_its_annotations_or_says_no_policy_permits_it():
+    from controlplane.iam.authorizer import access_denied
+    policies = POLICIES + """
+@id("no-h200")
+@reason("H200 GPUs are for the research tenant")
+forbid (principal, action, resource is Reservation) when { resource.gpuCount == 7 };"""
+    az = _authorizer(policies)
+    denied = az.decide_now(AuthzRequest(ALICE, CREATE, _res(gpuCount=7)))
+    assert (False, "no-h200", "H200 GPUs are for the research tenant") == (denied.allowed, denied.policy, denied.reason)
+    err = access_denied(denied, "alice may not create this reservation", {"action": CREATE})
+    assert err.message == "alice may not create this reservation: H200 GPUs are for the research tenant"
+    assert ("no-h200", "H200 GPUs are for the research tenant") == (err.details["policy"], err.details["reason"])
+    nobody = _authorizer("forbid (principal, action, resource) when { false };")
+    none = nobody.decide_now(AuthzRequest(ALICE, CREATE, _res()))
+    assert (False, "", "") == (none.allowed, none.policy, none.reason)
+    err = access_denied(none, "alice may not create this reservation", {"action": CREATE})
+    assert err.message.endswith(": no policy permits it") and "policy" not in err.details
