@@ -25,6 +25,7 @@ from controlplane.domain.clock import Clock
 from controlplane.domain.errors import NO_CAPACITY, PRICE_CHANGED, QUOTE_EXPIRED, DomainError
 from controlplane.domain.model import Principal, Tenant
 from controlplane.domain.placement import earliest_start
+from controlplane.domain.preemption import would_preempt
 from controlplane.domain.pricing import exposure, money
 from controlplane.state import WriterState
 from controlplane.store.port import Reads, Store
@@ -139,12 +140,27 @@ class Quotes:
                                "totalRunningUsdPerHour": money(plan.hourly_usd), "changed": changed})
 
     # ---- the quote itself ---------------------------------------------------------------
-    async def quote(self, principal: Principal, req: CreateRequest, plan: Plan, tenant: Tenant) -> dict:
+    def placement_now(self, plan: Plan, now: int) -> tuple[int | None, int]:
+        """(earliest start, spot reservations preempted) as a create sent now would be placed: in the asked window
+        (preempting spot work when the request is not spot, unless a pool-lease queue is ahead of it), else the
+        earliest start at which it fits."""
+        s, e = plan.window_for(now)
+        queued = plan.pool.policy.placer == "pool-lease" and bool(self.state.queue(plan.pool.id))
+        if not queued and not plan.spot:
+            catalog = self.catalog.current
+            victims = would_preempt(self.state.calendar, plan.pool.id, catalog.nodes, plan.ask(s, e),
+                                    list(self.state.spot.get(plan.pool.id, ())))
+            if victims:
+                return s, len(victims)
+        return (None if queued else self.earliest(plan, now)), 0
+
+    async def quote(self, principal: Principal, req: CreateRequest, plan: Plan, tenant: Tenant,
+                    confirmation: dict) -> dict:
         now = self.clock.compute_now()
+        start, preempts = self.placement_now(plan, now)
         doc = QuoteDoc("qt_" + secrets.token_hex(12), tenant.id, principal.id, now, now + QUOTE_TTL_MS,
                        priced_fields(req), money(plan.hourly_usd))
         await self.store.call(lambda tx: tx.put_quote(doc.id, doc.tenant_id, doc.expires_at, msgspec.json.encode(doc)))
-        start = self.earliest(plan, now)
         return {
             "id": doc.id, "createdAt": now, "expiresAt": doc.expires_at, "currency": "USD",
             "poolId": plan.pool.id, "region": plan.pool.region, "gpuModel": plan.pool.gpu_model,
@@ -152,7 +168,8 @@ class Quotes:
             "totalRunningUsdPerHour": doc.hourly_usd,
             "windowHours": window_ms(plan) / 3_600_000,
             "totalUsd": money(exposure(plan.hourly_usd, window_ms(plan))),
-            "earliestStart": start, "fitsNow": start is not None and start <= now,
+            "earliestStart": start, "fitsNow": start is not None and start <= now, "preemptsSpot": preempts,
+            "confirmation": confirmation,
             "alternatives": self.alternatives(tenant, req, now),
             "priced": doc.priced,
         }

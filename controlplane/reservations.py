@@ -56,6 +56,9 @@ class Answer:
     available_until: int | None = None
 
 
+QUOTED = "rsv_quote"  # the resource id a quote's dry-run decision names (a quote has no reservation)
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """IAM's answer to a create: allow, deny, or confirm (ask `approver`, the agent's delegating user)."""
@@ -277,11 +280,21 @@ class ReservationService:
         return plan
 
     async def quote(self, principal: Principal, cmd: Create) -> dict:
-        """Price a request now: creates and charges nothing, holds no capacity."""
+        """Price a request now and answer what its create would: the same refusals (admission, IAM as a dry
+        run, quota, budget), whether a person must confirm it, and where it would be placed (preempting spot work
+        as a create does). Creates, charges and holds nothing."""
         tenant = self._tenant(principal)
         now = self.clock.compute_now()
         plan = self._plan(self.store, principal, tenant, replace(cmd, quote_id=None, max_hourly_price=None), now)
-        return await self.quotes.quote(principal, cmd.request, plan, tenant)
+        verdict = await self._verdict_async(principal, self._create_request(principal, QUOTED, plan))
+        if verdict.decision.unavailable:
+            raise iam_unavailable(verdict.decision)
+        if verdict.outcome == "deny":
+            raise access_denied(verdict.decision, f"{principal.id} may not create this reservation", {"action": CREATE})
+        self._check_spend(tenant, plan)
+        self.state.ledger.check(tenant, self.catalog.current.pools, plan.charge)
+        confirmation = {"required": verdict.outcome == "confirm", "approver": verdict.approver}
+        return await self.quotes.quote(principal, cmd.request, plan, tenant, confirmation)
 
     def _replay(self, reads, existing: Reservation, fp: str) -> Answer | None:
         """The answer to a repeated key, or None when its draft is to be decided (or continued) now."""

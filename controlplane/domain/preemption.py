@@ -48,3 +48,17 @@ def preempt_for(calendar: Calendar, pool_id: str, nodes: Mapping[str, Node], ask
     placement = place(pool, nodes, ask)
     assert placement is not None
     return placement, list(removed)
+
+
+def would_preempt(calendar: Calendar, pool_id: str, nodes: Mapping[str, Node], ask: Ask,
+                  spot_ids_oldest_first: Iterable[str]) -> list[str] | None:
+    """The victims preempt_for would take for the ask, with the calendar left as it was (a quote's dry run)."""
+    ids = list(spot_ids_oldest_first)
+    saved = {rid: calendar.bookings_of(rid) for rid in ids}
+    found = preempt_for(calendar, pool_id, nodes, ask, ids)
+    if found is None:
+        return None
+    for rid in found[1]:
+        for b in saved[rid]:
+            calendar.book(b)
+    return found[1]

@@ -78,6 +78,28 @@ async def test_a_quote_prices_the_request_and_holds_nothing(api):
     assert status == 202
 
 
+async def test_a_quote_answers_what_the_create_would_preemption_iam_and_quota_included(api):
+    spots = [(await api.create(key=f"s{i}", gpuCount=4, spot=True))[1]["reservation"] for i in range(4)]
+    assert all(s["state"] == "placed" for s in spots)  # the pool's 16 GPUs are taken by spot work
+    q = (await quote(api, gpuCount=4))[1]["quote"]
+    assert (True, T0, 1) == (q["fitsNow"], q["earliestStart"], q["preemptsSpot"])  # a create would preempt one
+    assert [] == api.cp.state.calendar.overlaps() and all(
+        api.cp.state.calendar.bookings_of(s["id"]) for s in spots)  # the dry run put every victim back
+    spot_q = (await quote(api, gpuCount=4, spot=True))[1]["quote"]
+    assert (False, 0) == (spot_q["fitsNow"], spot_q["preemptsSpot"])  # spot does not preempt spot
+    res = (await api.create(key="firm", gpuCount=4))[1]["reservation"]
+    assert "placed" == res["state"] and res["start"] == q["earliestStart"]
+    assert {"required": False, "approver": None} == q["confirmation"]
+    # IAM as a dry run: the week cap refuses a quote as it refuses the create; the agent's large ask needs alice
+    status, doc = await quote(api, durationHours=200)
+    assert (403, "ACCESS_DENIED", "max-week") == (status, doc["error"]["code"], doc["error"]["details"]["policy"])
+    status, doc = await quote(api, "agent", gpuCount=4)
+    assert 200 == status and {"required": True, "approver": "alice"} == doc["quote"]["confirmation"]
+    assert [] == api.cp.store.confirmations("acme", None, None, None, 10)  # none opened
+    status, doc = await quote(api, gpuCount=1, resources={"vcpu": 60})
+    assert (429, "QUOTA_EXCEEDED") == (status, doc["error"]["code"])  # as the create would answer
+
+
 async def test_a_changed_priced_field_or_price_is_price_changed(api):
     q = (await quote(api))[1]["quote"]
     status, doc = await api.create(key="a", gpuCount=3, durationHours=3, quoteId=q["id"])
