@@ -109,7 +109,15 @@ def _runtime_parser() -> argparse.ArgumentParser:
                     "bindings wanted here and make each real as a cgroup v2 with its share and device allow-list. "
                     "`berth agent discover` prints the inventory instead.")
     p.add_argument("--control-plane", metavar="URL", default=env("BERTH_CONTROL_PLANE"),
-                   help="the control plane's base URL, e.g. http://cp.example.net:8080 (env BERTH_CONTROL_PLANE)")
+                   help="the control plane's base URL, e.g. https://cp.example.net:8080 (env BERTH_CONTROL_PLANE)")
+    p.add_argument("--ca-file", metavar="FILE", default=env("BERTH_CA_FILE") or None,
+                   help="verify an https:// control plane with the CA certificates in this PEM file instead of the "
+                        "system trust store (env BERTH_CA_FILE)")
+    p.add_argument("--client-cert", metavar="FILE", default=env("BERTH_CLIENT_CERT") or None,
+                   help="this node's PEM certificate, shown to a control plane that requires client certificates "
+                        "(--tls-client-ca; env BERTH_CLIENT_CERT; needs --client-key)")
+    p.add_argument("--client-key", metavar="FILE", default=env("BERTH_CLIENT_KEY") or None,
+                   help="the unencrypted PEM key of --client-cert (env BERTH_CLIENT_KEY; keep it mode 0600)")
     token = p.add_mutually_exclusive_group()
     token.add_argument("--bootstrap-token-file", metavar="FILE", default=env("BERTH_BOOTSTRAP_TOKEN_FILE"),
                        help="a file holding the pool's node bootstrap token, for register (env "
@@ -190,7 +198,7 @@ def runtime_main(argv: list[str]) -> int:
     import signal
     from pathlib import Path
 
-    from common import logs
+    from common import logs, tls
     from common.device_classes import DeviceClasses
 
     from agent.discovery import Reserve
@@ -216,7 +224,9 @@ def runtime_main(argv: list[str]) -> int:
         policy = ExecPolicy.from_options(args.exec_allow_uid, args.exec_allow_group, args.exec_tenant_uid,
                                           args.exec_tenant_user, args.exec_allow_root)
         classes = DeviceClasses.from_file(args.device_classes) if args.device_classes else None
-    except ValueError as exc:
+        ssl_context = (tls.client_context(args.ca_file, args.client_cert, args.client_key)
+                       if args.ca_file or args.client_cert or args.client_key else None)
+    except ValueError as exc:  # tls.TlsError is one
         parser.error(str(exc))
     if args.simulate:
         from agent.simulate import load
@@ -235,7 +245,7 @@ def runtime_main(argv: list[str]) -> int:
         reconcile_s=args.reconcile_seconds, rediscover_s=args.rediscover_seconds,
         backoff_max_s=args.backoff_max_seconds, request_timeout_s=args.request_timeout_seconds, proc=Path(args.proc_root), sys=Path(args.sys_root),
         machine_id_file=Path(args.machine_id_file), kubelet_root=Path(args.kubelet_root), kubeconfig=args.kubeconfig,
-        kubernetes_node_name=args.kubernetes_node_name)
+        kubernetes_node_name=args.kubernetes_node_name, ssl_context=ssl_context)
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import ssl
 import time
 from typing import Callable
 
@@ -58,7 +59,8 @@ class ControlPlaneLink:
                  controller: BindingController, metrics: AgentMetrics, *, inventory: Callable[[], Inventory | None],
                  agent_version: str, wall_ms: Callable[[], int], on_node: Callable[[str], None],
                  heartbeat_s: float | None = None, watch_timeout_ms: int = 25_000, backoff_min_s: float = 0.2,
-                 backoff_max_s: float = 10.0, request_timeout_s: float = 10.0, machine_id: str = "") -> None:
+                 backoff_max_s: float = 10.0, request_timeout_s: float = 10.0, machine_id: str = "",
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.control_plane = control_plane
         self.machine_id = machine_id  # this host's /etc/machine-id, sent at register (docs/node-api.md)
         self.bootstrap_token = bootstrap_token
@@ -73,7 +75,7 @@ class ControlPlaneLink:
         self.fixed_heartbeat_s = heartbeat_s  # None: what the control plane says
         self.watch_timeout_ms = watch_timeout_ms
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
-        self.client = NodeClient(control_plane, timeout_s=request_timeout_s)
+        self.client = NodeClient(control_plane, timeout_s=request_timeout_s, ssl_context=ssl_context)
         self.identity: Identity | None = None
         self.heartbeat_s = heartbeat_s or 5.0
         self.inventory_dirty = True  # send the inventory with the next heartbeat
@@ -111,10 +113,11 @@ class ControlPlaneLink:
                     break
                 except (Unreachable, NodeApiError) as exc:
                     # A refused token, or a node another agent holds (409: alive, or registered from another
-                    # machine): the operator must act, so say it loudly, and keep trying (a release or the
-                    # other agent's loss lets a later attempt through).
+                    # machine), or a TLS handshake that failed: the operator must act, so say it loudly, and keep
+                    # trying (a release, the other agent's loss or a fixed certificate lets a later attempt through).
                     taken = isinstance(exc, NodeApiError) and exc.code == "CONFLICT"
-                    level = "error" if isinstance(exc, Unauthorized) or taken else "warning"
+                    tls_failed = isinstance(exc, Unreachable) and exc.tls is not None
+                    level = "error" if isinstance(exc, Unauthorized) or taken or tls_failed else "warning"
                     getattr(self.log, level)("register refused: the node is held by another agent; retrying" if taken
                                              else "register failed; retrying", error=str(exc),
                                              machine_id=self.machine_id or None)

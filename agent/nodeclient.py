@@ -5,17 +5,22 @@ back as one of three: `Unauthorized` (401: the token is no longer valid,
 register again), `NodeApiError` (any other error envelope, with its code), and
 `Unreachable` (no answer: connection refused, reset, timed out), which the
 runtime answers with backoff. The session may be shared (the fleet bench
-runs a thousand clients on one).
+runs a thousand clients on one). An https:// control plane is verified with
+`ssl_context` (common/tls.py: --ca-file, and --client-cert/--client-key for
+mutual TLS; None: the system trust store); a failed handshake is Unreachable
+too, its message saying what to change.
 """
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import TypeVar
 
 import aiohttp
 import msgspec
 
 from agent.errors import AgentError
+from common import tls
 from common.inventory import Inventory
 from common.nodewire import (ErrorEnvelope, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer, RegisterRequest, Report,
                              ReportAnswer, ReportRequest, WatchAnswer, WatchRequest, encode)
@@ -37,13 +42,19 @@ class Unauthorized(NodeApiError):
 
 
 class Unreachable(AgentError):
-    """The control plane did not answer."""
+    """The control plane did not answer; `tls` says what to change when a TLS handshake failed (or likely did)."""
+
+    def __init__(self, message: str, tls: str | None = None) -> None:
+        super().__init__(message + (f"; {tls}" if tls else ""))
+        self.tls = tls
 
 
 class NodeClient:
     def __init__(self, base_url: str, *, session: aiohttp.ClientSession | None = None,
-                 timeout_s: float = 10.0, token: str | None = None) -> None:
+                 timeout_s: float = 10.0, token: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True  # True: aiohttp's default
         self._session = session
         self._own_session = session is None
         self.timeout_s = timeout_s
@@ -68,11 +79,13 @@ class NodeClient:
             headers["Authorization"] = f"Bearer {token}"
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            async with self.session.post(url, data=encode(body), headers=headers, timeout=timeout) as resp:
+            async with self.session.post(url, data=encode(body), headers=headers, timeout=timeout,
+                                         ssl=self.ssl) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise Unreachable(f"node API {method} at {url}: {type(exc).__name__}: {exc}") from None
+            advice = tls.explain(exc, self.base_url, disconnected=isinstance(exc, aiohttp.ServerDisconnectedError))
+            raise Unreachable(f"node API {method} at {url}: {type(exc).__name__}: {exc}", advice) from None
         if status >= 400:
             try:
                 err = msgspec.json.decode(raw, type=ErrorEnvelope).error

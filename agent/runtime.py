@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,7 @@ class AgentConfig:
     kubelet_root: Path = DEFAULT_KUBELET_ROOT  # where the kubelet's device-plugins/ and pod-resources/ are
     kubeconfig: str | None = None  # the API server's credentials (None: in-cluster)
     kubernetes_node_name: str | None = None  # this host's Node (None: the hostname)
+    ssl_context: ssl.SSLContext | None = None  # https:// to the control plane (common/tls.py); None: system store
 
 
 class Agent:
@@ -170,7 +172,7 @@ class Agent:
             inventory=lambda: self.inventory, agent_version=AGENT_VERSION, wall_ms=self.wall_ms,
             on_node=self._bind_node, heartbeat_s=cfg.heartbeat_s, watch_timeout_ms=cfg.watch_timeout_ms,
             backoff_min_s=cfg.backoff_min_s, backoff_max_s=cfg.backoff_max_s, request_timeout_s=cfg.request_timeout_s,
-            machine_id=self._machine_id())
+            machine_id=self._machine_id(), ssl_context=cfg.ssl_context)
         self.link.restore()
         self._build_discovery()
         self.refresh_inventory()

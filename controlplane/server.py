@@ -1,16 +1,18 @@
-"""`berth controlplane serve`: run the control plane's HTTP API until SIGTERM."""
+"""`berth controlplane serve`: run the control plane's HTTP API (plain, or TLS with --tls-cert) until SIGTERM."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import gc
+import os
 import signal
+import ssl
 import sys
 
 import structlog
 from aiohttp import web
 
-from common import logs
+from common import logs, tls
 from controlplane.api import access_log, guard
 from controlplane.api.access_log import AccessLog
 from controlplane.api.app import create_app, create_metrics_app
@@ -74,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--access-log", type=access_log_option, default=None, metavar="off|all|sample:N",
                        help="one structured line per request (method, path, status, duration, tenant, principal, "
                        "reservation; never a token): all, 1 in N with every error, or off (default)")
+    env = os.environ.get
+    serve.add_argument("--tls-cert", metavar="FILE", default=env("BERTH_TLS_CERT") or None,
+                       help="serve HTTPS (TLS 1.2 or later) with this PEM certificate chain, the server's own "
+                       "certificate first (env BERTH_TLS_CERT; needs --tls-key; default: plain HTTP)")
+    serve.add_argument("--tls-key", metavar="FILE", default=env("BERTH_TLS_KEY") or None,
+                       help="the unencrypted PEM private key of --tls-cert (env BERTH_TLS_KEY)")
+    serve.add_argument("--tls-client-ca", metavar="FILE", default=env("BERTH_TLS_CLIENT_CA") or None,
+                       help="mutual TLS: every client must present a certificate signed by a CA in this PEM file "
+                       "(env BERTH_TLS_CLIENT_CA; needs --tls-cert)")
     serve.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--synchronous", choices=("FULL", "NORMAL"), default="FULL",
@@ -85,8 +96,24 @@ class CannotListen(Exception):
     """A listening address cannot be bound; the message names it and the reason."""
 
 
+def tls_context_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The listeners' SSL context from --tls-cert, --tls-key and --tls-client-ca (None: plain HTTP); a missing
+    partner option is a usage error; a file that cannot be used raises tls.TlsError naming its option."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key (env BERTH_TLS_CERT, BERTH_TLS_KEY) go together: give both, or "
+                     "neither for plain HTTP")
+    if args.tls_client_ca and not args.tls_cert:
+        parser.error("--tls-client-ca (env BERTH_TLS_CLIENT_CA) needs --tls-cert and --tls-key: mutual TLS is TLS "
+                     "first")
+    if not args.tls_cert:
+        return None
+    return tls.server_context(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
 async def serve(config: Config, host: str, port: int, limits: guard.Limits = guard.Limits(), cap: int | None = None,
-                metrics_listen: tuple[str, int] | None = None, access_log: AccessLog | None = None) -> None:
+                metrics_listen: tuple[str, int] | None = None, access_log: AccessLog | None = None,
+                ssl_context: ssl.SSLContext | None = None) -> None:
+    """Serve until SIGTERM or SIGINT; with ssl_context both the API and the metrics listener serve TLS."""
     loop = asyncio.get_running_loop()
     conns = guard.Guard(limits, cap if cap is not None else guard.connection_cap(limits))
     loop.set_exception_handler(conns.exception_handler)
@@ -99,12 +126,12 @@ async def serve(config: Config, host: str, port: int, limits: guard.Limits = gua
         sites = []
         for runner, (h, p) in zip(runners, [(host, port), metrics_listen]):
             await runner.setup()
-            sites.append(await listen(guard.GuardedSite(runner, h, p, conns)))
+            sites.append(await listen(guard.GuardedSite(runner, h, p, conns, ssl_context=ssl_context)))
         settle_garbage_collector()
-        bound = sites[0].address
-        extra = {"metrics": f"http://{sites[1].address[0]}:{sites[1].address[1]}/metrics"} if metrics_listen else {}
-        log.info("listening", address=f"http://{bound[0]}:{bound[1]}", db=config.db, max_connections=conns.cap,
-                 **extra)
+        extra = {"metrics": f"{sites[1].url}/metrics"} if metrics_listen else {}
+        if ssl_context is not None:
+            extra["mutual_tls"] = ssl_context.verify_mode == ssl.CERT_REQUIRED
+        log.info("listening", address=sites[0].url, db=config.db, max_connections=conns.cap, **extra)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -119,7 +146,7 @@ async def listen(site: guard.GuardedSite) -> guard.GuardedSite:
     try:
         await site.start()
     except OSError as exc:
-        raise CannotListen(f"cannot listen on {site.name.removeprefix('http://')}: {exc.strerror}") from None
+        raise CannotListen(f"cannot listen on {site.name.removeprefix(site.scheme + '://')}: {exc.strerror}") from None
     return site
 
 
@@ -136,7 +163,8 @@ def settle_garbage_collector() -> None:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logs.configure(args.log_format, args.log_level)
     config = Config(db=args.db or default_db_url(), bootstrap=args.bootstrap, synchronous=args.synchronous,
                     authzen=args.authzen, authzen_timeout_s=args.authzen_timeout, node_grace_s=args.node_grace)
@@ -144,12 +172,13 @@ def main(argv: list[str]) -> int:
                           max_connections=args.max_connections)
     try:
         cap = guard.connection_cap(limits)
-    except ValueError as exc:
+        ssl_context = tls_context_of(parser, args)
+    except ValueError as exc:  # tls.TlsError is one
         print(f"berth controlplane: {exc}", file=sys.stderr)
         return 2
     try:
         asyncio.run(serve(config, *args.listen, limits=limits, cap=cap, metrics_listen=args.metrics_listen,
-                          access_log=args.access_log))
+                          access_log=args.access_log, ssl_context=ssl_context))
     except ConfigError as exc:
         print(f"berth controlplane: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ import os
 import re
 import resource
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -14,11 +15,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-LISTENING = re.compile(r'"address":\s*"http://([^"]+)"|\baddress=\'http://([^\']+)\'')  # JSON, or key=value
+LISTENING = re.compile(r'"address":\s*"(https?://[^"]+)"|\baddress=\'(https?://[^\']+)\'')  # JSON, or key=value
 
 
 class ServerProcess:
-    def __init__(self, db: Path, bootstrap: Path, extra: list[str] | None = None, nofile: int | None = None):
+    def __init__(self, db: Path, bootstrap: Path, extra: list[str] | None = None, nofile: int | None = None,
+                 context: ssl.SSLContext | None = None):
         self.db = db
         self.bootstrap = bootstrap
         self.extra = extra or []
@@ -26,6 +28,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.lines: list[str] = []
+        self.context = context  # what post() verifies an https server with (and shows it, for mutual TLS)
 
     def start(self, timeout: float = 20) -> "ServerProcess":
         cmd = [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
@@ -45,7 +48,7 @@ class ServerProcess:
                 self.lines.append(line)
                 m = LISTENING.search(line)
                 if m and not found.is_set():
-                    self.url = "http://" + (m.group(1) or m.group(2))
+                    self.url = m.group(1) or m.group(2)
                     found.set()
 
         threading.Thread(target=pump, daemon=True).start()
@@ -63,7 +66,7 @@ class ServerProcess:
         for k, v in (headers or {}).items():
             req.add_header(k, v)
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            with urllib.request.urlopen(req, timeout=timeout, context=self.context) as resp:
                 return resp.status, json.loads(resp.read() or b"{}")
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read() or b"{}")

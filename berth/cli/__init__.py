@@ -15,7 +15,7 @@ from berth.cli.advice import EXIT_CLI, EXIT_INTERRUPTED, EXIT_USAGE
 from berth.cli.commands import run
 from berth.cli.context import Context, forced_tty
 from berth.cli.parser import build_parser
-from berth.client import AsyncClient, BerthError, ConfigError, new_idempotency_key, resolve_settings
+from berth.client import AsyncClient, BerthError, new_idempotency_key, resolve_settings
 from berth.version import VERSION
 
 
@@ -30,8 +30,10 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     except SystemExit as exc:  # argparse: --help (0) or bad arguments (2)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
-        settings = resolve_settings(args.url, args.token, args.config, env)
-    except ConfigError as exc:
+        settings = resolve_settings(args.url, args.token, args.config, env, ca_file=args.ca_file,
+                                    client_cert=args.client_cert, client_key=args.client_key)
+        ssl_context = settings.tls_context()
+    except ValueError as exc:  # ConfigError, or tls.TlsError naming the file's flag, variable or config key
         print(f"berth: {exc}", file=err)
         return EXIT_USAGE
     forced = forced_tty(env)
@@ -43,7 +45,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
               file=err)
 
     client = AsyncClient.from_settings(settings, retries=max(0, args.retries), timeout=args.request_timeout,
-                                           user_agent=f"berth-cli/{VERSION}", on_retry=retrying)
+                                       user_agent=f"berth-cli/{VERSION}", on_retry=retrying, ssl_context=ssl_context)
     ctx = Context(args, settings, client, out, err, as_json, progress=forced or err.isatty())
     if args.group == "reservations" and args.command == "create":
         ctx.key = args.idempotency_key or new_idempotency_key("cli")

@@ -3,8 +3,8 @@
 Exit codes (docs/cli.md) follow the actor of the API's error code
 (common/errors.py): 3 the customer's (the request itself), 4 the provider's
 (no capacity), 5 the platform's (retry later with the same key); 0 done,
-1 the CLI itself failed, 2 bad arguments or configuration (nothing was sent),
-6 an operation wait timed out, 130 interrupted.
+1 the CLI itself failed, 2 bad arguments or configuration (nothing was sent:
+also a failed TLS handshake), 6 an operation wait timed out, 130 interrupted.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def exit_code_of(err: BerthError) -> int:
     if known is not None:
         return EXIT_OF_ACTOR[known.actor]
     if isinstance(err, TransportError):
-        return EXIT_PLATFORM
+        return EXIT_USAGE if err.details.get("tls") else EXIT_PLATFORM  # a failed handshake: nothing was sent
     if err.status is not None and err.status >= 500:
         return EXIT_PLATFORM
     if isinstance(err, BadAnswer) or err.status is None:
@@ -155,8 +155,13 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         return [f"the platform's doing (actor {err.actor or 'platform'}): nothing of yours needs to change",
                 f"reference: {err.reference} (quote it to support if this persists)",
                 "next: retry later with the same key: " + retry_same]
+    if isinstance(err, TransportError) and d.get("tls"):
+        return [f"url from {ctx.settings.sources.get('url')}; nothing was sent",
+                "next: fix the connection settings, then: " + retry_same]
     if isinstance(err, TransportError):
         lines = [f"no answer from {ctx.settings.url} (url from {ctx.settings.sources.get('url')})"]
+        if d.get("hint"):
+            lines.append(d["hint"])
         if create and d.get("sent", True):
             lines.append("the request may have been accepted: do not use a new key for it")
         lines.append("next: retry with the same key: " + retry_same if create else "next: retry: " + retry_same)

@@ -55,6 +55,9 @@ def connection_flags(ctx: Context) -> list[str]:
         out += ["--url", ctx.settings.url]
     if ctx.args.config:
         out += ["--config", ctx.args.config]
+    for dest in ("ca_file", "client_cert", "client_key"):
+        if getattr(ctx.args, dest, None):
+            out += ["--" + dest.replace("_", "-"), getattr(ctx.args, dest)]
     return out
 
 

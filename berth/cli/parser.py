@@ -114,11 +114,19 @@ class _Parser(argparse.ArgumentParser):
 def _common() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     conn = common.add_argument_group("connection (flag, then environment, then config file)")
-    conn.add_argument("--url", help="the control plane, e.g. http://127.0.0.1:8080 (env BERTH_URL)")
+    conn.add_argument("--url", help="the control plane, e.g. https://cp.example.net:8080 (env BERTH_URL)")
     conn.add_argument("--token", help="your bearer token (env BERTH_TOKEN)")
     conn.add_argument("--config", metavar="PATH",
-                      help='JSON {"url": ..., "token": ...} (default $XDG_CONFIG_HOME/berth/config.json '
-                           "or ~/.config/berth/config.json)")
+                      help='JSON {"url": ..., "token": ..., "caFile": ...} (default '
+                           "$XDG_CONFIG_HOME/berth/config.json or ~/.config/berth/config.json)")
+    conn.add_argument("--ca-file", metavar="FILE",
+                      help="verify an https:// control plane with the CA certificates in this PEM file instead of "
+                           "the system trust store (env BERTH_CA_FILE, config caFile)")
+    conn.add_argument("--client-cert", metavar="FILE",
+                      help="show this PEM certificate to a control plane that requires client certificates "
+                           "(env BERTH_CLIENT_CERT, config clientCert; needs --client-key)")
+    conn.add_argument("--client-key", metavar="FILE",
+                      help="the unencrypted PEM key of --client-cert (env BERTH_CLIENT_KEY, config clientKey)")
     conn.add_argument("--retries", type=int, default=4, metavar="N",
                       help="retries of transport errors and PROVIDER_UNAVAILABLE, same idempotency key (default 4)")
     conn.add_argument("--request-timeout", type=float, default=30.0, metavar="SECONDS",

@@ -7,12 +7,21 @@ without a key gets one from the client before the first attempt, so its
 retries can never create a second reservation. Calls that are not safe to
 repeat (extend with `by`) are retried only when the request was certainly
 not sent (the connection could not be made).
+
+TLS: https:// URLs verify the server against the system trust store, or
+against `ssl_context` (`Settings.tls_context()`, from --ca-file and, for a
+control plane that requires client certificates, --client-cert and
+--client-key). A failed handshake is never retried: it raises TransportError
+at once, `details["tls"]` saying what to change; a connection closed without
+an answer, as a TLS listener closes plain http:// and a mutual TLS one a
+client without a certificate, carries `details["hint"]`.
 """
 from __future__ import annotations
 
 import asyncio
 import builtins
 import random
+import ssl
 from datetime import datetime
 from typing import Any, Callable, Mapping
 
@@ -26,6 +35,7 @@ from berth.client.config import Settings
 from berth.client.errors import BadAnswer, BerthError, TransportError, error_of
 from berth.client.requests import ReservationRequest, new_idempotency_key, parse_time
 from berth.version import VERSION
+from common import tls
 
 USER_AGENT = f"berth-python/{VERSION}"
 WAIT_STEP_MS = 25_000  # one /operations/wait call: well under the server's 60 s cap and most proxies' idle timeouts
@@ -37,6 +47,7 @@ def _drop_none(**fields: Any) -> dict[str, Any]:
 
 _SENT_MAYBE = (aiohttp.ClientError, asyncio.TimeoutError)  # the request may have reached the server
 _NOT_SENT = (aiohttp.ClientConnectorError,)  # the connection was never made: safe to repeat anything
+_TLS_REFUSED = (aiohttp.ClientSSLError,)  # the handshake failed: the same attempt fails the same way
 
 
 class AsyncClient:
@@ -46,12 +57,14 @@ class AsyncClient:
     PROVIDER_UNAVAILABLE; backoff: the first delay in seconds, doubled per
     attempt up to max_backoff, with jitter (at least a refusal's
     retryAfterSeconds); timeout: seconds per attempt (long polls add their
-    own wait); on_retry(attempt, error, delay) is called before each retry.
+    own wait); on_retry(attempt, error, delay) is called before each retry;
+    ssl_context: what https:// verifies the server with (and shows it, for
+    mutual TLS); None: the system trust store.
     """
 
     def __init__(self, url: str, token: str, *, timeout: float = 30.0, retries: int = 4, backoff: float = 0.25,
                  max_backoff: float = 4.0, session: aiohttp.ClientSession | None = None,
-                 user_agent: str = USER_AGENT,
+                 user_agent: str = USER_AGENT, ssl_context: ssl.SSLContext | None = None,
                  on_retry: Callable[[int, BerthError, float], Any] | None = None):
         self.url = url.rstrip("/")
         self.token = token
@@ -61,11 +74,15 @@ class AsyncClient:
         self.max_backoff = max_backoff
         self.user_agent = user_agent
         self.on_retry = on_retry
+        self.ssl_context = ssl_context
         self._session = session
         self._own_session = session is None
 
     @classmethod
     def from_settings(cls, settings: Settings, **kw: Any) -> "AsyncClient":
+        """A client for these settings; tls.TlsError (a ValueError) when their TLS files cannot be used."""
+        if "ssl_context" not in kw:
+            kw["ssl_context"] = settings.tls_context()
         return cls(settings.url, settings.token, **kw)
 
     async def __aenter__(self) -> "AsyncClient":
@@ -88,8 +105,8 @@ class AsyncClient:
     async def _post(self, url: str, data: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        async with self._session.post(url, data=data, headers=headers,
-                                      timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with self._session.post(url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout),
+                                      ssl=self.ssl_context if self.ssl_context is not None else True) as resp:
             return resp.status, await resp.read()
 
     async def call(self, path: str, body: Mapping[str, Any] | None = None, *, idempotency_key: str | None = None,
@@ -111,12 +128,9 @@ class AsyncClient:
             try:
                 status, raw = await self._post(url, data, headers, self.timeout + wait_s)
             except _SENT_MAYBE as exc:
-                err: BerthError = TransportError(
-                    "TRANSPORT_ERROR", f"no answer from {self.url} after {attempt} attempt(s): "
-                    f"{type(exc).__name__}: {exc or 'timed out'}",
-                    {"url": url, "attempts": attempt, "cause": type(exc).__name__,
-                     "sent": not isinstance(exc, _NOT_SENT)},
-                    None, idempotency_key=idempotency_key)
+                err: BerthError = self._no_answer(exc, url, attempt, idempotency_key)
+                if isinstance(exc, _TLS_REFUSED):
+                    raise err from exc
                 if (idempotent or isinstance(exc, _NOT_SENT)) and attempt <= self.retries:
                     await self._pause(attempt, err)
                     continue
@@ -135,6 +149,19 @@ class AsyncClient:
                 await self._pause(attempt, err)
                 continue
             raise err
+
+    def _no_answer(self, exc: BaseException, url: str, attempt: int, idempotency_key: str | None) -> TransportError:
+        """The TransportError for an attempt that got no answer; a TLS failure says what to change."""
+        details: dict[str, Any] = {"url": url, "attempts": attempt, "cause": type(exc).__name__,
+                                   "sent": not isinstance(exc, _NOT_SENT)}
+        message = f"no answer from {self.url} after {attempt} attempt(s): {type(exc).__name__}: {exc or 'timed out'}"
+        advice = tls.explain(exc, self.url, disconnected=isinstance(exc, aiohttp.ServerDisconnectedError))
+        if advice is not None and isinstance(exc, _TLS_REFUSED):  # certain: the handshake failed for this reason
+            details["tls"] = advice
+            message = f"no TLS connection to {self.url}: {advice}"
+        elif advice is not None:  # a closed connection: TLS is one likely reason among others
+            details["hint"] = advice
+        return TransportError("TRANSPORT_ERROR", message, details, None, idempotency_key=idempotency_key)
 
     async def _pause(self, attempt: int, err: BerthError) -> None:
         delay = self._delay(attempt, err)

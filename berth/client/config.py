@@ -1,11 +1,14 @@
-"""Where the client sends requests and as whom: flags, then the environment, then the config file."""
+"""Where the client sends requests, as whom and trusting what: flags, then the environment, then the config file."""
 from __future__ import annotations
 
 import json
 import os
+import ssl
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
 from typing import Any, Mapping
+
+from common import tls
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
@@ -14,13 +17,44 @@ class ConfigError(ValueError):
     """The client cannot be configured: the message says what to give."""
 
 
+# The TLS files: (setting, config file key, environment variable, flag). None of them: the system trust store.
+TLS_FILES = (("ca_file", "caFile", "BERTH_CA_FILE", "--ca-file"),
+             ("client_cert", "clientCert", "BERTH_CLIENT_CERT", "--client-cert"),
+             ("client_key", "clientKey", "BERTH_CLIENT_KEY", "--client-key"))
+
+
 @dataclass(frozen=True)
 class Settings:
-    """Where to send requests and as whom, and where each came from (`flag`, `env BERTH_URL`, `file PATH`, `default`)."""
+    """Where to send requests and as whom, and where each came from (`flag`, `env BERTH_URL`, `file PATH`, `default`).
+
+    ca_file: the CA that signed the server's certificate (None: the system
+    trust store); client_cert and client_key: this client's certificate, for a
+    control plane that requires one (--tls-client-ca).
+    """
 
     url: str
     token: str
     sources: dict[str, str] = dc_field(default_factory=dict)
+    ca_file: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The SSL context for https:// (None: the default, the system trust store); tls.TlsError names the
+        flag, variable or config file key at fault."""
+        if not (self.ca_file or self.client_cert or self.client_key):
+            return None
+        names = {name: self._given_as(name, key, var, flag) for name, key, var, flag in TLS_FILES}
+        return tls.client_context(self.ca_file, self.client_cert, self.client_key,
+                                  flags=tls.Flags(names["client_cert"], names["client_key"], names["ca_file"]))
+
+    def _given_as(self, name: str, key: str, var: str, flag: str) -> str:
+        source = self.sources.get(name, "flag")
+        if source.startswith("env "):
+            return var
+        if source.startswith("file "):
+            return f"{key} (config file {source.removeprefix('file ')})"
+        return flag
 
 
 def default_config_path(environ: Mapping[str, str] | None = None) -> Path:
@@ -44,39 +78,48 @@ def read_config_file(path: Path, required: bool) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise ConfigError(f'config file {path}: must be a JSON object like {{"url": ..., "token": ...}}')
-    for key in ("url", "token"):
+    for key in ("url", "token", *(file_key for _, file_key, _, _ in TLS_FILES)):
         if key in doc and not isinstance(doc[key], str):
             raise ConfigError(f"config file {path}: {key} must be a string")
     return doc
 
 
 def resolve_settings(url: str | None = None, token: str | None = None, config_path: str | os.PathLike | None = None,
-                     environ: Mapping[str, str] | None = None) -> Settings:
-    """url and token from the arguments, then BERTH_URL/BERTH_TOKEN, then the config file, each on its own.
+                     environ: Mapping[str, str] | None = None, *, ca_file: str | None = None,
+                     client_cert: str | None = None, client_key: str | None = None) -> Settings:
+    """Each setting from the arguments, then the environment, then the config file, each on its own.
 
-    The file is `config_path` (which must exist), else
-    `$XDG_CONFIG_HOME/berth/config.json` or `~/.config/berth/config.json`
+    url: BERTH_URL or "url"; token: BERTH_TOKEN or "token"; ca_file:
+    BERTH_CA_FILE or "caFile"; client_cert, client_key: BERTH_CLIENT_CERT,
+    BERTH_CLIENT_KEY or "clientCert", "clientKey" (a relative path in the file
+    is relative to the file). The file is `config_path` (which must exist),
+    else `$XDG_CONFIG_HOME/berth/config.json` or `~/.config/berth/config.json`
     (which may be absent). The URL defaults to http://127.0.0.1:8080; the
     token has no default.
     """
     env = os.environ if environ is None else environ
     path = Path(config_path) if config_path is not None else default_config_path(env)
     doc = read_config_file(path, required=config_path is not None)
+    given = {"url": url, "token": token, "ca_file": ca_file, "client_cert": client_cert, "client_key": client_key}
     sources: dict[str, str] = {}
     values: dict[str, str | None] = {}
-    for key, given, var in (("url", url, "BERTH_URL"), ("token", token, "BERTH_TOKEN")):
-        if given:
-            values[key], sources[key] = given, "flag"
+    for name, key, var in (("url", "url", "BERTH_URL"), ("token", "token", "BERTH_TOKEN"),
+                           *((name, key, var) for name, key, var, _ in TLS_FILES)):
+        if given[name]:
+            values[name], sources[name] = given[name], "flag"
         elif env.get(var):
-            values[key], sources[key] = env[var], f"env {var}"
+            values[name], sources[name] = env[var], f"env {var}"
         elif doc.get(key):
-            values[key], sources[key] = doc[key], f"file {path}"
+            in_file = str(doc[key])
+            values[name], sources[name] = (in_file if name in ("url", "token") else str(path.parent / in_file),
+                                           f"file {path}")
         else:
-            values[key] = None
+            values[name] = None
     if values["url"] is None:
         values["url"], sources["url"] = DEFAULT_URL, "default"
     if not values["token"]:
         raise ConfigError(f'no token: give --token, set BERTH_TOKEN, or write {{"token": "..."}} to {path}')
-    return Settings(str(values["url"]).rstrip("/"), str(values["token"]), sources)
+    return Settings(str(values["url"]).rstrip("/"), str(values["token"]), sources, ca_file=values["ca_file"],
+                    client_cert=values["client_cert"], client_key=values["client_key"])
 
 

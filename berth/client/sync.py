@@ -41,6 +41,9 @@ class Client:
 
     @classmethod
     def from_settings(cls, settings: Settings, **kw: Any) -> "Client":
+        """A client for these settings; tls.TlsError (a ValueError) when their TLS files cannot be used."""
+        if "ssl_context" not in kw:
+            kw["ssl_context"] = settings.tls_context()
         return cls(settings.url, settings.token, **kw)
 
     @property

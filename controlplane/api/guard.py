@@ -7,9 +7,10 @@ own. This module owns both, in front of aiohttp's RequestHandler:
   `berth controlplane serve` exposes them as flags). The request timeout
   bounds a request's headers from its first byte, and then its body
   (api/body.py reads `LIMITS` from the app).
-- `GuardedSite`: a site whose listening socket hands each connection to a
-  `GuardedConnection`, a thin protocol around the runner's RequestHandler
-  that sees the connection open, bytes arrive and the connection close.
+- `GuardedSite`: a site whose listening socket (plain, or TLS with an SSL
+  context) hands each connection to a `GuardedConnection`, a thin protocol
+  around the runner's RequestHandler that sees the connection open, bytes
+  arrive and the connection close.
 - `begin(request)` / `end(conn)`: called by the app's middleware when a
   request's headers are complete and when its handler is done; in between
   the connection is *busy* and is never closed by the guard (an agent's long
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import resource
+import ssl
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -283,15 +285,32 @@ async def track(request: web.Request, handler):
 
 
 class GuardedSite(web.BaseSite):
-    """A TCP site whose connections go through the guard (web.TCPSite would hand them to aiohttp directly)."""
+    """A TCP site whose connections go through the guard (web.TCPSite would hand them to aiohttp directly).
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: Guard, backlog: int = BACKLOG):
-        super().__init__(runner, backlog=backlog)
+    With an SSL context it serves TLS: the guard sees a connection once its
+    handshake is done, and a handshake must finish within the request timeout
+    (a client that opens a connection and says nothing is closed like one
+    whose headers trickle).
+    """
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: Guard, backlog: int = BACKLOG,
+                 ssl_context: ssl.SSLContext | None = None):
+        super().__init__(runner, backlog=backlog, ssl_context=ssl_context)
         self._host, self._port, self._guard = host, port, guard
 
     @property
+    def scheme(self) -> str:
+        return "https" if self._ssl_context is not None else "http"
+
+    @property
     def name(self) -> str:
-        return f"http://{self._host}:{self._port}"
+        return f"{self.scheme}://{self._host}:{self._port}"
+
+    @property
+    def url(self) -> str:
+        """The bound address as a URL (scheme, host, port), once started."""
+        host, port = self.address
+        return f"{self.scheme}://{host}:{port}"
 
     @property
     def address(self) -> tuple[str, int]:
@@ -302,5 +321,6 @@ class GuardedSite(web.BaseSite):
         await super().start()
         factory = self._runner.server
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: GuardedConnection(self._guard, factory), self._host, self._port,
-            backlog=self._backlog, reuse_address=True)
+            lambda: GuardedConnection(self._guard, factory), self._host, self._port, backlog=self._backlog,
+            reuse_address=True, ssl=self._ssl_context,
+            ssl_handshake_timeout=self._guard.limits.request_timeout_s if self._ssl_context is not None else None)

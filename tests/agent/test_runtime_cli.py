@@ -30,7 +30,8 @@ def test_help_lists_the_pinned_flags(capsys):
     assert 0 == cli.main(["--help"])
     text = capsys.readouterr().out
     for flag in ("--control-plane", "--bootstrap-token-file", "--bootstrap-token", "--simulate", "--cgroup-root", "--state-dir",
-                 "--metrics-listen", "--exec-allow-uid", "--cgroup-enable-from"):
+                 "--metrics-listen", "--exec-allow-uid", "--cgroup-enable-from", "--ca-file", "--client-cert",
+                 "--client-key"):
         assert flag in text
 
 
@@ -43,6 +44,9 @@ def test_help_lists_the_pinned_flags(capsys):
     (["--exec-tenant-user", "acme=64123:0"], "a tenant's workload user must not be root"),
     (["--exec-tenant-user", "acme=x-no-such-user-x"], "no such user"),
     (["--exec-tenant-user", "acme=64123", "--exec-tenant-user", "acme=64124"], "is given twice"),
+    (["--ca-file", "/nonexistent/ca.pem"], "--ca-file /nonexistent/ca.pem: cannot read it"),
+    (["--client-cert", "/nonexistent/node.pem"], "--client-cert and --client-key go together"),
+    (["--ca-file", "/proc/version"], "--ca-file /proc/version: holds no PEM CA certificate"),
 ])
 def test_bad_options_exit_2_naming_the_option(capsys, args, message):
     assert 2 == cli.main(["--control-plane", "http://127.0.0.1:1", "--bootstrap-token", "t", *args])
