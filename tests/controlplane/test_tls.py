@@ -67,11 +67,11 @@ def mutual(pki):
     proc.stop()
 
 
-def berth(*argv: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def berth(*argv: str, env: dict | None = None, xdg: Path | None = None) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
-    environ.update({"XDG_CONFIG_HOME": str(cwd or "/nonexistent"), "BERTH_TOKEN": TOKENS["alice"], **(env or {})})
+    environ.update({"XDG_CONFIG_HOME": str(xdg or "/nonexistent"), "BERTH_TOKEN": TOKENS["alice"], **(env or {})})
     return subprocess.run([sys.executable, "-m", "berth", *argv], capture_output=True, text=True, env=environ,
-                          timeout=60, cwd=cwd)
+                          timeout=60)
 
 
 def listening(server: ServerProcess) -> dict:
@@ -120,10 +120,10 @@ def test_the_host_name_in_the_url_may_be_any_the_certificate_holds(server, pki):
 
 
 def test_the_ca_file_may_come_from_the_config_file_relative_to_it(server, pki, tmp_path):
-    (tmp_path / "berth").mkdir()
-    (tmp_path / "berth" / "ca.pem").write_bytes(pki["ca"].ca_file.read_bytes())
-    (tmp_path / "berth" / "config.json").write_text(json.dumps({"url": server.url, "caFile": "ca.pem"}))
-    out = berth("reservations", "list", "--json", cwd=tmp_path)
+    (tmp_path / "xdg" / "berth").mkdir(parents=True)
+    (tmp_path / "xdg" / "berth" / "ca.pem").write_bytes(pki["ca"].ca_file.read_bytes())
+    (tmp_path / "xdg" / "berth" / "config.json").write_text(json.dumps({"url": server.url, "caFile": "ca.pem"}))
+    out = berth("reservations", "list", "--json", xdg=tmp_path / "xdg")
     assert 0 == out.returncode, out.stderr
 
 
