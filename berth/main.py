@@ -12,10 +12,10 @@ commands:
                        on a node: run a command inside a reservation's cgroup
   reservations         create|get|list|release|cancel|extend|renew|quote (tenants)
   operations           get|wait (tenants)
+  events               list [--follow]: what happened to the tenant's reservations (tenants)
   usage                charge history (tenants)
   confirmations        list|get|approve|deny what delegated agents ask (tenants)
-  admin nodes release-identity NODE
-                       let a replaced host register the node (operators, with the admin token)
+  admin                nodes|pools|tenants|events: the fleet (operators: the admin or an operator token)
 
 Run `berth <command> --help` for the options of one command; `berth --version` prints the version.
 """
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         from agent import exec as agent_exec
 
         return agent_exec.main(rest)
-    if command in ("reservations", "operations", "usage", "confirmations", "admin"):
+    if command in ("reservations", "operations", "events", "usage", "confirmations", "admin"):
         from berth import cli
 
         return cli.main([command, *rest])

@@ -13,6 +13,7 @@ opens a confirmation instead.
 from __future__ import annotations
 
 import asyncio
+import time
 import secrets
 from dataclasses import dataclass, replace
 from decimal import Decimal
@@ -114,6 +115,8 @@ class ReservationService:
         self.quotes = quotes
         self.reconciler = reconciler
         self._waiters: dict[str, list[asyncio.Future]] = {}
+        self._event_waiters: dict[str, list[asyncio.Future]] = {}  # tenant -> long polls on its events
+        self.closing = False
         moves.listeners.append(self._wake_waiters)
 
     # ---- shared pieces ------------------------------------------------------
@@ -152,6 +155,10 @@ class ReservationService:
         return tenant
 
     def _wake_waiters(self, res: Reservation) -> None:
+        # A saved reservation (after its commit) is when its events become readable: wake the tenant's long polls.
+        for fut in self._event_waiters.pop(res.tenant_id, ()):
+            if not fut.done():
+                fut.set_result(None)
         if res.state == states.PENDING:
             return
         for fut in self._waiters.pop(res.id, ()):
@@ -474,9 +481,33 @@ class ReservationService:
         answers = [Answer(r, r.operation()) for r in chosen]
         return answers, (chosen[-1].id if more and chosen else None)
 
-    async def events(self, principal: Principal, after: int | None, limit: int) -> list[dict]:
+    async def events(self, principal: Principal, after: int | None, limit: int, wait_ms: int = 0) -> list[dict]:
+        """The tenant's events after the cursor; with wait_ms, held until one is committed (or the time is up)."""
         await self.authorize_tenant_read(principal)
-        return self.store.events(principal.tenant_id, after, limit)
+        deadline = time.monotonic() + wait_ms / 1000
+        while True:
+            rows = self.store.events(principal.tenant_id, after, limit)
+            left = deadline - time.monotonic()
+            if rows or left <= 0 or self.closing:
+                return rows
+            fut = asyncio.get_running_loop().create_future()
+            waiting = self._event_waiters.setdefault(principal.tenant_id, [])
+            waiting.append(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                if fut in waiting:
+                    waiting.remove(fut)
+
+    def close(self) -> None:
+        """Shutting down: every long poll answers now."""
+        self.closing = True
+        for waiting in self._event_waiters.values():
+            for fut in waiting:
+                if not fut.done():
+                    fut.set_result(None)
 
     # ---- release and cancel ------------------------------------------------------
     async def release(self, principal: Principal, reservation_id: str) -> Answer:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import shlex
 import time
 from typing import Any, Awaitable, Callable, Sequence, TextIO
@@ -20,7 +21,7 @@ import msgspec
 from berth.cli.advice import EXIT_OK, EXIT_TIMEOUT, exit_code_of_operation, report_refusal
 from berth.cli.context import Context, connection_flags, same_command, without
 from berth.cli.parser import DEFAULT_WAIT_S, request_of
-from berth.cli.render import (render_confirmation, render_list, render_node, render_node_action, render_nodes,
+from berth.cli.render import (render_confirmation, render_events, render_list, render_node, render_node_action, render_nodes,
                               render_operation, render_pool, render_pools, render_quote, render_reservation,
                               render_tenant, render_tenants, render_usage, table, when)
 from berth.client import WAIT_STEP_MS, BerthError
@@ -141,6 +142,39 @@ async def cmd_operation_wait(ctx: Context, argv: Sequence[str]) -> int:
     return code
 
 
+FOLLOW_WAIT_MS = 25_000  # each long poll of --follow (the server holds at most 30 s)
+
+
+async def cmd_events_list(ctx: Context, argv: Sequence[str]) -> int:
+    """A page of the tenant's events; with --follow, every page up to now and then each new event as it is
+    committed (one long poll after another on the cursor), until interrupted."""
+    a = ctx.args
+    mine = (lambda e: e.reservation_id == a.reservation) if a.reservation else (lambda e: True)
+    if not a.follow:
+        page = await ctx.client.list_events(after=a.after, limit=a.limit)
+        shown = [e for e in page.events if mine(e)]
+        text = render_events(shown) if shown else "no events"
+        if page.events:
+            text += f"\nmore: {same_command(ctx, [*without(argv, '--after'), '--after', str(page.next_cursor)])}"
+        ctx.emit({"events": wire(shown), "nextCursor": page.next_cursor}, text)
+        return EXIT_OK
+    cursor, header = a.after, not ctx.json
+    if ctx.progress:
+        ctx.say("following events (Ctrl-C to stop)")
+    while True:
+        page = await ctx.client.list_events(after=cursor, limit=a.limit, wait_ms=FOLLOW_WAIT_MS)
+        for e in page.events:
+            if not mine(e):
+                continue
+            if ctx.json:
+                print(json.dumps(wire(e)), file=ctx.out, flush=True)
+            else:
+                print(render_events([e], header=header), file=ctx.out, flush=True)
+                header = False
+        if page.next_cursor is not None:
+            cursor = page.next_cursor
+
+
 async def cmd_usage(ctx: Context, argv: Sequence[str]) -> int:
     a = ctx.args
     u = await ctx.client.list_usage(reservation_id=a.reservation, since=a.since, until=a.until, limit=a.limit,
@@ -243,6 +277,7 @@ COMMANDS: dict[tuple[str, str | None], Callable[[Context, Sequence[str]], Awaita
     ("reservations", "renew"): _one("renew"),
     ("reservations", "extend"): cmd_extend,
     ("reservations", "list"): cmd_list,
+    ("events", "list"): cmd_events_list,
     ("operations", "get"): cmd_operation_get,
     ("operations", "wait"): cmd_operation_wait,
     ("usage", None): cmd_usage,

@@ -169,6 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     lst.add_argument("--limit", type=int, help="1 to 200 (default 50)")
     lst.add_argument("--cursor", help="the nextCursor of the previous page")
 
+    events = groups.add_parser("events", help="what happened to your tenant's reservations").add_subparsers(
+        dest="command", required=True, metavar="COMMAND")
+    ev_list = events.add_parser("list", parents=[common], help="the tenant's events, oldest first (--follow: "
+                                "and then each new one as it happens, until Ctrl-C)")
+    ev_list.add_argument("--after", type=int, metavar="SEQ", help="only events after this cursor (an event's seq)")
+    ev_list.add_argument("--limit", type=int, help="events per page, 1 to 500 (default 100)")
+    ev_list.add_argument("--reservation", metavar="RESERVATION", help="only this reservation's events")
+    ev_list.add_argument("--follow", "-f", action="store_true",
+                         help="keep printing events as they are committed (a long poll on the cursor)")
+
     ops = groups.add_parser("operations", help="the long-running record of each mutation").add_subparsers(
         dest="command", required=True, metavar="COMMAND")
     get_op = ops.add_parser("get", parents=[common], help="show an operation")

@@ -1,12 +1,13 @@
 """How the CLI shows answers on a terminal: tables, key/value blocks, times and money."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Sequence
 
 from berth.cli.context import Context, request_command, same_command, without
-from berth.client import (AdminNode, AdminPool, AdminTenant, Confirmation, NodeAction, NodeBooking, Operation, Quote,
-                          Reservation, ReservationPage, Usage)
+from berth.client import (AdminNode, AdminPool, AdminTenant, Confirmation, Event, NodeAction, NodeBooking, Operation,
+                          Quote, Reservation, ReservationPage, Usage)
 
 
 def money_rate(value: Any) -> str:
@@ -121,6 +122,27 @@ def render_confirmation(c: Confirmation) -> str:
                    ("expires", when(c.expires_at)), ("decided", when(c.decided_at)), ("asked", c.message)])
 
 
+
+
+EVENT_COLUMNS = (6, 24, 30, 28, 10)  # SEQ, AT, RESERVATION, EVENT, STATE: fixed, so --follow's rows line up
+
+
+def render_events(events: Sequence[Event], header: bool = True) -> str:
+    """Events as rows of fixed columns (SEQ AT RESERVATION EVENT STATE DETAILS): the same with one row at a time."""
+    def row(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, EVENT_COLUMNS)) + "  " + cells[-1]
+
+    lines = [row(("SEQ", "AT", "RESERVATION", "EVENT", "STATE", "DETAILS"))] if header else []
+    for e in events:
+        details = " ".join(f"{k}={_detail(k, v)}" for k, v in e.data.items() if k not in ("state", "poolId"))
+        lines.append(row((e.seq, when(e.at), e.reservation_id or "-", e.type, e.data.get("state", ""), details)))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _detail(key: str, value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and key in ("end", "start", "until", "at", "expiresAt"):
+        return when(value)
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
 # ---- the operator's (berth admin ...) ----------------------------------------------------------------------------

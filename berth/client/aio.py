@@ -248,8 +248,12 @@ class AsyncClient:
                           until=None if until is None else parse_time(until), limit=limit, cursor=cursor)
         return decode(await self.call("compute/usage/list", body), Usage)
 
-    async def list_events(self, *, after: int | None = None, limit: int | None = None) -> EventPage:
-        return decode(await self.call("compute/events/list", _drop_none(after=after, limit=limit)), EventPage)
+    async def list_events(self, *, after: int | None = None, limit: int | None = None,
+                          wait_ms: int = 0) -> EventPage:
+        """The tenant's events after the cursor, oldest first; wait_ms (at most 30000) holds the answer until there
+        is one (a long poll: an empty page means none came)."""
+        body = _drop_none(after=after, limit=limit, waitMs=wait_ms or None)
+        return decode(await self.call("compute/events/list", body, wait_s=wait_ms / 1000), EventPage)
 
     # confirmations
     async def list_confirmations(self, *, status: str | None = None,

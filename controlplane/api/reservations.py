@@ -82,7 +82,7 @@ async def renew(request: web.Request) -> web.Response:
 
 async def events(request: web.Request) -> web.Response:
     body = await read_json(request, schemas.EventsBody)
-    rows = await request.app[SERVICE].events(request["principal"], body.after, body.limit)
+    rows = await request.app[SERVICE].events(request["principal"], body.after, body.limit, body.waitMs)
     return json_response({"events": rows, "nextCursor": rows[-1]["seq"] if rows else body.after})
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import select
 import shlex
 import subprocess
 import sys
@@ -388,3 +389,54 @@ def test_usage_prints_lines_and_totals(berth, server, alice):
     tomorrow = time.strftime("%Y-%m-%d", time.gmtime(time.time() + 86_400))
     assert [] == berth("usage", "--since", tomorrow, "--json").json["lines"]
 
+
+
+# ---- events ------------------------------------------------------------------------------------
+
+def test_events_list_shows_a_reservations_events_with_iso_times(berth, alice):
+    r = alice.create("h100", "H100_80GB", gpu_count=1, duration_hours=1)
+    run = berth("events", "list", "--reservation", r.id, "--limit", "500", env={"BERTH_FORCE_TTY": "1"})
+    assert 0 == run.code, run.err
+    header, *rows = run.out.splitlines()
+    assert header.split()[:5] == ["SEQ", "AT", "RESERVATION", "EVENT", "STATE"]
+    assert rows and all(r.id in row for row in rows if not row.startswith("more:"))
+    assert "reservation.placed" in run.out and "Z" in rows[0]
+    doc = berth("events", "list", "--reservation", r.id, "--limit", "500", "--json").json
+    assert {r.id} == {e["reservationId"] for e in doc["events"]} and doc["nextCursor"] >= doc["events"][-1]["seq"]
+
+
+def test_events_follow_prints_each_new_event_as_it_happens(server, config_home, alice):
+    cursor = alice.list_events(limit=500)
+    while cursor.events:  # the end of the tenant's events so far
+        cursor = alice.list_events(after=cursor.next_cursor, limit=500)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
+    environ.update({"XDG_CONFIG_HOME": str(config_home), "BERTH_URL": server.url, "BERTH_TOKEN": TOKENS["alice"]})
+    follow = subprocess.Popen([sys.executable, "-m", "berth", "events", "list", "--follow", "--json",
+                               "--after", str(cursor.next_cursor or 0)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=environ)
+    buf = b""
+
+    def next_event() -> dict:
+        nonlocal buf
+        while b"\n" not in buf:
+            ready, _, _ = select.select([follow.stdout], [], [], 5)
+            assert ready, "no event printed within 5 s"
+            buf += os.read(follow.stdout.fileno(), 65536)
+        line, buf = buf.split(b"\n", 1)
+        return json.loads(line)
+
+    try:
+        time.sleep(0.5)  # its first long poll is waiting
+        started = time.monotonic()
+        r = alice.create("h100", "H100_80GB", gpu_count=1, duration_hours=1)
+        first = next_event()
+        assert (r.id, "reservation.placed") == (first["reservationId"], first["type"])
+        assert time.monotonic() - started < 5  # pushed by the long poll, not found by a later poll
+        alice.release(r.id)
+        seen = []  # reservation.binding may come in between
+        while "reservation.released" not in seen:
+            seen.append(next_event()["type"])
+    finally:
+        follow.send_signal(2)
+        code = follow.wait(10)
+    assert advice.EXIT_INTERRUPTED == code, follow.stderr.read()

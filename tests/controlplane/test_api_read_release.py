@@ -1,6 +1,8 @@
 """get, list, release, cancel and the events list through real HTTP."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.controlplane.conftest import HOUR, T0
@@ -180,3 +182,20 @@ async def test_unknown_method_and_wrong_verb_answer_with_the_envelope(api):
     assert (status, doc["error"]["code"]) == (404, "NOT_FOUND")
     resp = await api.client.get("/api/compute/reservations/get", headers={"Authorization": "Bearer token-acme-alice-000001"})
     assert resp.status == 405 and (await resp.json())["error"]["code"] == "INVALID_INPUT"
+
+
+async def test_events_long_poll_answers_when_an_event_is_committed_and_empty_when_the_wait_ends(api):
+    _, first = await api.create(key="a")
+    cursor = (await api.post("/api/compute/events/list", "alice", {}))[1]["nextCursor"]
+    waiting = asyncio.ensure_future(api.post("/api/compute/events/list", "alice", {"after": cursor, "waitMs": 5000}))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    await api.call("release", "alice", {"reservationId": first["reservation"]["id"]})
+    status, doc = await asyncio.wait_for(waiting, 2)
+    assert 200 == status and ["reservation.released"] == [e["type"] for e in doc["events"]]
+    # with nothing new, the wait ends empty with the same cursor
+    cursor = doc["nextCursor"]
+    status, doc = await api.post("/api/compute/events/list", "alice", {"after": cursor, "waitMs": 300})
+    assert (200, [], cursor) == (status, doc["events"], doc["nextCursor"])
+    status, doc = await api.post("/api/compute/events/list", "alice", {"waitMs": 30_001})
+    assert (400, "waitMs") == (status, doc["error"]["details"]["field"])
