@@ -12,6 +12,8 @@ commands:
                        on a node: run a command inside a reservation's cgroup
   reservations         create|get|list|release|cancel|extend|renew|quote (tenants)
   operations           get|wait (tenants)
+  pools                list|get: what can be booked, and what is free (tenants)
+  whoami               who your token speaks for (tenants)
   events               list [--follow]: what happened to the tenant's reservations (tenants)
   usage                charge history (tenants)
   confirmations        list|get|approve|deny what delegated agents ask (tenants)
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         from agent import exec as agent_exec
 
         return agent_exec.main(rest)
-    if command in ("reservations", "operations", "events", "usage", "confirmations", "admin"):
+    if command in ("reservations", "operations", "pools", "whoami", "events", "usage", "confirmations", "admin"):
         from berth import cli
 
         return cli.main([command, *rest])

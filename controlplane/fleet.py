@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import structlog
 
+from common.share import NO_SHARE, Share
 from controlplane.billing import Billing
 from controlplane.catalog import encode_item
 from controlplane.domain import node_states, states
@@ -151,11 +152,22 @@ class FreeStep:
 
 @dataclass(frozen=True, slots=True)
 class OfferedPool:
-    """A pool the tenant owns or is offered, with its devices free over the window."""
+    """A pool the tenant owns or is offered: what can be booked there, and its devices free over the window."""
 
     pool: Pool
     units: int  # devices of its nodes that take placements
     free: tuple[FreeStep, ...]
+    owned: bool = False
+    bindings: tuple[str, ...] = ("hold",)  # the binding kinds this tenant may ask for here
+    per_gpu: Share = NO_SHARE  # what a whole GPU brings of its host (exclusive pools)
+    node_shapes: tuple[tuple[int, int], ...] = ()  # (GPUs per node, nodes of that size), largest first
+    profiles: tuple[tuple[str, int], ...] = ()  # (MIG profile, instances) of a mig pool
+
+
+def bindings_for(pool: Pool, tenant_id: str) -> tuple[str, ...]:
+    """hold always; node where the pool gives tenant root; kubernetes on a kubernetes pool, for its owner only."""
+    return ("hold",) + (("node",) if pool.policy.tenant_root else ()) + (
+        ("kubernetes",) if pool.policy.kubernetes and pool.owner == tenant_id else ())
 
 
 # ---- the calendar, read -----------------------------------------------------------------------
@@ -524,6 +536,12 @@ class FleetService:
         for pool in sorted(catalog.pools.values(), key=lambda p: p.id):
             if not pool.visible_to(tenant_id):
                 continue
-            units, steps = free_steps(catalog.pool_nodes(pool.id), self.state.calendar.pool(pool.id), window)
-            out.append(OfferedPool(pool, units, steps))
+            nodes = catalog.pool_nodes(pool.id)
+            units, steps = free_steps(nodes, self.state.calendar.pool(pool.id), window)
+            shapes = Counter(n.gpu_count for n in nodes)
+            profiles = Counter(u.mig_profile for n in nodes for u in n.units if u.mig_profile)
+            out.append(OfferedPool(pool, units, steps, owned=pool.owner == tenant_id,
+                                   bindings=bindings_for(pool, tenant_id), per_gpu=catalog.profile(pool.id).share,
+                                   node_shapes=tuple(sorted(shapes.items(), reverse=True)),
+                                   profiles=tuple(sorted(profiles.items()))))
         return out

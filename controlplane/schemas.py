@@ -104,9 +104,12 @@ class ListBody(Struct, forbid_unknown_fields=True):
 EVENTS_WAIT_MAX_MS = 30_000
 
 
-class EventsBody(Struct, forbid_unknown_fields=True):
+class EventsPage(Struct, forbid_unknown_fields=True):
     after: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] | None = None
     limit: Annotated[int, Meta(ge=1, le=500)] = 100
+
+
+class EventsBody(EventsPage, forbid_unknown_fields=True):
     waitMs: Annotated[int, Meta(ge=0, le=EVENTS_WAIT_MAX_MS)] = 0  # a long poll: answer once there is an event
 
 

@@ -21,9 +21,10 @@ import msgspec
 from berth.cli.advice import EXIT_OK, EXIT_TIMEOUT, exit_code_of_operation, report_refusal
 from berth.cli.context import Context, connection_flags, same_command, without
 from berth.cli.parser import DEFAULT_WAIT_S, request_of
-from berth.cli.render import (render_confirmation, render_events, render_list, render_node, render_node_action, render_nodes,
-                              render_operation, render_pool, render_pools, render_quote, render_reservation,
-                              render_tenant, render_tenants, render_usage, table, when)
+from berth.cli.render import (render_confirmation, render_events, render_list, render_node, render_node_action,
+                              render_nodes, render_offered_pool, render_offered_pools, render_operation, render_pool,
+                              render_pools, render_quote, render_reservation, render_tenant, render_tenants,
+                              render_usage, render_whoami, table, when)
 from berth.client import WAIT_STEP_MS, BerthError
 
 
@@ -140,6 +141,24 @@ async def cmd_operation_wait(ctx: Context, argv: Sequence[str]) -> int:
         code = EXIT_TIMEOUT
     ctx.emit(wire(answer), text)
     return code
+
+
+async def cmd_pools_list(ctx: Context, argv: Sequence[str]) -> int:
+    pools = await ctx.client.list_pools(start=ctx.args.start, until=ctx.args.until)
+    ctx.emit({"pools": wire(pools)}, render_offered_pools(pools))
+    return EXIT_OK
+
+
+async def cmd_pools_get(ctx: Context, argv: Sequence[str]) -> int:
+    pool = await ctx.client.get_pool(ctx.args.pool_id, start=ctx.args.start, until=ctx.args.until)
+    ctx.emit({"pool": wire(pool)}, render_offered_pool(pool))
+    return EXIT_OK
+
+
+async def cmd_whoami(ctx: Context, argv: Sequence[str]) -> int:
+    me = await ctx.client.whoami()
+    ctx.emit({"principal": wire(me)}, render_whoami(me))
+    return EXIT_OK
 
 
 FOLLOW_WAIT_MS = 25_000  # each long poll of --follow (the server holds at most 30 s)
@@ -278,6 +297,9 @@ COMMANDS: dict[tuple[str, str | None], Callable[[Context, Sequence[str]], Awaita
     ("reservations", "extend"): cmd_extend,
     ("reservations", "list"): cmd_list,
     ("events", "list"): cmd_events_list,
+    ("pools", "list"): cmd_pools_list,
+    ("pools", "get"): cmd_pools_get,
+    ("whoami", None): cmd_whoami,
     ("operations", "get"): cmd_operation_get,
     ("operations", "wait"): cmd_operation_wait,
     ("usage", None): cmd_usage,

@@ -169,6 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     lst.add_argument("--limit", type=int, help="1 to 200 (default 50)")
     lst.add_argument("--cursor", help="the nextCursor of the previous page")
 
+    pools = groups.add_parser("pools", help="what you can book: your tenant's pools and their free devices"
+                              ).add_subparsers(dest="command", required=True, metavar="COMMAND")
+    pool_list = pools.add_parser("list", parents=[common], help="the pools your tenant owns or is offered")
+    pool_get = pools.add_parser("get", parents=[common], help="one pool, with its free devices over the window")
+    pool_get.add_argument("pool_id", metavar="POOL")
+    for sub in (pool_list, pool_get):
+        sub.add_argument("--from", dest="start", type=_time_text, metavar="TIME", help="free devices from (default now)")
+        sub.add_argument("--until", type=_time_text, metavar="TIME", help="until (default a week after --from)")
+    groups.add_parser("whoami", parents=[common], help="who your token speaks for: tenant, principal, kind, scope")
+
     events = groups.add_parser("events", help="what happened to your tenant's reservations").add_subparsers(
         dest="command", required=True, metavar="COMMAND")
     ev_list = events.add_parser("list", parents=[common], help="the tenant's events, oldest first (--follow: "

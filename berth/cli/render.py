@@ -6,8 +6,8 @@ import time
 from typing import Any, Sequence
 
 from berth.cli.context import Context, request_command, same_command, without
-from berth.client import (AdminNode, AdminPool, AdminTenant, Confirmation, Event, NodeAction, NodeBooking, Operation,
-                          Quote, Reservation, ReservationPage, Usage)
+from berth.client import (AdminNode, AdminPool, AdminTenant, Confirmation, Event, NodeAction, NodeBooking, OfferedPool,
+                          Operation, Quote, Reservation, ReservationPage, Usage, Whoami)
 
 
 def money_rate(value: Any) -> str:
@@ -122,6 +122,45 @@ def render_confirmation(c: Confirmation) -> str:
                    ("expires", when(c.expires_at)), ("decided", when(c.decided_at)), ("asked", c.message)])
 
 
+
+
+def _pool_shape(p: OfferedPool) -> str:
+    if p.sharing == "mig":
+        return ", ".join(f"{m.units} x {m.profile}" for m in p.mig_profiles or []) or "no MIG instances"
+    if p.sharing == "slots":
+        return f"{p.slots_per_gpu} slots per GPU"
+    share = p.per_gpu or {}
+    return f"per GPU {share.get('vcpu', 0):g} vCPU, {share.get('memoryGiB', 0):g} GiB"
+
+
+def _free(p: OfferedPool) -> str:
+    text = f"{p.free_now}/{p.units}"
+    if p.next_change is not None:
+        text += f", {p.next_change.units} from {when(p.next_change.at)}"
+    return text
+
+
+def render_offered_pools(pools: Sequence[OfferedPool]) -> str:
+    if not pools:
+        return "no pools: your tenant owns none and is offered none; ask the operator"
+    return table(("POOL", "REGION", "MODEL", "SHARING", "SHAPE", "BINDINGS", "PRICE/GPU-H", "NODES", "FREE NOW/TOTAL"),
+                 [(p.id, p.region, p.gpu_model, p.sharing, _pool_shape(p), ",".join(p.bindings),
+                   money_rate(p.price_per_gpu_hour_usd), " ".join(f"{s.nodes}x{s.gpus}" for s in p.node_sizes) or "0",
+                   _free(p)) for p in pools])
+
+
+def render_offered_pool(p: OfferedPool) -> str:
+    steps = "; ".join(f"{s.units} from {when(s.at)}" for s in p.free)
+    return fields([("pool", p.id), ("region", p.region), ("model", p.gpu_model), ("sharing", p.sharing),
+                   ("yours", "owned" if p.owned else "offered to your tenant"), ("shape", _pool_shape(p)),
+                   ("bindings", ", ".join(p.bindings)), ("price", money_rate(p.price_per_gpu_hour_usd) + " per GPU"),
+                   ("nodes", ", ".join(f"{s.nodes} of {s.gpus} GPUs" for s in p.node_sizes) or "none"),
+                   ("free now", _free(p)), ("free over the window", steps)])
+
+
+def render_whoami(w: Whoami) -> str:
+    return fields([("principal", w.id), ("tenant", w.tenant_id), ("kind", w.kind),
+                   ("acting for", w.delegated_by), ("scope", w.scope)])
 
 
 EVENT_COLUMNS = (6, 24, 30, 28, 10)  # SEQ, AT, RESERVATION, EVENT, STATE: fixed, so --follow's rows line up

@@ -9,9 +9,10 @@ the result types and their fields.
 from berth.client.aio import WAIT_STEP_MS, AsyncClient
 from berth.client.answers import (TERMINAL, AdminNode, AdminPool, AdminTenant, Alternative, Bound, Condition, Confirmation,
                                   DeviceCount, Event, EventPage, ExtendResult, Failure, FreeStep, MovedReservation,
-                                  NodeAction, NodeBooking, NodeInventory, OfferedPool, Operation, OperationWait,
+                                  MigProfileCount, NodeAction, NodeBooking, NodeInventory, NodeSize, OfferedPool,
+                                  Operation, OperationWait,
                                   Placement, Quote, Reservation, ReservationPage, ReservationTotal, Resources, Usage,
-                                  UsageLine, decode)
+                                  UsageLine, Whoami, decode)
 from berth.client.config import ConfigError, Settings, default_config_path, read_config_file, resolve_settings
 from berth.client.errors import (ERRORS, AccessDenied, BadAnswer, BerthError, ComputeAccessRequired, Conflict,
                                  ConfirmationRequired, InsufficientFunds, InvalidInput, InvalidState, NoCapacity,
@@ -22,7 +23,8 @@ from berth.client.sync import Client
 
 __all__ = [
     "WAIT_STEP_MS", "AsyncClient", "TERMINAL", "AdminNode", "AdminPool", "AdminTenant", "DeviceCount", "FreeStep",
-    "MovedReservation", "NodeAction", "NodeBooking", "NodeInventory", "OfferedPool", "Alternative", "Bound", "Condition", "Confirmation", "Event", "EventPage",
+    "MigProfileCount", "MovedReservation", "NodeAction", "NodeBooking", "NodeInventory", "NodeSize", "OfferedPool",
+    "Whoami", "Alternative", "Bound", "Condition", "Confirmation", "Event", "EventPage",
     "ExtendResult", "Failure", "Operation", "OperationWait", "Placement", "Quote", "Reservation", "ReservationPage",
     "ReservationTotal", "Resources", "Usage", "UsageLine", "decode", "ConfigError", "Settings",
     "default_config_path", "read_config_file", "resolve_settings", "ERRORS", "AccessDenied", "BadAnswer",

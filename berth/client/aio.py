@@ -30,7 +30,7 @@ import msgspec
 
 from berth.client.answers import (AdminNode, AdminPool, AdminTenant, Confirmation, EventPage, ExtendResult, NodeAction,
                                   OfferedPool, Operation, OperationWait, Quote, Reservation, ReservationPage, Usage,
-                                  decode)
+                                  Whoami, decode)
 from berth.client.config import Settings
 from berth.client.errors import BadAnswer, BerthError, TransportError, error_of
 from berth.client.requests import ReservationRequest, new_idempotency_key, parse_time
@@ -280,6 +280,15 @@ class AsyncClient:
         (default a week later)."""
         doc = await self.call("compute/pools/list", _window(start, until))
         return decode(doc.get("pools"), list[OfferedPool])
+
+    async def get_pool(self, pool_id: str, *, start: str | int | datetime | None = None,
+                       until: str | int | datetime | None = None) -> OfferedPool:
+        doc = await self.call("compute/pools/get", {"poolId": pool_id, **_window(start, until)})
+        return decode(doc.get("pool"), OfferedPool)
+
+    async def whoami(self) -> Whoami:
+        """Who this client's token speaks for: tenant, principal, kind (user or agent), scope (manage or read)."""
+        return decode((await self.call("iam/whoami", {})).get("principal"), Whoami)
 
     # the operator's (the bootstrap file's admin token, or an operator principal's token)
     async def release_node_identity(self, node_id: str) -> AdminNode:

@@ -306,9 +306,38 @@ class OfferedPool(Struct, rename="camel", kw_only=True, frozen=True):
     region: str
     gpu_model: str
     sharing: str = "exclusive"
+    owned: bool = False
+    bindings: list[str] = []  # the binding kinds this tenant may ask for here
+    mig_profiles: list[MigProfileCount] | None = None  # a mig pool's instances by profile
+    slots_per_gpu: int | None = None  # a slots pool
     price_per_gpu_hour_usd: Decimal | None = None
+    per_gpu: dict[str, float] | None = None  # what a whole GPU brings of its host: vcpu, memoryGiB, hugepages1Gi
+    nodes: int = 0
+    node_sizes: list[NodeSize] = []
     units: int = 0
+    free_now: int = 0
+    next_change: FreeStep | None = None
     free: list[FreeStep] = []
+
+
+class MigProfileCount(Struct, kw_only=True, frozen=True):
+    profile: str
+    units: int
+
+
+class NodeSize(Struct, kw_only=True, frozen=True):
+    gpus: int
+    nodes: int
+
+
+class Whoami(Struct, rename="camel", kw_only=True, frozen=True):
+    """Who a token speaks for."""
+
+    id: str
+    tenant_id: str
+    kind: str  # user or agent
+    scope: str  # manage or read
+    delegated_by: str | None = None
 
 
 T = TypeVar("T")

@@ -85,6 +85,8 @@ class Client:
     approve_confirmation = _blocking(AsyncClient.approve_confirmation)
     deny_confirmation = _blocking(AsyncClient.deny_confirmation)
     list_pools = _blocking(AsyncClient.list_pools)
+    get_pool = _blocking(AsyncClient.get_pool)
+    whoami = _blocking(AsyncClient.whoami)
     release_node_identity = _blocking(AsyncClient.release_node_identity)
     list_nodes = _blocking(AsyncClient.list_nodes)
     get_node = _blocking(AsyncClient.get_node)

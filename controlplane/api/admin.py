@@ -242,7 +242,7 @@ async def get_tenant(request: web.Request) -> web.Response:
 
 async def list_events(request: web.Request) -> web.Response:
     cp, actor = _operator(request)
-    body = await read_json(request, schemas.EventsBody)
+    body = await read_json(request, schemas.EventsPage)
     rows, cursor = await cp.fleet.events(actor, body.after, body.limit)
     return json_response({"events": rows, "nextCursor": cursor})
 

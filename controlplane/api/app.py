@@ -18,6 +18,7 @@ from controlplane.api.access_log import AccessLog
 from controlplane.api import billing as billing_api
 from controlplane.api import confirmations as confirmation_api
 from controlplane.api import guard
+from controlplane.api import identity as identity_api
 from controlplane.api import nodes as node_api
 from controlplane.api import openapi
 from controlplane.api import pools as pool_api
@@ -128,6 +129,7 @@ def create_app(config: Config, control_plane: ControlPlane | None = None,
     app.add_routes(node_api.routes())
     app.add_routes(admin_api.routes())
     app.add_routes(pool_api.routes())
+    app.add_routes(identity_api.routes())
     app.add_routes(ui_api.routes())
     app.router.add_get("/metrics", metrics)
     openapi.setup(app)

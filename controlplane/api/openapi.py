@@ -25,7 +25,7 @@ from common import errors as error_table
 from common import nodewire
 from common.version import VERSION
 from controlplane import schemas
-from controlplane.api import admin, pools, ui
+from controlplane.api import admin, identity, pools, ui
 from controlplane.api.errors import BODY_FIELDS, HTTP_CODES, ErrorEnvelope
 from controlplane.bootstrap import BootstrapDoc
 from controlplane.domain import errors as e
@@ -86,6 +86,12 @@ DESCRIBED: dict[tuple[str, str], Described] = {
     ("POST", "/api/compute/pools/list"): Described(
         "The pools the tenant owns or is offered, with their free devices over a window", pools.PoolsBody,
         answer=("pools", "now")),
+    ("POST", "/api/compute/pools/get"): Described(
+        "One pool the tenant owns or is offered, with its free devices over a window", pools.PoolGetBody,
+        answer=("pool", "now")),
+    ("POST", "/api/iam/whoami"): Described(
+        "Who the caller's token speaks for: tenant, principal, kind, scope", identity.WhoamiBody,
+        answer=("principal",)),
     ("POST", "/api/iam/confirmations/list"): Described(
         "Confirmations the caller requested or decides", schemas.ConfirmationList, answer=("confirmations",)),
     ("POST", "/api/iam/confirmations/get"): Described(
@@ -124,7 +130,7 @@ DESCRIBED: dict[tuple[str, str], Described] = {
         "Tenants with their quota, use and spend", admin.Nothing, answer=("tenants",)),
     ("POST", "/api/admin/tenants/get"): Described("One tenant", admin.TenantBody, answer=("tenant",)),
     ("POST", "/api/admin/events/list"): Described(
-        "The fleet's events after a cursor", schemas.EventsBody, answer=("events", "nextCursor")),
+        "The fleet's events after a cursor", schemas.EventsPage, answer=("events", "nextCursor")),
 }
 
 SECURITY_SCHEMES = {

@@ -440,3 +440,29 @@ def test_events_follow_prints_each_new_event_as_it_happens(server, config_home, 
         follow.send_signal(2)
         code = follow.wait(10)
     assert advice.EXIT_INTERRUPTED == code, follow.stderr.read()
+
+
+# ---- discover: pools and whoami ------------------------------------------------------------------------
+
+def test_pools_list_and_get_show_what_can_be_booked_and_what_is_free(berth):
+    run = berth("pools", "list", env={"BERTH_FORCE_TTY": "1"})
+    assert 0 == run.code, run.err
+    header = run.out.splitlines()[0].split()
+    assert header[:5] == ["POOL", "REGION", "MODEL", "SHARING", "SHAPE"]
+    assert "h100" in run.out and "1g.10gb" in run.out and "per GPU" in run.out
+    doc = berth("pools", "list", "--json").json
+    h100 = {p["id"]: p for p in doc["pools"]}["h100"]
+    assert (True, "exclusive") == (h100["owned"], h100["sharing"]) and h100["freeNow"] <= h100["units"]
+    got = berth("pools", "get", "mig", env={"BERTH_FORCE_TTY": "1"})
+    assert 0 == got.code and "free now" in got.out and "1g.10gb" in got.out, got.err
+    missing = berth("pools", "get", "nope")
+    assert 3 == missing.code and "NOT_FOUND" in missing.err
+
+
+def test_whoami_names_the_tenant_principal_kind_and_scope(berth):
+    run = berth("whoami", "--json")
+    assert {"id": "alice", "tenantId": "acme", "kind": "user", "scope": "manage", "delegatedBy": None} == \
+        run.json["principal"]
+    table_run = berth("whoami", token="agent", env={"BERTH_FORCE_TTY": "1"})
+    rows = dict(line.split(None, 1) for line in table_run.out.replace("acting for", "acting-for").splitlines())
+    assert ("agent", "agent", "alice") == (rows["principal"], rows["kind"], rows["acting-for"])

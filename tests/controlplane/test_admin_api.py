@@ -176,8 +176,26 @@ async def test_a_tenant_reads_its_pools_with_the_free_devices_over_a_window(api)
     assert {"h100", "mig", "k8s", "slots", "budget"} == set(pools)  # owned or offered, not archived
     assert (16, [{"at": T0, "units": 13}, {"at": T0 + HOUR, "units": 16}], "2.500000", T0) == (
         pools["h100"]["units"], pools["h100"]["free"], pools["h100"]["pricePerGpuHourUsd"], doc["now"])
+    h100 = pools["h100"]
+    assert (True, ["hold", "node"], "exclusive", None, None, 2, [{"gpus": 8, "nodes": 2}], 13,
+            {"at": T0 + HOUR, "units": 16}) == (
+        h100["owned"], h100["bindings"], h100["sharing"], h100["migProfiles"], h100["slotsPerGpu"], h100["nodes"],
+        h100["nodeSizes"], h100["freeNow"], h100["nextChange"])
+    assert {"vcpu", "memoryGiB", "hugepages1Gi"} == set(h100["perGpu"]) and h100["perGpu"]["vcpu"] > 0
+    assert [{"profile": "1g.10gb", "units": 12}, {"profile": "2g.20gb", "units": 1}] == pools["mig"]["migProfiles"]
+    assert (2, None) == (pools["slots"]["slotsPerGpu"], pools["slots"]["perGpu"])
+    assert ["hold", "kubernetes"] == pools["k8s"]["bindings"]
     status, doc = await api.post("/api/compute/pools/list", "carol", {"until": T0 + HOUR})
     assert {"h100", "k8s", "globex-own"} == {p["id"] for p in doc["pools"]}
+    carols = {p["id"]: p for p in doc["pools"]}
+    assert (False, ["hold"]) == (carols["k8s"]["owned"], carols["k8s"]["bindings"])  # kubernetes: the owner only
+    status, doc = await api.post("/api/compute/pools/get", "alice", {"poolId": "mig"})
+    assert (200, "mig", 13) == (status, doc["pool"]["id"], doc["pool"]["units"])
+    for who, pool in (("alice", "nope"), ("carol", "mig")):  # unknown, and not offered to carol: the same answer
+        status, doc = await api.post("/api/compute/pools/get", who, {"poolId": pool})
+        assert (404, "NOT_FOUND", "poolId") == (status, doc["error"]["code"], doc["error"]["details"]["field"])
+    status, doc = await api.post("/api/compute/pools/get", "alice", {})
+    assert (400, "poolId") == (status, doc["error"]["details"]["field"])
     status, doc = await api.post("/api/compute/pools/list", "alice", {"until": 1})
     assert (400, "until") == (status, doc["error"]["details"]["field"])
 

@@ -199,3 +199,14 @@ async def test_events_long_poll_answers_when_an_event_is_committed_and_empty_whe
     assert (200, [], cursor) == (status, doc["events"], doc["nextCursor"])
     status, doc = await api.post("/api/compute/events/list", "alice", {"waitMs": 30_001})
     assert (400, "waitMs") == (status, doc["error"]["details"]["field"])
+
+
+async def test_whoami_says_who_the_token_speaks_for_and_nothing_for_an_operator(api):
+    assert {"id": "alice", "tenantId": "acme", "kind": "user", "scope": "manage", "delegatedBy": None} == \
+        (await api.post("/api/iam/whoami", "alice", {}))[1]["principal"]
+    agent = (await api.post("/api/iam/whoami", "agent", {}))[1]["principal"]
+    assert ("agent", "alice") == (agent["kind"], agent["delegatedBy"])
+    status, doc = await api.post("/api/iam/whoami", "alice", {"x": 1})
+    assert (400, "x") == (status, doc["error"]["details"]["field"])
+    status, doc = await api.post("/api/iam/whoami", "admin-token-for-tests-0001", {})
+    assert (401, "UNAUTHENTICATED") == (status, doc["error"]["code"])

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane import schemas
-from controlplane.api import admin, pools
+from controlplane.api import admin, identity, pools
 from tests.controlplane.conftest import TOKENS, bootstrap_doc
 from tests.serverproc import ServerProcess
 
@@ -37,6 +37,8 @@ METHODS = {
     "/api/nodes/watch": (nodewire.WatchRequest, {"timeoutMs": 0}, NODE),
     "/api/nodes/report": (nodewire.ReportRequest, {"reports": [{"reservationId": "rsv_x", "status": "unbound"}]}, NODE),
     "/api/compute/pools/list": (pools.PoolsBody, {}, TENANT),
+    "/api/compute/pools/get": (pools.PoolGetBody, {"poolId": "h100"}, TENANT),
+    "/api/iam/whoami": (identity.WhoamiBody, {}, TENANT),
     "/api/admin/nodes/list": (admin.NodeListBody, {}, ADMIN),
     "/api/admin/nodes/get": (admin.NodeGetBody, {"nodeId": "h1"}, ADMIN),
     **{f"/api/admin/nodes/{action}": (admin.NodeActionBody, {"nodeId": "nope"}, ADMIN)
@@ -47,7 +49,7 @@ METHODS = {
     "/api/admin/tenants/list": (admin.Nothing, {}, ADMIN),
     "/api/admin/tenants/get": (admin.TenantBody, {"tenantId": "acme"}, ADMIN),
     "/api/admin/tenants/budget": (admin.BudgetBody, {"tenantId": "nope", "budgetUsd": "1"}, ADMIN),
-    "/api/admin/events/list": (schemas.EventsBody, {}, ADMIN),
+    "/api/admin/events/list": (schemas.EventsPage, {}, ADMIN),
 }
 
 

@@ -22,6 +22,7 @@ POST_ROUTES = [
     "/api/admin/nodes/list", "/api/admin/nodes/get", "/api/admin/nodes/cordon", "/api/admin/nodes/uncordon",
     "/api/admin/nodes/drain", "/api/admin/nodes/clear", "/api/admin/pools/list", "/api/admin/pools/get",
     "/api/admin/tenants/list", "/api/admin/tenants/get", "/api/admin/events/list", "/api/compute/pools/list",
+    "/api/compute/pools/get", "/api/iam/whoami",
 ]
 
 
