@@ -55,6 +55,7 @@ class Answer:
     operation: Operation | None
     extended: bool | None = None
     available_until: int | None = None
+    not_extended: str | None = None  # why not: "already-reached" (the end is at or after the asked one) or "no-room"
 
 
 QUOTED = "rsv_quote"  # the resource id a quote's dry-run decision names (a quote has no reservation)
@@ -588,10 +589,11 @@ class ReservationService:
                               {"reason": "extend-in-flight", "retryAfterSeconds": EXTEND_RETRY_AFTER_S, "reservationId": rid})
         new_end = cmd.until if cmd.until is not None else (res.end or now) + (cmd.by_ms or 0)
         if new_end <= (res.end or 0):  # already reached: safe to retry, no decision
-            return Answer(res, None, extended=False, available_until=self.moves.room(res, res.end or now))
+            return Answer(res, None, extended=False, available_until=self.moves.room(res, res.end or now),
+                          not_extended="already-reached")
         room = self.moves.room(res, new_end)
         if room < new_end:
-            return Answer(res, None, extended=False, available_until=room)
+            return Answer(res, None, extended=False, available_until=room, not_extended="no-room")
         res.pending_change = PendingChange(new_end, now)
         self.moves.save(tx, res, res.state)
         return res, new_end
@@ -628,7 +630,8 @@ class ReservationService:
         room = self.moves.room(res, new_end)
         if room < new_end:
             self.moves.save(tx, res)
-            return Answer(res, self._answer(tx, res).operation, extended=False, available_until=room)
+            return Answer(res, self._answer(tx, res).operation, extended=False, available_until=room,
+                          not_extended="no-room")
         tx.set_bookings_end(rid, new_end)
         tx.touch()
         self.state.calendar.set_end(rid, new_end)

@@ -61,8 +61,13 @@ def _one(method: str) -> Callable[[Context, Sequence[str]], Awaitable[int]]:
 async def cmd_extend(ctx: Context, argv: Sequence[str]) -> int:
     args = ctx.args
     x = await ctx.client.extend(args.reservation_id, until=args.until, by_ms=args.by)
-    head = (f"extended to {when(x.reservation.end)}" if x.extended else
-            f"not extended: the bookings can reach {when(x.available_until)} at most")
+    if x.extended:
+        head = f"extended to {when(x.reservation.end)}"
+    elif x.reason == "already-reached":
+        head = (f"not extended: it already ends at {when(x.reservation.end)}, not before the end asked; nothing "
+                "changed (extend moves the end later only; release ends it early)")
+    else:
+        head = f"not extended: the bookings can reach {when(x.available_until)} at most (another booking follows)"
     ctx.emit(wire(x), head + "\n" + render_reservation(x.reservation))
     return EXIT_OK
 

@@ -101,6 +101,7 @@ class ExtendResult(Struct, rename="camel", kw_only=True, frozen=True):
     reservation: Reservation
     extended: bool
     available_until: int | None = None
+    reason: str | None = None  # not extended: "already-reached" (it already ends at or after) or "no-room"
 
 
 class ReservationPage(Struct, rename="camel", kw_only=True, frozen=True):

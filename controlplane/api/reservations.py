@@ -27,6 +27,8 @@ def _one(answer: Answer, status: int = 200) -> web.Response:
     if answer.extended is not None:
         body["extended"] = answer.extended
         body["availableUntil"] = answer.available_until
+        if answer.not_extended:
+            body["reason"] = answer.not_extended
     return json_response(body, status)
 
 

@@ -147,6 +147,9 @@ def test_extend_renew_cancel_and_release(berth, alice):
     res = berth("reservations", "create", *ONE, "--lease-seconds", "600", "--json").json["reservation"]
     extended = berth("reservations", "extend", res["id"], "--by", "30m", "--json")
     assert (True, res["end"] + 1_800_000) == (extended.json["extended"], extended.json["reservation"]["end"])
+    earlier = berth("reservations", "extend", res["id"], "--until", str(res["end"] - 60_000),
+                    env={"BERTH_FORCE_TTY": "1"})
+    assert 0 == earlier.code and "not extended: it already ends at" in earlier.out, earlier.out
     renewed = berth("reservations", "renew", res["id"], "--json")
     assert renewed.json["reservation"]["leaseDeadline"] >= res["leaseDeadline"]
     assert wait_until(lambda: alice.get(res["id"]).state == "binding")  # the reconciler started the window

@@ -198,7 +198,9 @@ async def test_extend_is_all_or_nothing_when_another_booking_starts_before_the_n
     await api.create(key="next", gpuCount=1, start=T0 + 3 * HOUR, end=T0 + 4 * HOUR)
     status, doc = await api.call("extend", "alice", {"reservationId": gang["id"], "until": T0 + 5 * HOUR})
     assert status == 202 and doc["extended"] is False and doc["availableUntil"] == T0 + 3 * HOUR
-    assert doc["reservation"]["end"] == T0 + HOUR
+    assert (T0 + HOUR, "no-room") == (doc["reservation"]["end"], doc["reason"])
+    status, doc = await api.call("extend", "alice", {"reservationId": gang["id"], "until": T0 + HOUR // 2})
+    assert (202, False, "already-reached") == (status, doc["extended"], doc["reason"])  # earlier: nothing moves
     ok = await api.ok("extend", "alice", {"reservationId": gang["id"], "until": T0 + 3 * HOUR})
     assert ok["end"] == T0 + 3 * HOUR
 
