@@ -48,6 +48,25 @@ def exit_code_of_operation(op: Operation) -> int:
     return EXIT_OF_ACTOR.get(actor or "", EXIT_CLI)
 
 
+def _no_stock_advice(ctx: Context, err: BerthError) -> list[str]:
+    """A shape no node of the pool can ever hold: the largest one it can, as the next command."""
+    d, a = err.details, ctx.args
+    most, with_most, fit = d.get("maxGpuCountPerNode") or 0, d.get("nodesWithMaxGpuCount") or 0, d.get("nodesThatFit") or 0
+    asked = (a.gpu_count or 1) * (a.node_count or 1)
+    command = a.command if a.command in ("create", "quote") else "quote"
+    if most and (a.gpu_count or 1) > most:
+        nodes = min(with_most, -(-asked // most))
+        lines = [f"largest: {with_most} node(s) of {most} GPUs each"]
+        lines.append("next: " + request_command(ctx, command, {"gpu_count": most, "node_count": nodes if nodes > 1 else None,
+                                                               "quote_id": None}))
+        return lines
+    if fit and (a.node_count or 1) > fit:
+        return [f"largest gang: {fit} node(s) with this share",
+                "next: " + request_command(ctx, command, {"node_count": fit if fit > 1 else None, "quote_id": None})]
+    return ["next: ask for less vCPU, memory or hugepages (--vcpu, --memory-gib, --hugepages), or fewer GPUs: "
+            + request_command(ctx, "quote")]
+
+
 def _capacity_advice(ctx: Context, err: BerthError) -> list[str]:
     lines: list[str] = []
     alts = err.alternatives
@@ -59,6 +78,8 @@ def _capacity_advice(ctx: Context, err: BerthError) -> list[str]:
     for alt in alts:
         start = f", fits from {when(alt.earliest_start)}" if alt.earliest_start is not None else ""
         lines.append(f"alternative: pool {alt.pool_id} ({alt.region}) at {money_rate(alt.total_running_usd_per_hour)}{start}")
+    if err.reason == "no_stock" and not alts:
+        return lines + _no_stock_advice(ctx, err)
     if ctx.args.command != "create":
         if alts:
             lines.append("next: " + request_command(ctx, "quote", {"pool_id": alts[0].pool_id}))

@@ -242,26 +242,34 @@ def _check_pool_can_hold(plan: Plan, profile: PoolProfile) -> None:
     found = profile.holds.get(key)
     if found is None:
         found = profile.holds[key] = _could_hold(plan, profile.nodes_by_size)
-    holding, most = found
+    holding, most, with_most = found
     if holding >= plan.node_count:
         return
     nodes = profile.nodes_by_size
+    what = plan.pool.gpu_model + (f" {plan.mig_profile}" if plan.mig_profile else "")
+    if plan.gpu_count > most:
+        why = (f"its largest node has {most} {what} (the most one node can give): at most {with_most} x {most}"
+               if most else f"none of its {len(nodes)} nodes has {what} to give")
+    else:
+        why = (f"{holding} of its {len(nodes)} nodes could hold {plan.gpu_count} with this share: at most "
+               f"{holding} x {plan.gpu_count}" if holding else
+               f"none of its {len(nodes)} nodes has the vCPU, memory or hugepages asked beside {plan.gpu_count} GPU(s)")
     raise DomainError(
         NO_CAPACITY,
-        f"pool {plan.pool.id} can never hold {plan.node_count} x {plan.gpu_count} {plan.pool.gpu_model}"
-        + (f" {plan.mig_profile}" if plan.mig_profile else "")
-        + f" with this share: {holding} of its {len(nodes)} nodes could",
+        f"pool {plan.pool.id} can never hold {plan.node_count} x {plan.gpu_count} {what}: {why}",
         {
             "reason": "no_stock",
             "poolId": plan.pool.id,
             "nodesThatFit": holding,
             "maxGpuCountPerNode": most,
+            "nodesWithMaxGpuCount": with_most,
         },
     )
 
 
-def _could_hold(plan: Plan, nodes: Sequence[Node]) -> tuple[int, int]:
-    """(how many nodes could ever hold one node's part of the plan, up to node_count; the most units of one node)."""
+def _could_hold(plan: Plan, nodes: Sequence[Node]) -> tuple[int, int, int]:
+    """(how many nodes could ever hold one node's part of the plan, up to node_count; the most units one node has
+    for it; how many nodes have that many)."""
     s, e = plan.window_for(0)
     ask = plan.ask(s, e)
     holding = 0
@@ -269,8 +277,10 @@ def _could_hold(plan: Plan, nodes: Sequence[Node]) -> tuple[int, int]:
         if could_ever_fit(n, ask):
             holding += 1
             if holding >= plan.node_count:
-                return holding, 0
-    return holding, max((len(eligible_units(n, ask)) for n in nodes), default=0)
+                return holding, 0, 0
+    counts = [len(eligible_units(n, ask)) for n in nodes]
+    most = max(counts, default=0)
+    return holding, most, counts.count(most) if most else 0
 
 
 def _attributes(tenant_id: str, pool_id: str, region: str, gpu_model: str, gpu_count: int, node_count: int,

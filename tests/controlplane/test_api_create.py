@@ -103,6 +103,8 @@ async def test_a_request_the_pool_could_never_hold_is_refused_at_once(api):
     assert status == 409 and doc["error"]["code"] == "NO_CAPACITY"
     assert doc["error"]["details"]["reason"] == "no_stock"  # no pool offered to acme has 9 H100s on a node
     assert doc["error"]["details"]["alternatives"] == []
+    assert (8, 2) == (doc["error"]["details"]["maxGpuCountPerNode"], doc["error"]["details"]["nodesWithMaxGpuCount"])
+    assert "its largest node has 8 H100_80GB (the most one node can give): at most 2 x 8" in doc["error"]["message"]
     status, doc = await api.create(key="huge2", gpuCount=1, nodeCount=3)
     assert doc["error"]["code"] == "NO_CAPACITY"
     status, _ = await api.call("get", "alice", {"reservationId": "x"})
