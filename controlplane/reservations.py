@@ -300,7 +300,7 @@ class ReservationService:
         if verdict.outcome == "deny":
             raise access_denied(verdict.decision, f"{principal.id} may not create this reservation", {"action": CREATE})
         self._check_spend(tenant, plan)
-        self.state.ledger.check(tenant, self.catalog.current.pools, plan.charge)
+        self.state.ledger.check(tenant, self.catalog.current.pools, plan.charge, plan.included)
         confirmation = {"required": verdict.outcome == "confirm", "approver": verdict.approver}
         return await self.quotes.quote(principal, cmd.request, plan, tenant, confirmation)
 
@@ -384,7 +384,7 @@ class ReservationService:
             return None
         try:
             self._check_spend(tenant, plan)
-            self.state.ledger.check(tenant, self.catalog.current.pools, plan.charge)
+            self.state.ledger.check(tenant, self.catalog.current.pools, plan.charge, plan.included)
         except DomainError as err:
             if res.seq == 0:  # the draft stays, so the same key can be retried
                 self.moves.save(tx, res)

@@ -169,7 +169,10 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         resource = str(d.get("resource", ""))
         flag = ("--gpu-count or --node-count" if resource.startswith("gpu:") else
                 "--vcpu" if resource == "vcpu" else "--memory-gib or --hugepages" if resource == "memoryGiB" else "the request")
-        return [f"quota {resource}: requested {d.get('requested')}, used {d.get('used')} of {d.get('limit')}",
+        within = d.get("withinShare") or 0
+        counted = (f"{d.get('requested')} above the {within} that come with the GPUs count against it"
+                   if within else f"this needs {d.get('requested')}")
+        return [f"quota {resource}: {counted}; {d.get('used')} of {d.get('limit')} in use",
                 f"next: reduce {flag}, or ask an admin to raise the tenant's {resource} quota",
                 "  after the quota is raised, the same key continues the request: " + retry_same]
     if code == "PROVIDER_UNAVAILABLE":

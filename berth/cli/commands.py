@@ -24,7 +24,7 @@ from berth.cli.parser import DEFAULT_WAIT_S, request_of
 from berth.cli.render import (render_confirmation, render_events, render_list, render_node, render_node_action,
                               render_nodes, render_offered_pool, render_offered_pools, render_operation, render_pool,
                               render_pools, render_quote, render_reservation, render_tenant, render_tenants,
-                              render_usage, render_whoami, table, when)
+                              render_usage, render_whoami, raised_notes, table, when)
 from berth.client import WAIT_STEP_MS, BerthError
 
 
@@ -35,7 +35,7 @@ def wire(answer: Any) -> Any:
 
 async def cmd_create(ctx: Context, argv: Sequence[str]) -> int:
     r = await ctx.client.create(request=request_of(ctx.args), idempotency_key=ctx.key)
-    text = render_reservation(r)
+    text = "\n".join([render_reservation(r), *raised_notes(ctx.args, r.resources)])
     if r.operation is not None and not r.operation.done:
         text += "\nnext: " + shlex.join(["berth", "operations", "wait", r.operation.id, "--timeout-sec",
                                          str(DEFAULT_WAIT_S), *connection_flags(ctx)])
@@ -45,7 +45,7 @@ async def cmd_create(ctx: Context, argv: Sequence[str]) -> int:
 
 async def cmd_quote(ctx: Context, argv: Sequence[str]) -> int:
     q = await ctx.client.quote(request=request_of(ctx.args))
-    ctx.emit({"quote": wire(q)}, render_quote(q, ctx))
+    ctx.emit({"quote": wire(q)}, "\n".join([render_quote(q, ctx), *raised_notes(ctx.args, q.resources)]))
     return EXIT_OK
 
 

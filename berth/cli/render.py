@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from berth.cli.context import Context, request_command, same_command, without
 from berth.client import (AdminNode, AdminPool, AdminTenant, Confirmation, Event, NodeAction, NodeBooking, OfferedPool,
-                          Operation, Quote, Reservation, ReservationPage, Usage, Whoami)
+                          Operation, Quote, Reservation, ReservationPage, Resources, Usage, Whoami)
 
 
 def money_rate(value: Any) -> str:
@@ -122,6 +122,17 @@ def render_confirmation(c: Confirmation) -> str:
                    ("expires", when(c.expires_at)), ("decided", when(c.decided_at)), ("asked", c.message)])
 
 
+
+
+def raised_notes(args: Any, booked: Resources) -> list[str]:
+    """What the request asked below the per-GPU share and got raised to it (the share is the floor)."""
+    notes = []
+    for flag, asked, got, unit in (("--vcpu", getattr(args, "vcpu", None), booked.vcpu, ""),
+                                   ("--memory-gib", getattr(args, "memory_gib", None), booked.memory_gib, " GiB")):
+        if asked is not None and got is not None and got > asked:
+            notes.append(f"note: {flag} {asked:g} raised to the per-GPU share of {got:g}{unit} per node "
+                         "(the GPUs bring that much of their host; it is not charged to quota)")
+    return notes
 
 
 def _pool_shape(p: OfferedPool) -> str:

@@ -74,6 +74,14 @@ class Plan:
     whole_node: bool
     excess: Share = NO_SHARE  # booked per node above the per-GPU share
     hourly_usd: Decimal = Decimal(0)
+    floor: Share = NO_SHARE  # per node, what the GPUs' per-GPU share brings (booked, not charged)
+
+    @property
+    def included(self) -> dict[str, int]:
+        """Of each charged host resource, what the whole request books within the per-GPU share."""
+        f = self.floor
+        return {"vcpu_milli": f.vcpu_milli * self.node_count,
+                "memory_mib": (f.memory_mib + f.hugepages_1g * 1024) * self.node_count}
 
     def ask(self, start: int, end: int) -> Ask:
         return Ask(
@@ -223,6 +231,7 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, profile: PoolPr
         mig_profile=req.mig_profile, start=start, end=end, duration_ms=duration_ms, spot=req.spot,
         lease_seconds=req.lease_seconds, resources=resources, charge=charge, whole_node=whole_node,
         excess=excess, hourly_usd=hourly(pool, gpu_count, req.node_count, excess),
+        floor=resources.minus(excess),
     )
     _check_pool_can_hold(plan, profile)
     return plan

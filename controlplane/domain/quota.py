@@ -77,20 +77,32 @@ class QuotaLedger:
     def usage(self, tenant_id: str) -> Counter:
         return self.used.setdefault(tenant_id, Counter())
 
-    def check(self, tenant: Tenant, pools: Mapping[str, Pool], charge: Mapping[str, int]) -> None:
+    def check(self, tenant: Tenant, pools: Mapping[str, Pool], charge: Mapping[str, int],
+              included: Mapping[str, int] | None = None) -> None:
+        """QUOTA_EXCEEDED naming the first resource the charge does not fit. `included`: of each host resource
+        (vcpu_milli, memory_mib), what the request books within the GPUs' per-GPU share (not charged), so the
+        message states what was booked and which part counts."""
         used = self.usage(tenant.id)
         for key, amount in charge.items():
             limit = limit_of(tenant, pools, key)
             if used[key] + amount > limit:
+                left = f"{wire_amount(key, max(0, limit - used[key]))} of {wire_amount(key, limit)} left"
+                within = (included or {}).get(key.rsplit(":", 1)[-1], 0)
+                if within:
+                    what = (f"{wire_amount(key, within + amount)} booked, of which {wire_amount(key, within)} come "
+                            f"with the GPUs' per-GPU share and {wire_amount(key, amount)} above it count against "
+                            "quota")
+                else:
+                    what = f"{wire_amount(key, amount)} asked"
                 raise DomainError(
                     QUOTA_EXCEEDED,
-                    f"{wire_key(key)}: {wire_amount(key, amount)} asked, "
-                    f"{wire_amount(key, max(0, limit - used[key]))} of {wire_amount(key, limit)} left",
+                    f"{wire_key(key)}: {what}; {left}",
                     {
                         "resource": wire_key(key),
                         "limit": wire_amount(key, limit),
                         "used": wire_amount(key, used[key]),
                         "requested": wire_amount(key, amount),
+                        "withinShare": wire_amount(key, within),
                     },
                 )
 

@@ -178,7 +178,9 @@ REFUSALS = [
      ["reason: no_stock", "its largest node has 8 H100_80GB", "largest: 2 node(s) of 8 GPUs each",
       "next: berth reservations create --pool h100 --gpu-model H100_80GB --gpu-count 8 --node-count 2 --hours 1"]),
     ("quota", [*ONE, "--vcpu", "64"], "alice", 3,
-     ["quota vcpu: requested 56.0, used 0.0 of 32.0", "ask an admin to raise the tenant's vcpu quota",
+     ["vcpu: 64.0 booked, of which 8.0 come with the GPUs' per-GPU share and 56.0 above it count against quota",
+      "quota vcpu: 56.0 above the 8.0 that come with the GPUs count against it; 0.0 of 32.0 in use",
+      "ask an admin to raise the tenant's vcpu quota",
       "--vcpu 64 --idempotency-key cli-"]),
     ("confirmation", [*ONE[:4], "--gpu-count", "4", "--hours", "1"], "agent", 3,
      ["alice must approve confirmation cnf_", "then retry with the same key: berth reservations create --pool h100",
@@ -461,6 +463,13 @@ def test_pools_list_and_get_show_what_can_be_booked_and_what_is_free(berth):
     assert 0 == got.code and "free now" in got.out and "1g.10gb" in got.out, got.err
     missing = berth("pools", "get", "nope")
     assert 3 == missing.code and "NOT_FOUND" in missing.err
+
+
+def test_a_share_below_the_per_gpu_share_is_raised_and_the_table_says_so(berth):
+    run = berth("reservations", "quote", *ONE, "--vcpu", "1", env={"BERTH_FORCE_TTY": "1"})
+    assert 0 == run.code, run.err
+    assert "note: --vcpu 1 raised to the per-GPU share of 8 per node" in run.out
+    assert "note:" not in berth("reservations", "quote", *ONE, "--vcpu", "1", "--json").out  # JSON stays the API's
 
 
 def test_whoami_names_the_tenant_principal_kind_and_scope(berth):
