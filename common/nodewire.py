@@ -113,6 +113,11 @@ class Binding(Answer):
     stuck: bool = False  # kubernetes: carried on past its window because pods still hold the devices (taint the node)
     endingAt: int = 0  # when reservation.ending is due for this end (epoch ms); 0: the pool gives no warning
     ending: bool = False  # the control plane emitted reservation.ending for this end (an extension turns it off)
+    # node bindings (tenant root, docs/node-binding.md): the tenant's OpenSSH public keys, the account they log in
+    # to (the pool's policy.tenantRoot.user), and how the node is cleaned after the hand-back
+    sshKeys: tuple[str, ...] = ()
+    user: str = ""
+    cleaning: str = ""  # inband | redfish
 
 
 class WatchAnswer(Answer):
@@ -124,6 +129,24 @@ class WatchAnswer(Answer):
 # -- report -------------------------------------------------------------------------------------
 
 
+class SshAccess(Request):
+    """How the tenant reaches a node binding's host: the endpoint, the account, and the host keys' SHA256
+    fingerprints (read from the host) to check the first connection against."""
+
+    host: Annotated[str, Meta(min_length=1, max_length=253)]
+    port: Annotated[int, Meta(ge=1, le=65535)]
+    user: Annotated[str, Meta(min_length=1, max_length=32)]
+    hostKeys: Annotated[tuple[Annotated[str, Meta(max_length=100)], ...], Meta(max_length=16)] = ()
+
+
+class CleanCheck(Request):
+    """A node binding's in-band clean after its hand-back: ok when the node is as it was at the hand-over (the
+    inventory recorded then equals the one discovered after cleaning); else each difference, said plainly."""
+
+    ok: bool
+    differences: Annotated[tuple[Message, ...], Meta(max_length=64)] = ()
+
+
 class Report(Request):
     """What the agent made of one binding. `unenforced` names each part of the share this host could not enforce
     (the binding is still bound); `end` is the binding's end as the agent applied it (an extension is done when
@@ -131,10 +154,12 @@ class Report(Request):
     cgroup since it was made (a bound report is sent again when it grows); `message` says why a binding failed.
     For a released kubernetes binding, `held` names the pods (`holders`) that still hold its devices, and
     `unbound` is AllocationReleased: no pod holds them any more. `evicted` on a bound report names the pods the
-    agent evicted because they held devices of an earlier, ended binding."""
+    agent evicted because they held devices of an earlier, ended binding. A node binding's `bound` carries `ssh`;
+    after its hand-back (`unbound`: keys removed, sessions ended) and an in-band clean, `cleaned` carries the
+    check."""
 
     reservationId: Id
-    status: Literal["bound", "unbound", "failed", "held"]
+    status: Literal["bound", "unbound", "failed", "held", "cleaned"]
     end: Annotated[int, Meta(ge=0, le=32503680000000)] | None = None
     cgroup: Path | None = None
     devices: Annotated[tuple[Path, ...], Meta(max_length=256)] = ()
@@ -142,6 +167,8 @@ class Report(Request):
     oomKills: Annotated[int, Meta(ge=0, le=(1 << 31) - 1)] = 0
     holders: Annotated[tuple[Pod, ...], Meta(max_length=256)] = ()  # held: the pods holding the devices
     evicted: Annotated[tuple[Pod, ...], Meta(max_length=256)] = ()  # bound: pods evicted to free its devices
+    ssh: SshAccess | None = None  # bound, node binding: how the tenant connects
+    clean: CleanCheck | None = None  # cleaned, node binding (cleaning inband): the check after the hand-back
     message: Message | None = None
 
 

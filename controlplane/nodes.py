@@ -459,6 +459,9 @@ class NodeService:
                         continue
                     self.moves.held(res, node.id, list(rep.holders), now)
                     self.moves.save(tx, res)
+                elif rep.status == "cleaned":  # a node binding's clean check: taken with the node binding's cleaning
+                    ignored.append(Ignored(rid, "this control plane does not clean node bindings yet"))
+                    continue
                 else:  # failed
                     if res.state not in (states.BINDING, states.ACTIVE):
                         ignored.append(Ignored(rid, f"the reservation is {res.state}"))
