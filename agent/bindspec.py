@@ -78,8 +78,11 @@ def refusal(binding: Binding, *, kubernetes: bool = False) -> str | None:
     plugins (agent/kubernetes.py), which make kubernetes bindings."""
     if binding.kind in SUPPORTED_KINDS or (kubernetes and binding.kind == "kubernetes"):
         return None
-    if binding.kind in ("node", "kubernetes"):
-        return f"binding kind {binding.kind} is not supported by this agent yet"
+    if binding.kind == "node":
+        return ("node bindings are off on this agent: start it with --ssh-keys-dir (the directory sshd's "
+                "AuthorizedKeysFile names; docs/node-binding.md)")
+    if binding.kind == "kubernetes":
+        return "kubernetes bindings are off on this agent (it serves no device plugins)"
     return f"binding kind {binding.kind!r} is unknown to this agent (it makes: {', '.join(SUPPORTED_KINDS)})"
 
 

@@ -101,6 +101,7 @@ def discover_main(argv: list[str]) -> int:
 
 def _runtime_parser() -> argparse.ArgumentParser:
     from agent.checkpoint import DEFAULT_STATE_DIR
+    from agent.tenantroot.hostkeys import DEFAULT_HOST_KEYS
 
     env = os.environ.get
     p = argparse.ArgumentParser(
@@ -146,6 +147,17 @@ def _runtime_parser() -> argparse.ArgumentParser:
                         "pod's service account)")
     p.add_argument("--kubernetes-node-name", metavar="NAME", default=env("BERTH_KUBERNETES_NODE_NAME"),
                    help="this host's Node name in its cluster (default: the hostname)")
+    root = p.add_argument_group("node bindings (tenant root over SSH; docs/node-binding.md)")
+    root.add_argument("--ssh-keys-dir", metavar="DIR", default=env("BERTH_SSH_KEYS_DIR") or None,
+                      help="make node bindings: the tenants' keys go into DIR/<user>, the file sshd's "
+                           "AuthorizedKeysFile names (the package's sshd drop-in: /var/lib/berth/ssh-keys); without "
+                           "it, node bindings are refused")
+    root.add_argument("--ssh-host-keys", metavar="GLOB", default=env("BERTH_SSH_HOST_KEYS", DEFAULT_HOST_KEYS),
+                      help=f"the host's public host keys, reported so tenants can check them (default {DEFAULT_HOST_KEYS})")
+    root.add_argument("--ssh-endpoint", metavar="HOST:PORT", default=env("BERTH_SSH_ENDPOINT") or None,
+                      help="where tenants reach this host's sshd (default: the hostname, port 22)")
+    root.add_argument("--scratch-path", action="append", metavar="DIR", default=[],
+                      help="a directory emptied when a node binding is taken back (repeat for more)")
     p.add_argument("--machine-id-file", metavar="FILE", default=env("BERTH_MACHINE_ID_FILE", "/etc/machine-id"),
                    help="this host's machine id, sent at register: a node lost past the grace may be taken over "
                         "only by the host with the id it first registered with (default /etc/machine-id)")
@@ -203,7 +215,9 @@ def runtime_main(argv: list[str]) -> int:
 
     from agent.discovery import Reserve
     from agent.execgate import ExecPolicy
+    from agent.nodebinding import TenantRootConfig
     from agent.runtime import Agent, AgentConfig, describe_error
+    from agent.tenantroot.hostkeys import HostKeysError, parse_endpoint
 
     parser = _runtime_parser()
     args = parser.parse_args(argv)
@@ -226,7 +240,15 @@ def runtime_main(argv: list[str]) -> int:
         classes = DeviceClasses.from_file(args.device_classes) if args.device_classes else None
         ssl_context = (tls.client_context(args.ca_file, args.client_cert, args.client_key)
                        if args.ca_file or args.client_cert or args.client_key else None)
-    except ValueError as exc:  # tls.TlsError is one
+        tenant_root = None
+        if args.ssh_keys_dir:
+            if args.ssh_endpoint:
+                parse_endpoint(args.ssh_endpoint)
+            tenant_root = TenantRootConfig(keys_dir=args.ssh_keys_dir, host_keys=args.ssh_host_keys,
+                                           endpoint=args.ssh_endpoint, scratch=tuple(args.scratch_path))
+        elif args.scratch_path:
+            raise ValueError("--scratch-path is for node bindings: give --ssh-keys-dir too")
+    except (ValueError, HostKeysError) as exc:  # tls.TlsError is a ValueError
         parser.error(str(exc))
     if args.simulate:
         from agent.simulate import load
@@ -245,7 +267,7 @@ def runtime_main(argv: list[str]) -> int:
         reconcile_s=args.reconcile_seconds, rediscover_s=args.rediscover_seconds,
         backoff_max_s=args.backoff_max_seconds, request_timeout_s=args.request_timeout_seconds, proc=Path(args.proc_root), sys=Path(args.sys_root),
         machine_id_file=Path(args.machine_id_file), kubelet_root=Path(args.kubelet_root), kubeconfig=args.kubeconfig,
-        kubernetes_node_name=args.kubernetes_node_name, ssl_context=ssl_context)
+        kubernetes_node_name=args.kubernetes_node_name, ssl_context=ssl_context, tenant_root=tenant_root)
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -24,6 +24,7 @@ from agent.bindspec import BindError, HostView, Want, refusal, want_of
 from agent.checkpoint import Checkpoint
 from agent.kubernetes import KubernetesBindings
 from agent.lifetime import Lifetimes
+from agent.nodebinding import NodeBindings
 from agent.metrics import AgentMetrics
 from common.nodewire import Binding, Report
 
@@ -33,8 +34,10 @@ log = structlog.get_logger("berth.agent")
 class BindingController:
     def __init__(self, binder: Binder, checkpoint: Checkpoint, metrics: AgentMetrics,
                  host_view: Callable[[], HostView | None], on_reports: Callable[[], None],
-                 kubernetes: KubernetesBindings | None = None, lifetimes: Lifetimes | None = None) -> None:
+                 kubernetes: KubernetesBindings | None = None, lifetimes: Lifetimes | None = None,
+                 nodes: NodeBindings | None = None) -> None:
         self.binder = binder
+        self.nodes = nodes  # node bindings: hand-over and hand-back (None: refuse them)
         self.lifetimes = lifetimes  # the end.json files hold workloads read (None: none written)
         self.kubernetes = kubernetes  # the device plugins for kubernetes bindings (None: refuse them)
         self.checkpoint = checkpoint
@@ -76,7 +79,11 @@ class BindingController:
             first = self.wanted is None
             self.wanted = list(bindings)
             pods = [b for b in bindings if b.kind == "kubernetes" and self.kubernetes is not None]
-            others = [b for b in bindings if b not in pods]
+            metal = [b for b in bindings if b.kind == "node" and self.nodes is not None]
+            others = [b for b in bindings if b not in pods and b not in metal]
+            if self.nodes is not None:
+                for report in await asyncio.to_thread(self.nodes.reconcile, metal):
+                    self.checkpoint.queue_report(report)
             actual: dict[str, Have] = await asyncio.to_thread(self.binder.actual)
             if self.kubernetes is not None:
                 await self._reconcile_pods(pods, [b for b in others if b.reservationId not in actual])
@@ -159,6 +166,8 @@ class BindingController:
                     unenforced[c] = unenforced.get(c, 0) + 1
         if self.kubernetes is not None:
             states.update(self.kubernetes.states)
+        if self.nodes is not None:
+            states.update(self.nodes.states)
         self.states = states
         counts: dict[str, int] = {}
         for s in states.values():

@@ -60,6 +60,7 @@ from common.inventory import Inventory
 from agent.metrics import AgentMetrics, metrics_app
 from agent.lifetime import Lifetimes
 from agent.link import ControlPlaneLink
+from agent.nodebinding import NodeBindings, TenantRootConfig
 from agent.sdnotify import Notifier
 from cgroups import Subtree, read_proc_devices
 from cgroups.errors import CgroupError
@@ -102,6 +103,7 @@ class AgentConfig:
     kubeconfig: str | None = None  # the API server's credentials (None: in-cluster)
     kubernetes_node_name: str | None = None  # this host's Node (None: the hostname)
     ssl_context: ssl.SSLContext | None = None  # https:// to the control plane (common/tls.py); None: system store
+    tenant_root: TenantRootConfig | None = None  # node bindings (--ssh-keys-dir ...); None: refused
 
 
 class Agent:
@@ -164,9 +166,14 @@ class Agent:
                       without_record=sorted(r for r, h in found.items() if h.share is None) or None)
         self.kubernetes = KubernetesBindings(cfg.kubelet_root, on_change=self._kubelet_changed, kubeconfig=cfg.kubeconfig,
                                              node_name=cfg.kubernetes_node_name)
+        nodes = None
+        if cfg.tenant_root is not None:
+            nodes = NodeBindings(cfg.state_dir, cfg.tenant_root, inventory=lambda: self.inventory,
+                                 rediscover=self._discover_now, sys_root=str(cfg.sys),
+                                 simulated_hugepages=cfg.simulate is not None)
         self.controller = BindingController(binder, self.checkpoint, self.metrics, lambda: self.host_view,
                                             self._reports_queued, kubernetes=self.kubernetes,
-                                            lifetimes=Lifetimes(cfg.state_dir))
+                                            lifetimes=Lifetimes(cfg.state_dir), nodes=nodes)
         self.link = ControlPlaneLink(
             cfg.control_plane, cfg.bootstrap_token, self.state, self.checkpoint, self.controller, self.metrics,
             inventory=lambda: self.inventory, agent_version=AGENT_VERSION, wall_ms=self.wall_ms,
@@ -235,6 +242,13 @@ class Agent:
         discovery = Discovery(gpus=gpus, host=host, **kwargs)
         self._rediscovery = Rediscovery(discovery.discover, interval_s=cfg.rediscover_s,
                                         on_change=self._on_inventory_change)
+
+    def _discover_now(self) -> Inventory:
+        """Discover the node at once (after a node binding's clean), on the calling thread."""
+        assert self._rediscovery is not None
+        self._rediscovery.refresh()
+        assert self._rediscovery.current is not None
+        return self._rediscovery.current
 
     def refresh_inventory(self) -> None:
         assert self._rediscovery is not None

@@ -137,8 +137,8 @@ def test_simulate_adds_the_driver_majors_without_clashing_with_the_hosts(tmp_pat
 
 
 @pytest.mark.parametrize("kind, message", [
-    ("node", "binding kind node is not supported by this agent yet"),
-    ("kubernetes", "binding kind kubernetes is not supported by this agent yet"),
+    ("node", "node bindings are off on this agent: start it with --ssh-keys-dir"),
+    ("kubernetes", "kubernetes bindings are off on this agent"),
     ("teleport", "unknown to this agent"),
     ("hold", None),
 ])

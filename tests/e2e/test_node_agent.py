@@ -172,14 +172,15 @@ def test_a_cut_link_loses_the_node_and_restoring_it_resumes_without_a_second_bin
     assert resumed["resource_version"] >= rv_before
 
 
-def test_a_node_binding_is_refused_with_a_clear_failed_report(agents, workdir, bpf_works):
+def test_a_node_binding_on_an_agent_without_ssh_keys_dir_is_refused_with_a_clear_failed_report(agents, workdir,
+                                                                                                  bpf_works):
     cp = ControlPlane(workdir).start()
     try:
         metal = agents("metal", cp.url, NODE_TOKEN, "h100", extra=["--reconcile-seconds", "3600",
                                                                    "--watch-timeout-ms", "1500"])
         metal.wait_event("reconciled", timeout=20)
         rid = cp.create(poolId="metal", gpuCount=8, binding="node")["id"]
-        message = "binding kind node is not supported by this agent yet"
+        message = "node bindings are off on this agent: start it with --ssh-keys-dir"
 
         def failed():
             conds = {c["type"]: c for c in cp.get(rid)["conditions"]}

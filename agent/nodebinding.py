@@ -1,0 +1,274 @@
+"""Node bindings (`binding: "node"`, tenant root on bare metal): the node handed over to the tenant and taken back.
+
+`NodeBindings.reconcile(wanted)` is called with every node binding the
+control plane wants here, after each watch answer, and returns the reports
+to send:
+
+- **Hand-over** (a wanted binding not handed over yet): the baseline of the
+  pool user's processes and the node's inventory are recorded first (in
+  `<state-dir>/node-bindings.json`, written atomically, so a restarted agent
+  still knows what to take back and what to compare with), then the tenant's
+  keys go into the agent-owned keys file with `expiry-time` at the window's
+  end (agent/tenantroot/authorized_keys.py), and `bound` is reported with
+  `ssh: {host, port, user, hostKeys}`. Keys that cannot be installed (no such
+  user, an unsafe keys directory, a window already over) are a `failed`
+  report naming why, and nothing is recorded. A moved end (an extension)
+  installs the keys again with the new expiry and reports `bound` with it.
+- **Hand-back** (a recorded binding no longer wanted: released, ended, lease
+  lapsed): the keys are removed, every session and process that came from
+  them is ended (agent/tenantroot/sessions.py), and `unbound` is reported.
+  With `cleaning: inband` the agent then cleans: it empties each scratch path
+  the node declares (`--scratch-path`), puts the 1 GiB hugepage count back to
+  what it was at the hand-over, discovers the node again, and reports
+  `cleaned` with the differences from the recorded inventory (none: the node
+  is as it was). With `cleaning: redfish` the control plane resets the node
+  through its BMC, so the agent cleans nothing.
+
+Nothing here limits the host: a node binding has no cgroup share and no
+device program; the whole host is the tenant's.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import msgspec
+import structlog
+
+from agent.tenantroot.authorized_keys import KeysDir, KeysDirError
+from agent.tenantroot.hostkeys import DEFAULT_HOST_KEYS, HostKeysError, ssh_endpoint
+from agent.tenantroot.sessions import SessionsError, baseline, end_sessions
+from common.inventory import Inventory, diff
+from common.nodewire import Binding, CleanCheck, Report, SshAccess
+from common.sshkeys import SshKeyError, parse_public_key
+
+log = structlog.get_logger("berth.agent.node")
+
+RECORDS_FILE = "node-bindings.json"
+DEFAULT_KEYS_DIR = "/var/lib/berth/ssh-keys"
+HUGEPAGES_1G = "kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages"
+# Parts of the inventory that change without the tenant having changed the node.
+_NOT_COMPARED = ("bootId", "hostname", ".sinceMs")
+
+
+class Handed(msgspec.Struct):
+    """What the agent recorded at a hand-over, to take the node back and check it."""
+
+    user: str
+    uid: int
+    end: int
+    baseline: list[tuple[int, int]]
+    inventory: dict  # the node's inventory (wire form) at the hand-over
+    hugepages1G: int | None = None  # nr_hugepages of 1 GiB at the hand-over (None: the host has none)
+    cleaning: str = "inband"
+
+
+@dataclass
+class TenantRootConfig:
+    """The agent's settings for node bindings (its --ssh-* and --scratch-path options)."""
+
+    keys_dir: str = DEFAULT_KEYS_DIR
+    host_keys: str = DEFAULT_HOST_KEYS
+    endpoint: str | None = None
+    scratch: tuple[str, ...] = ()
+    hostname: str | None = None
+    strict_keys_dir: bool = True  # sshd's StrictModes chain check (off only in tests with a private sshd)
+
+
+@dataclass
+class NodeBindings:
+    state_dir: Path
+    config: TenantRootConfig
+    inventory: Callable[[], Inventory | None]  # the last discovery
+    rediscover: Callable[[], Inventory]  # discover the node now (after a clean)
+    sys_root: str = "/sys"
+    simulated_hugepages: bool = False  # --simulate: hugepages are the topology's, never written
+    protect: set[int] = field(default_factory=lambda: {os.getpid()})
+    states: dict[str, dict] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.keys = KeysDir(self.config.keys_dir, strict=self.config.strict_keys_dir)
+        self.records: dict[str, Handed] = self._load()
+
+    # ---- the records ----------------------------------------------------------------------------
+    @property
+    def path(self) -> Path:
+        return Path(self.state_dir) / RECORDS_FILE
+
+    def _load(self) -> dict[str, Handed]:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        return msgspec.json.decode(raw, type=dict[str, Handed])
+
+    def _save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.json.encode(self.records))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    # ---- the pass -------------------------------------------------------------------------------
+    def reconcile(self, wanted: Sequence[Binding]) -> list[Report]:
+        """Hand over what is newly wanted, keep what is, take back what is no longer wanted (blocking: run it in a
+        worker thread)."""
+        reports: list[Report] = []
+        by_id = {b.reservationId: b for b in wanted}
+        for rid in [r for r in self.records if r not in by_id]:
+            reports += self._hand_back(rid)
+        for b in wanted:
+            handed = self.records.get(b.reservationId)
+            if handed is None:
+                reports += self._hand_over(b)
+            elif handed.end != b.end:
+                reports += self._extend(b, handed)
+        return reports
+
+    def _fail(self, b: Binding, why: str) -> list[Report]:
+        log.warning("node hand-over failed", reservation_id=b.reservationId, reason=why)
+        self.states[b.reservationId] = {"state": "failed", "message": why}
+        return [Report(reservationId=b.reservationId, status="failed", message=why[:2000])]
+
+    def _hand_over(self, b: Binding) -> list[Report]:
+        rid, user = b.reservationId, b.user or "root"
+        if self.states.get(rid, {}).get("state") == "failed":
+            return []  # reported once; the control plane decides what follows
+        try:
+            keys = [parse_public_key(k) for k in b.sshKeys]
+            if not keys:
+                return self._fail(b, "the binding carries no ssh keys")
+            uid = pwd.getpwnam(user).pw_uid
+        except SshKeyError as exc:
+            return self._fail(b, f"a tenant key was refused on the node: {exc}")
+        except KeyError:
+            return self._fail(b, f"there is no user {user!r} on this node (the pool's policy.tenantRoot.user)")
+        inv = self.inventory()
+        if inv is None:
+            return []  # no discovery yet: the next pass hands over
+        try:
+            access = ssh_endpoint(user, endpoint=self.config.endpoint, host_keys=self.config.host_keys,
+                                  hostname=self.config.hostname)
+        except HostKeysError as exc:
+            return self._fail(b, str(exc))
+        # The record first: a crash between it and the keys leaves a hand-back to do, never keys nobody removes.
+        self.records[rid] = Handed(user=user, uid=uid, end=b.end, baseline=sorted(baseline(uid)),
+                                   inventory=inv.to_wire(), hugepages1G=self._hugepages(),
+                                   cleaning=b.cleaning or "inband")
+        self._save()
+        try:
+            self.keys.install(user, rid, keys, b.end)
+        except (KeysDirError, OSError) as exc:
+            del self.records[rid]
+            self._save()
+            return self._fail(b, f"the keys could not be installed: {exc}")
+        log.info("node handed over", reservation_id=rid, user=user, keys=len(keys), until=b.end)
+        self.states[rid] = {"state": "bound", "user": user, "keys": len(keys)}
+        return [self._bound(b, access)]
+
+    def _extend(self, b: Binding, handed: Handed) -> list[Report]:
+        try:
+            self.keys.install(handed.user, b.reservationId, [parse_public_key(k) for k in b.sshKeys], b.end)
+            access = ssh_endpoint(handed.user, endpoint=self.config.endpoint, host_keys=self.config.host_keys,
+                                  hostname=self.config.hostname)
+        except (KeysDirError, SshKeyError, HostKeysError, OSError) as exc:
+            log.warning("node keys not extended", reservation_id=b.reservationId, error=str(exc))
+            return []
+        handed.end = b.end
+        self._save()
+        return [self._bound(b, access)]
+
+    @staticmethod
+    def _bound(b: Binding, access) -> Report:
+        return Report(reservationId=b.reservationId, status="bound", end=b.end,
+                      ssh=SshAccess(host=access.host, port=access.port, user=access.user,
+                                    hostKeys=tuple(access.host_keys)))
+
+    def _hand_back(self, rid: str) -> list[Report]:
+        handed = self.records[rid]
+        try:
+            removed = self.keys.remove(handed.user, rid)
+            ended = end_sessions(handed.user, frozenset(map(tuple, handed.baseline)), protect=self.protect,
+                                 uid=handed.uid)
+        except (KeysDirError, SessionsError, OSError) as exc:
+            log.error("node hand-back failed; retried at the next pass", reservation_id=rid, error=str(exc))
+            self.states[rid] = {"state": "removing", "message": str(exc)}
+            return []
+        log.info("node taken back", reservation_id=rid, user=handed.user, keys_removed=removed,
+                 ended=[f"{e.pid} {e.comm} ({e.rule})" for e in ended][:50])
+        reports = [Report(reservationId=rid, status="unbound")]
+        if handed.cleaning == "inband":
+            reports.append(Report(reservationId=rid, status="cleaned", clean=self._clean(rid, handed)))
+        del self.records[rid]
+        self._save()
+        self.states.pop(rid, None)
+        return reports
+
+    # ---- cleaning in band -----------------------------------------------------------------------
+    def _clean(self, rid: str, handed: Handed) -> CleanCheck:
+        problems: list[str] = []
+        for path in self.config.scratch:
+            problems += wipe(Path(path))
+        problems += self._restore_hugepages(handed.hugepages1G)
+        try:
+            after = self.rediscover()
+        except Exception as exc:  # noqa: BLE001 - a failed discovery is an unclean node, said so
+            problems.append(f"discovery after cleaning failed: {exc}")
+            return CleanCheck(ok=False, differences=tuple(problems[:64]))
+        problems += differences(Inventory.from_wire(handed.inventory), after)
+        check = CleanCheck(ok=not problems, differences=tuple(p[:2000] for p in problems[:64]))
+        (log.info if check.ok else log.warning)("node cleaned" if check.ok else "node not clean",
+                                                reservation_id=rid, differences=list(check.differences) or None)
+        return check
+
+    def _hugepages(self) -> int | None:
+        if self.simulated_hugepages:
+            return None
+        try:
+            return int((Path(self.sys_root) / HUGEPAGES_1G).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _restore_hugepages(self, count: int | None) -> list[str]:
+        """Put the 1 GiB hugepage count back to the hand-over's (the tenant, as root, may have changed it)."""
+        if count is None:
+            return []
+        path = Path(self.sys_root) / HUGEPAGES_1G
+        try:
+            if int(path.read_text()) != count:
+                path.write_text(str(count))
+                if int(path.read_text()) != count:
+                    return [f"1 GiB hugepages: {path.read_text().strip()} after writing {count} to {path}"]
+        except (OSError, ValueError) as exc:
+            return [f"1 GiB hugepages: cannot restore {count} in {path}: {exc}"]
+        return []
+
+
+def wipe(path: Path) -> list[str]:
+    """Empty a scratch directory (its entries go; the directory stays); what could not be removed."""
+    if not path.is_dir() or path.is_symlink():
+        return [f"scratch path {path} is not a directory"]
+    problems = []
+    for entry in path.iterdir():
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError as exc:
+            problems.append(f"scratch path {path}: {entry.name} not removed: {exc.strerror}")
+    return problems
+
+
+def differences(before: Inventory, after: Inventory) -> list[str]:
+    """How the node differs from the hand-over: GPUs (by UUID), MIG layout, health, hugepages, CPUs, memory. The
+    boot id, the hostname and health timestamps are not compared."""
+    return [c.describe() for c in diff(before, after).changes
+            if not any(c.path == p or c.path.endswith(p) for p in _NOT_COMPARED)]
+

@@ -1,0 +1,140 @@
+"""agent.nodebinding against a real sshd (in a network namespace) and the real ssh client: a node binding handed
+over (keys valid until the window's end, the ssh endpoint and host keys reported), used (a login and a
+long-running process), and taken back (session closed, process gone, new logins refused, scratch emptied, the
+node checked against its inventory at the hand-over)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from agent.discovery import Discovery
+from agent.host import KernelHost
+from agent.nodebinding import RECORDS_FILE, NodeBindings, TenantRootConfig, differences, wipe
+from agent.simulate import SimulatedGpus, SimulatedHost
+from common.inventory import Inventory, MigMode
+from common.nodewire import Binding
+from tests.agent.test_tenantroot import keygen_fingerprint, login, make_key
+from tests.e2e.sshd import gone, read_line, sshd_server, starttime_of, tenant_user, wait_until  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]
+HOUR_MS = 3_600_000
+
+
+def discovered(topology: str = "h100x8.json") -> Inventory:
+    gpus = SimulatedGpus(ROOT / "examples" / "topologies" / topology)
+    return Discovery(gpus=gpus, host=SimulatedHost(gpus, fallback=KernelHost())).discover()
+
+
+def node_binding(rid: str, pub: Path, user: str, end: int, cleaning: str = "inband") -> Binding:
+    return Binding(reservationId=rid, kind="node", tenantId="acme", principalId="alice", start=end - HOUR_MS,
+                   end=end, sshKeys=(pub.read_text().strip(),), user=user, cleaning=cleaning)
+
+
+@pytest.fixture
+def tenant_key(tmp_path):
+    return make_key(tmp_path / "tenant")
+
+
+@pytest.fixture
+def handover(tmp_path, sshd_server):
+    """NodeBindings over the test sshd's keys directory, host keys and address; `after` is what the next
+    discovery finds (the recorded inventory unless a test changes it)."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    state = tmp_path / "state"
+    state.mkdir()
+    inv = discovered()
+    box = {"after": inv}
+    nodes = NodeBindings(state, TenantRootConfig(keys_dir=str(sshd_server.keys_dir),
+                                                 host_keys=sshd_server.host_keys_glob,
+                                                 endpoint=f"{sshd_server.host}:{sshd_server.port}",
+                                                 scratch=(str(scratch),)),
+                         inventory=lambda: inv, rediscover=lambda: box["after"], simulated_hugepages=True)
+    nodes.box, nodes.scratch_dir, nodes.state_path = box, scratch, state
+    return nodes
+
+
+def test_a_node_is_handed_over_used_over_ssh_and_taken_back_clean(handover, sshd_server, tenant_key):
+    end = int(time.time() * 1000) + HOUR_MS
+    wanted = [node_binding("rsv-n1", tenant_key[1], sshd_server.user, end)]
+    [bound] = handover.reconcile(wanted)
+    assert ("bound", end) == (bound.status, bound.end)
+    fingerprints = sorted(keygen_fingerprint(p) for p in sshd_server.host_keys)
+    assert (sshd_server.host, sshd_server.port, sshd_server.user, fingerprints) == (
+        bound.ssh.host, bound.ssh.port, bound.ssh.user, sorted(bound.ssh.hostKeys))
+    assert [] == handover.reconcile(wanted)  # already handed over: nothing to report
+    assert "rsv-n1" in json.loads((handover.state_path / RECORDS_FILE).read_text())  # a restart knows it
+
+    out = login(sshd_server, tenant_key[0])
+    assert (0, sshd_server.user) == (out.returncode, out.stdout.strip()), out.stderr
+    session = sshd_server.spawn(tenant_key[0], "echo $$; exec sleep 300")
+    (handover.scratch_dir / "dataset").mkdir()
+    (handover.scratch_dir / "dataset" / "part-0").write_text("tenant data")
+    try:
+        shell = int(read_line(session))
+        mark = starttime_of(shell)
+        reports = handover.reconcile([])  # released: no longer wanted here
+        assert ["unbound", "cleaned"] == [r.status for r in reports]
+        assert (True, ()) == (reports[1].clean.ok, reports[1].clean.differences)
+        session.wait(10)  # the tenant's session was closed
+        assert gone(shell, mark)
+        again = login(sshd_server, tenant_key[0])
+        assert (255, True) == (again.returncode, "Permission denied" in again.stderr)
+        assert [] == list(handover.scratch_dir.iterdir())
+        assert {} == json.loads((handover.state_path / RECORDS_FILE).read_text())
+    finally:
+        if session.poll() is None:
+            session.kill()
+            session.wait(5)
+
+
+def test_an_extension_moves_the_keys_expiry_and_reports_the_new_end(handover, sshd_server, tenant_key):
+    end = int(time.time() * 1000) + HOUR_MS
+    handover.reconcile([node_binding("rsv-n2", tenant_key[1], sshd_server.user, end)])
+    [again] = handover.reconcile([node_binding("rsv-n2", tenant_key[1], sshd_server.user, end + HOUR_MS)])
+    assert ("bound", end + HOUR_MS) == (again.status, again.end)
+    [entry] = handover.keys.listed(sshd_server.user)
+    assert (end + HOUR_MS) // 1000 * 1000 == entry.expires_at_ms
+    handover.reconcile([])
+
+
+def test_a_node_left_changed_is_not_clean_and_says_how(handover, sshd_server, tenant_key):
+    end = int(time.time() * 1000) + HOUR_MS
+    handover.reconcile([node_binding("rsv-n3", tenant_key[1], sshd_server.user, end)])
+    before = handover.inventory()
+    # the tenant left a GPU off the bus, and another in MIG mode
+    gpus = list(before.gpus)
+    assert gpus[1].migMode is not None and not gpus[1].migMode.current
+    left = msgspec.structs.replace(gpus[1], migMode=MigMode(current=True, pending=True))
+    handover.box["after"] = msgspec.structs.replace(before, gpus=(left, *gpus[2:]))
+    reports = handover.reconcile([])
+    clean = reports[-1].clean
+    assert ("cleaned", False) == (reports[-1].status, clean.ok)
+    assert any(f"gpus[{gpus[0].uuid}] removed" in d for d in clean.differences), clean.differences
+    assert f"gpus[{gpus[1].uuid}].migMode.current: False -> True" in clean.differences
+
+
+def test_a_hand_over_that_cannot_install_the_keys_fails_once_and_records_nothing(handover, sshd_server, tenant_key):
+    end = int(time.time() * 1000) + HOUR_MS
+    [failed] = handover.reconcile([node_binding("rsv-n4", tenant_key[1], "no-such-user-xyz", end)])
+    assert ("failed", True) == (failed.status, "no user 'no-such-user-xyz'" in failed.message)
+    assert [] == handover.reconcile([node_binding("rsv-n4", tenant_key[1], "no-such-user-xyz", end)])
+    assert "rsv-n4" not in handover.records
+    [over] = handover.reconcile([node_binding("rsv-n5", tenant_key[1], sshd_server.user, int(time.time() * 1000) - 1)])
+    assert "failed" == over.status and "keys could not be installed" in over.message
+
+
+def test_differences_ignore_the_boot_id_and_hostname_and_wipe_empties_a_directory(tmp_path):
+    inv = discovered()
+    assert [] == differences(inv, msgspec.structs.replace(inv, bootId="other", hostname="h2"))
+    d = tmp_path / "s"
+    (d / "a" / "b").mkdir(parents=True)
+    (d / "f").write_text("x")
+    os.symlink("/etc/passwd", d / "link")
+    assert [] == wipe(d) and [] == list(d.iterdir()) and Path("/etc/passwd").exists()
+    assert ["scratch path /nonexistent-berth is not a directory"] == wipe(Path("/nonexistent-berth"))
