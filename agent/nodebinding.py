@@ -13,7 +13,8 @@ to send:
   `ssh: {host, port, user, hostKeys}`. Keys that cannot be installed (no such
   user, an unsafe keys directory, a window already over) are a `failed`
   report naming why, and nothing is recorded. A moved end (an extension)
-  installs the keys again with the new expiry and reports `bound` with it.
+  installs the keys again with the new expiry and reports `bound` with it. When the binding turns `ending`
+  (reservation.ending), the warning is written to the tenant's login terminals (agent/tenantroot/notice.py).
 - **Hand-back** (a recorded binding no longer wanted: released, ended, lease
   lapsed): the keys are removed, every session and process that came from
   them is ended (agent/tenantroot/sessions.py), and `unbound` is reported.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -39,12 +41,14 @@ from typing import Callable, Sequence
 import msgspec
 import structlog
 
+from agent.tenantroot import notice
 from agent.tenantroot.authorized_keys import KeysDir, KeysDirError
 from agent.tenantroot.hostkeys import DEFAULT_HOST_KEYS, HostKeysError, ssh_endpoint
 from agent.tenantroot.sessions import SessionsError, baseline, end_sessions
 from common.inventory import Inventory, diff
 from common.nodewire import Binding, CleanCheck, Report, SshAccess
 from common.sshkeys import SshKeyError, parse_public_key
+from common.times import iso
 
 log = structlog.get_logger("berth.agent.node")
 
@@ -65,6 +69,7 @@ class Handed(msgspec.Struct):
     inventory: dict  # the node's inventory (wire form) at the hand-over
     hugepages1G: int | None = None  # nr_hugepages of 1 GiB at the hand-over (None: the host has none)
     cleaning: str = "inband"
+    warned: int = 0  # the end the tenant's sessions were told about (reservation.ending), once per end
 
 
 @dataclass
@@ -129,7 +134,18 @@ class NodeBindings:
                 reports += self._hand_over(b)
             elif handed.end != b.end:
                 reports += self._extend(b, handed)
+            handed = self.records.get(b.reservationId)
+            if handed is not None and b.ending and handed.warned != b.end:
+                self._warn(b, handed)
         return reports
+
+    def _warn(self, b: Binding, handed: Handed) -> None:
+        """reservation.ending, on the tenant's login terminals (once per end; an extension re-arms it)."""
+        minutes = max(0, (b.end - int(time.time() * 1000)) // 60_000)
+        told = notice.tell(handed.user, handed.uid, notice.ending_message(b.reservationId, iso(b.end), minutes))
+        log.info("node binding ending: sessions told", reservation_id=b.reservationId, terminals=len(told))
+        handed.warned = b.end
+        self._save()
 
     def _fail(self, b: Binding, why: str) -> list[Report]:
         log.warning("node hand-over failed", reservation_id=b.reservationId, reason=why)

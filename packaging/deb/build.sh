@@ -145,7 +145,7 @@ cp -a "$here/debian" "$pkg/debian"
 cp -a "$here/conf" "$pkg/conf"
 mv "$wheels" "$pkg/wheels"
 mkdir -p "$pkg/examples" "$pkg/docs"
-cp "$src/examples/bootstrap.json" "$src/examples/policies.cedar" "$pkg/examples/"
+cp "$src/examples/bootstrap.json" "$src/examples/policies.cedar" "$src/examples/sshd-berth.conf" "$pkg/examples/"
 cp "$src/README.md" "$pkg/"
 cp "$src/docs/operations.md" "$src/docs/agent.md" "$pkg/docs/"
 # The units, exactly as systemd/ has them (ExecStart=/usr/bin/berth is the berth package's symlink to

@@ -138,3 +138,34 @@ def test_differences_ignore_the_boot_id_and_hostname_and_wipe_empties_a_director
     os.symlink("/etc/passwd", d / "link")
     assert [] == wipe(d) and [] == list(d.iterdir()) and Path("/etc/passwd").exists()
     assert ["scratch path /nonexistent-berth is not a directory"] == wipe(Path("/nonexistent-berth"))
+
+
+def test_the_ending_warning_reaches_the_tenants_login_terminal_once_per_end(handover, sshd_server, tenant_key):
+    import select
+    import subprocess
+    end = int(time.time() * 1000) + HOUR_MS
+    b = node_binding("rsv-n6", tenant_key[1], sshd_server.user, end)
+    handover.reconcile([b])
+    command = sshd_server.ssh_command(tenant_key[0], "tty; exec sleep 60")
+    command.insert(1, "-tt")
+    session = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.PIPE)
+    try:
+        lines = []
+        while len(lines) < 3 and not (lines and lines[-1].startswith("/dev/pts/")):
+            lines.append(session.stdout.readline().decode().strip())
+        assert lines[-1].startswith("/dev/pts/"), lines
+        handover.reconcile([msgspec.structs.replace(b, ending=True)])
+        got = b""
+        while b"--by 1h`. ***" not in got:  # the terminal turns each \n into \r\n
+            ready, _, _ = select.select([session.stdout], [], [], 5)
+            assert ready, got
+            got += os.read(session.stdout.fileno(), 4096)
+        assert "reservation rsv-n6 ends at" in got.decode() and "extend rsv-n6" in got.decode()
+        assert end == handover.records["rsv-n6"].warned
+        handover.reconcile([msgspec.structs.replace(b, ending=True)])  # told once for this end
+        ready, _, _ = select.select([session.stdout], [], [], 0.3)
+        assert not ready
+    finally:
+        session.kill()
+        session.wait(5)
+        handover.reconcile([])

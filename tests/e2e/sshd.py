@@ -42,6 +42,7 @@ from tests.netns import Namespaces
 
 SSHD = "/usr/sbin/sshd"
 RUN_PRIVSEP = Path("/run/sshd")  # sshd's compiled-in privilege separation directory (Debian)
+SSHD_DROP_IN = Path(__file__).resolve().parents[2] / "examples" / "sshd-berth.conf"  # what berth-agent ships
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
@@ -242,13 +243,12 @@ def _free_link_net() -> tuple[str, str]:
 
 def _write_config(path: Path, *, listen: str, port: int, host_keys: list[Path], keys_dir: Path, pid_file: Path,
                   user: str, extra: list[str]) -> None:
+    # The test's own settings first (for sshd the first value read wins: its keys directory, no PAM in a test
+    # machine's container), then the drop-in the agent package ships, so the tests run sshd as a node would.
     lines = [f"ListenAddress {listen}:{port}", *(f"HostKey {k}" for k in host_keys),
-             f"PidFile {pid_file}", f"AuthorizedKeysFile {keys_dir}/%u", "AuthorizedKeysCommand none",
-             "AuthorizedPrincipalsFile none", "PubkeyAuthentication yes", "PasswordAuthentication no",
-             "KbdInteractiveAuthentication no", "HostbasedAuthentication no", "UsePAM no", "StrictModes yes",
-             "PermitRootLogin prohibit-password", f"AllowUsers {user}", "PermitUserEnvironment no",
+             f"PidFile {pid_file}", f"AuthorizedKeysFile {keys_dir}/%u", "UsePAM no", f"AllowUsers {user}",
              "AllowTcpForwarding no", "AllowAgentForwarding no", "X11Forwarding no", "PrintMotd no",
-             "UseDNS no", "LogLevel DEBUG1", "MaxStartups 100:30:200", *extra]
+             "UseDNS no", "LogLevel DEBUG1", "MaxStartups 100:30:200", *extra, f"Include {SSHD_DROP_IN}"]
     path.write_text("\n".join(lines) + "\n")
 
 
