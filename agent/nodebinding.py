@@ -20,7 +20,8 @@ to send:
   them is ended (agent/tenantroot/sessions.py), and `unbound` is reported.
   With `cleaning: inband` the agent then cleans: it empties each scratch path
   the node declares (`--scratch-path`), puts the 1 GiB hugepage count back to
-  what it was at the hand-over, discovers the node again, and reports
+  what it was at the hand-over, puts each GPU's clocks and power limit back
+  to their defaults (NVML), discovers the node again, and reports
   `cleaned` with the differences from the recorded inventory (none: the node
   is as it was). With `cleaning: redfish` the control plane resets the node
   through its BMC, so the agent cleans nothing.
@@ -92,6 +93,7 @@ class NodeBindings:
     rediscover: Callable[[], Inventory]  # discover the node now (after a clean)
     sys_root: str = "/sys"
     simulated_hugepages: bool = False  # --simulate: hugepages are the topology's, never written
+    reset_gpus: Callable[[], list[str]] | None = None  # clocks and power limits back to defaults (agent/nvml.py)
     protect: set[int] = field(default_factory=lambda: {os.getpid()})
     states: dict[str, dict] = field(default_factory=dict)
 
@@ -232,6 +234,11 @@ class NodeBindings:
         for path in self.config.scratch:
             problems += wipe(Path(path))
         problems += self._restore_hugepages(handed.hugepages1G)
+        if self.reset_gpus is not None:
+            try:
+                problems += self.reset_gpus()
+            except Exception as exc:  # noqa: BLE001 - NVML unreachable: the node is not proven clean
+                problems.append(f"GPU settings not reset: {exc}")
         try:
             after = self.rediscover()
         except Exception as exc:  # noqa: BLE001 - a failed discovery is an unclean node, said so

@@ -269,3 +269,41 @@ class NvmlEvents:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ---- settings a tenant with root may have changed (node bindings' in-band clean) ----------------------------
+
+_RESETS = (("application clocks", "nvmlDeviceResetApplicationsClocks"),
+           ("locked GPU clocks", "nvmlDeviceResetGpuLockedClocks"),
+           ("locked memory clocks", "nvmlDeviceResetMemoryLockedClocks"))
+_UNSUPPORTED = (3, 13)  # NOT_SUPPORTED, FUNCTION_NOT_FOUND (an older driver): nothing to put back
+
+
+def reset_settings(library: str | None = None) -> list[str]:
+    """Put every GPU's application and locked clocks and its power limit back to their defaults, after a tenant
+    had root on the node; each setting that could not be put back, said plainly (an empty list: all done).
+    MIG layouts are not rebuilt here: the clean check compares them with the hand-over's and a changed layout
+    sends the node to maintenance."""
+    problems: list[str] = []
+    with session(library):
+        for index in range(_nvml(pynvml.nvmlDeviceGetCount)):
+            try:
+                handle = _nvml(pynvml.nvmlDeviceGetHandleByIndex, index)
+            except NvmlError as exc:
+                problems.append(f"GPU {index}: not reachable to reset: {exc}")
+                continue
+            for what, name in _RESETS:
+                try:
+                    _nvml(getattr(pynvml, name), handle)
+                except NvmlError as exc:
+                    if exc.code not in _UNSUPPORTED:
+                        problems.append(f"GPU {index}: {what} not reset: {exc}")
+            try:
+                default = _nvml(pynvml.nvmlDeviceGetPowerManagementDefaultLimit, handle)
+                if _nvml(pynvml.nvmlDeviceGetPowerManagementLimit, handle) != default:
+                    _nvml(pynvml.nvmlDeviceSetPowerManagementLimit, handle, default)
+                    log.info("GPU power limit reset", gpu=index, limit_mw=default)
+            except NvmlError as exc:
+                if exc.code not in _UNSUPPORTED:
+                    problems.append(f"GPU {index}: power limit not reset: {exc}")
+    return problems

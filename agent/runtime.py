@@ -39,6 +39,7 @@ import re
 import ssl
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -168,9 +169,14 @@ class Agent:
                                              node_name=cfg.kubernetes_node_name)
         nodes = None
         if cfg.tenant_root is not None:
+            reset: Callable[[], list[str]] | None = None
+            if cfg.simulate is None:  # simulated GPUs have no clocks or power limits to put back
+                from agent import nvml
+
+                reset = partial(nvml.reset_settings, cfg.nvml_library)
             nodes = NodeBindings(cfg.state_dir, cfg.tenant_root, inventory=lambda: self.inventory,
                                  rediscover=self._discover_now, sys_root=str(cfg.sys),
-                                 simulated_hugepages=cfg.simulate is not None)
+                                 simulated_hugepages=cfg.simulate is not None, reset_gpus=reset)
         self.controller = BindingController(binder, self.checkpoint, self.metrics, lambda: self.host_view,
                                             self._reports_queued, kubernetes=self.kubernetes,
                                             lifetimes=Lifetimes(cfg.state_dir), nodes=nodes)

@@ -18,6 +18,7 @@ from agent import simulate
 
 SOURCE = Path(__file__).with_name("fake_nvml.c")
 TOPOLOGY_ENV = "BERTH_FAKE_NVML_TOPOLOGY"
+CALLS_ENV = "BERTH_FAKE_NVML_CALLS"  # where the stand-in writes the reset calls it was given
 LIBRARY_NAME = "libnvidia-ml.so.1"
 NO_ID = 0xFFFFFFFF
 EVENT_XID = 0x8
@@ -46,7 +47,9 @@ def build(out_dir: Path) -> Path:
     return lib
 
 
-def render(topology: dict | simulate.Topology, *, mode: str = "ok", events: list[Event] = ()) -> str:
+def render(topology: dict | simulate.Topology, *, mode: str = "ok", events: list[Event] = (),
+           power: dict[int, tuple[int, int]] | None = None) -> str:
+    """The topology's lines; `power`: GPU index -> (default limit, limit) in mW, for the GPUs that have one."""
     top = topology if isinstance(topology, simulate.Topology) else simulate.parse(json.dumps(topology))
     lines = [f"epoch {next(_epochs)}", f"mode {mode}", f"driver {top.driver.version} {top.driver.cuda}"]
     for g in simulate.expand(top):
@@ -57,6 +60,8 @@ def render(topology: dict | simulate.Topology, *, mode: str = "ok", events: list
                          f"{m.uuid} {m.name}")
     for e in events:
         lines.append(f"event {e.gpu} {e.type} {e.data} {e.gi} {e.ci}")
+    for gpu, (default_mw, limit_mw) in sorted((power or {}).items()):
+        lines.append(f"power {gpu} {default_mw} {limit_mw}")
     return "\n".join(lines) + "\n"
 
 

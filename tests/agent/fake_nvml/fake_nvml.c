@@ -12,7 +12,12 @@
  *   gpu <index> <minor> <memMiB> <migCapable> <migCurrent> <migPending> <lost> <uuid> <pciBusId> <name...>
  *   mig <gpuIndex> <slot> <gi> <ci> <memMiB> <uuid> <name...>
  *   event <gpuIndex> <eventType> <eventData> <gi> <ci>      (4294967295: no id)
+ *   power <gpuIndex> <defaultLimitMw> <limitMw>               (none: power limits not supported)
  *   epoch <n>
+ *
+ * The calls that reset a GPU's settings (clocks, the power limit) are written,
+ * one line each, to the file named by $BERTH_FAKE_NVML_CALLS, so a test sees
+ * what the agent did: `reset-applications-clocks <gpu>`, `power-limit <gpu> <mw>`.
  *
  * Events are handed out once each, in file order, across re-reads of the
  * same epoch; a file with a new epoch starts its queue from the top.
@@ -91,6 +96,8 @@ struct fake_gpu {
     struct fake_dev dev;
     unsigned int minor;
     int mig_capable, mig_current, mig_pending, lost;
+    int power_supported;
+    unsigned int power_default_mw, power_mw;
     char pci[32];
     struct fake_dev mig[MAX_MIG];
 };
@@ -186,6 +193,14 @@ static void load_topology(void) {
             d->mem_mib = mem;
             snprintf(d->uuid, sizeof d->uuid, "%s", uuid);
             rest_of_line(d->name, sizeof d->name, line + n);
+        } else if (strncmp(line, "power ", 6) == 0) {
+            int gpu;
+            unsigned int def, cur;
+            if (sscanf(line, "power %d %u %u", &gpu, &def, &cur) == 3 && gpu >= 0 && gpu < MAX_GPUS) {
+                gpus[gpu].power_supported = 1;
+                gpus[gpu].power_default_mw = def;
+                gpus[gpu].power_mw = cur;
+            }
         } else if (strncmp(line, "event ", 6) == 0 && event_count < MAX_EVENTS) {
             struct fake_event *e = &events[event_count];
             if (sscanf(line, "event %d %llu %llu %u %u", &e->gpu, &e->type, &e->data, &e->gi, &e->ci) == 5 &&
@@ -485,3 +500,55 @@ nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
     free(set);
     return NVML_SUCCESS;
 }
+
+/* ---- settings a tenant with root may change, and the calls that put them back ---- */
+
+static void record(const char *what, int gpu, long long value) {
+    const char *path = getenv("BERTH_FAKE_NVML_CALLS");
+    if (!path) return;
+    FILE *f = fopen(path, "a");
+    if (!f) return;
+    if (value < 0) fprintf(f, "%s %d\n", what, gpu);
+    else fprintf(f, "%s %d %lld\n", what, gpu, value);
+    fclose(f);
+}
+
+static nvmlReturn_t reset_locked(nvmlDevice_t h, const char *what) {
+    struct fake_dev *d;
+    nvmlReturn_t r = check(h, &d);
+    if (r != NVML_SUCCESS) return r;
+    if (d->kind != 1) return NVML_ERROR_NOT_SUPPORTED;
+    record(what, d->gpu, -1);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceResetApplicationsClocks(nvmlDevice_t h) { LOCKED(reset_locked(h, "reset-applications-clocks")); }
+nvmlReturn_t nvmlDeviceResetGpuLockedClocks(nvmlDevice_t h) { LOCKED(reset_locked(h, "reset-gpu-locked-clocks")); }
+nvmlReturn_t nvmlDeviceResetMemoryLockedClocks(nvmlDevice_t h) { LOCKED(reset_locked(h, "reset-memory-locked-clocks")); }
+
+static nvmlReturn_t power_locked(nvmlDevice_t h, unsigned int *limit, int want_default) {
+    struct fake_dev *d;
+    nvmlReturn_t r = check(h, &d);
+    if (r != NVML_SUCCESS) return r;
+    if (!limit) return NVML_ERROR_INVALID_ARGUMENT;
+    if (d->kind != 1 || !gpus[d->gpu].power_supported) return NVML_ERROR_NOT_SUPPORTED;
+    *limit = want_default ? gpus[d->gpu].power_default_mw : gpus[d->gpu].power_mw;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPowerManagementDefaultLimit(nvmlDevice_t h, unsigned int *limit) {
+    LOCKED(power_locked(h, limit, 1));
+}
+nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t h, unsigned int *limit) { LOCKED(power_locked(h, limit, 0)); }
+
+static nvmlReturn_t set_power_locked(nvmlDevice_t h, unsigned int limit) {
+    struct fake_dev *d;
+    nvmlReturn_t r = check(h, &d);
+    if (r != NVML_SUCCESS) return r;
+    if (d->kind != 1 || !gpus[d->gpu].power_supported) return NVML_ERROR_NOT_SUPPORTED;
+    gpus[d->gpu].power_mw = limit;
+    record("power-limit", d->gpu, limit);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceSetPowerManagementLimit(nvmlDevice_t h, unsigned int limit) { LOCKED(set_power_locked(h, limit)); }
