@@ -59,6 +59,8 @@ def render_reservation(r: Reservation) -> str:
         pairs.append(("lease", f"{r.lease_seconds} s, renew by {when(r.lease_deadline)}"))
     if r.placements:
         pairs.append(("placed on", ", ".join(f"{p.node_id}[{','.join(p.devices)}]" for p in r.placements)))
+    for b in r.bound:  # what each node made of it: the cgroup the work runs in, the device nodes it may open
+        pairs.append(("bound", f"{b.node_id}: cgroup {b.cgroup or '-'}, devices {', '.join(b.devices) or '-'}"))
     for c in r.conditions:
         pairs.append(("condition", f"{c.type}={c.status} {c.reason}: {c.message}"))
     pairs.append(("operation", _op(r.operation)))
