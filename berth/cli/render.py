@@ -88,8 +88,12 @@ def render_quote(q: Quote, ctx: Context) -> str:
         ("gpus", f"{q.node_count} x {q.gpu_count} {q.gpu_model}" if q.node_count > 1 else f"{q.gpu_count} {q.gpu_model}"),
         ("price", f"{money_rate(q.total_running_usd_per_hour)} {q.currency}"),
         ("window", f"{q.window_hours:g} h, at most {q.total_usd} {q.currency}" if q.window_hours is not None else None),
-        ("fits", "now" if q.fits_now else (f"from {when(q.earliest_start)}" if q.earliest_start else "not within a year")),
+        ("fits", ("now" if q.fits_now else (f"from {when(q.earliest_start)}" if q.earliest_start else
+                  "not within a year, or behind the pool's queue"))
+         + (f", by preempting {q.preempts_spot} spot reservation(s)" if q.preempts_spot else "")),
     ]
+    if q.confirmation is not None and q.confirmation.required:
+        pairs.append(("confirmation", f"the create waits until {q.confirmation.approver} approves it"))
     for alt in q.alternatives:
         pairs.append(("alternative", f"pool {alt.pool_id} ({alt.region}) at {money_rate(alt.total_running_usd_per_hour)}"))
     text = fields(pairs)

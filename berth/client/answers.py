@@ -134,8 +134,15 @@ class Quote(Struct, rename="camel", kw_only=True, frozen=True):
     window_hours: float | None = None
     earliest_start: int | None = None
     fits_now: bool = False
+    preempts_spot: int = 0  # spot reservations a create sent now would preempt
+    confirmation: QuoteConfirmation | None = None  # whether the create would wait for a person, and whom
     alternatives: list[Alternative] = []
     priced: dict[str, Any] = {}
+
+
+class QuoteConfirmation(Struct, kw_only=True, frozen=True):
+    required: bool = False
+    approver: str | None = None
 
 
 class OperationWait(Struct, kw_only=True, frozen=True):

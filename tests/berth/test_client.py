@@ -357,3 +357,20 @@ def test_a_create_retried_after_kill_9_mid_request_returns_the_same_reservation(
         assert retried[0] is True  # the first attempt reached the server and lost its answer: retried anyway
     finally:
         server.stop()
+
+
+def test_the_python_client_page_lists_every_result_type_and_field():
+    import re
+    from pathlib import Path
+
+    import msgspec
+
+    from berth.client import answers
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "python-client.md").read_text()
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `(\w+)` \| [^|]+ \| (.+) \|$", doc, re.M)}
+    for name, cls in vars(answers).items():
+        if isinstance(cls, type) and issubclass(cls, msgspec.Struct) and cls.__module__ == answers.__name__:
+            assert name in rows, f"docs/python-client.md lacks {name}"
+            listed = re.findall(r"`(\w+)`", rows[name])
+            assert [f.name for f in msgspec.structs.fields(cls)] == listed, name
