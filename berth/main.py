@@ -10,7 +10,7 @@ commands:
   agent                run the node agent, or `berth agent discover` to print the host's inventory
   exec RESERVATION -- COMMAND...
                        on a node: run a command inside a reservation's cgroup
-  reservations         create|get|list|release|cancel|extend|renew|quote (tenants)
+  reservations         create|get|list (ls)|release (rm)|cancel|extend|renew|quote (tenants)
   operations           get|wait (tenants)
   pools                list|get: what can be booked, and what is free (tenants)
   whoami               who your token speaks for (tenants)
@@ -18,9 +18,14 @@ commands:
   usage                charge history (tenants)
   confirmations        list|get|approve|deny what delegated agents ask (tenants)
   admin                nodes|pools|tenants|events: the fleet (operators: the admin or an operator token)
+  completion bash|zsh  print the shell's completion script: source <(berth completion bash)
 
 Run `berth <command> --help` for the options of one command; `berth --version` prints the version.
 """
+
+
+TENANT_GROUPS = ("reservations", "operations", "pools", "whoami", "events", "usage", "confirmations", "admin")  # berth/cli
+OWN_COMMANDS = ("controlplane", "agent", "exec", "completion", "version")  # the others this entry point dispatches
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,10 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         from agent import exec as agent_exec
 
         return agent_exec.main(rest)
-    if command in ("reservations", "operations", "pools", "whoami", "events", "usage", "confirmations", "admin"):
+    if command in TENANT_GROUPS:
         from berth import cli
 
         return cli.main([command, *rest])
+    if command == "completion":
+        from berth.cli import completion
+
+        return completion.main(rest, top=OWN_COMMANDS)
     print(f"berth: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

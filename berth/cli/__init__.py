@@ -13,7 +13,7 @@ from typing import Sequence, TextIO
 
 from berth.cli.advice import EXIT_CLI, EXIT_INTERRUPTED, EXIT_USAGE
 from berth.cli.commands import run
-from berth.cli.context import Context, forced_tty
+from berth.cli.context import Context, forced_tty, terminal_width
 from berth.cli.parser import build_parser
 from berth.client import AsyncClient, BerthError, new_idempotency_key, resolve_settings
 from berth.version import VERSION
@@ -31,13 +31,13 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         settings = resolve_settings(args.url, args.token, args.config, env, ca_file=args.ca_file,
-                                    client_cert=args.client_cert, client_key=args.client_key)
+                                    client_cert=args.client_cert, client_key=args.client_key, profile=args.profile)
         ssl_context = settings.tls_context()
     except ValueError as exc:  # ConfigError, or tls.TlsError naming the file's flag, variable or config key
         print(f"berth: {exc}", file=err)
         return EXIT_USAGE
     forced = forced_tty(env)
-    as_json = args.output == "json" or (args.output is None and not (forced or out.isatty()))
+    output = args.output or ("table" if forced or out.isatty() else "json")
     def retrying(attempt: int, error: BerthError, delay: float) -> None:
         cause = error.details.get("cause") or error.code
         same = "the same idempotency key" if args.group == "reservations" and args.command == "create" else "the same request"
@@ -46,7 +46,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
 
     client = AsyncClient.from_settings(settings, retries=max(0, args.retries), timeout=args.request_timeout,
                                        user_agent=f"berth-cli/{VERSION}", on_retry=retrying, ssl_context=ssl_context)
-    ctx = Context(args, settings, client, out, err, as_json, progress=forced or err.isatty())
+    ctx = Context(args, settings, client, out, err, output, progress=forced or err.isatty(),
+                  width=terminal_width(out, env))
     if args.group == "reservations" and args.command == "create":
         ctx.key = args.idempotency_key or new_idempotency_key("cli")
     try:

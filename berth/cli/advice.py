@@ -8,14 +8,13 @@ also a failed TLS handshake), 6 an operation wait timed out, 130 interrupted.
 """
 from __future__ import annotations
 
-import json
 import shlex
 from decimal import Decimal
 from typing import Any, Sequence
 
 from berth.cli.context import Context, connection_flags, request_command, same_command
 from berth.cli.parser import FLAG_OF_FIELD
-from berth.cli.render import money_rate, when
+from berth.cli.render import humane, money_rate, when
 from berth.client import TERMINAL, BadAnswer, BerthError, Operation, TransportError
 from common import errors as error_table
 
@@ -109,6 +108,9 @@ def _capacity_advice(ctx: Context, err: BerthError) -> list[str]:
                      + request_command(ctx, "quote"))
     return lines
 
+
+LIST_OF_GROUP = {"confirmations": "berth confirmations list"}  # where a tenant command's ids are listed (default:
+# reservations list, which shows reservations and their operations)
 
 LIST_OF_FIELD = {"nodeId": "berth admin nodes list", "poolId": "berth admin pools list",
                  "tenantId": "berth admin tenants list"}
@@ -229,8 +231,10 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
             lines.append(f"next: berth reservations release {rid}")
         return lines
     if code == "NOT_FOUND":
-        return ["next: check the id: berth reservations list" if d.get("field") != "poolId"
-                else "next: the pool is not yours or offered to you"]
+        if d.get("field") == "poolId":
+            return ["next: the pool is not yours or offered to you"]
+        listing = LIST_OF_GROUP.get(ctx.args.group, "berth reservations list")
+        return ["next: check the id: " + shlex.join([*shlex.split(listing), *connection_flags(ctx)])]
     if code == "UNSUPPORTED":
         return ["next: use --binding hold, node or kubernetes"]
     return []
@@ -238,11 +242,10 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
 
 def report_refusal(ctx: Context, err: BerthError, argv: Sequence[str]) -> int:
     code = exit_code_of(err)
-    if ctx.json:
-        print(json.dumps({"error": {"code": err.code, "message": err.message, "details": err.details}}, indent=2),
-              file=ctx.out)
+    if ctx.structured:
+        ctx.emit({"error": {"code": err.code, "message": err.message, "details": err.details}}, "")
     status = f" (HTTP {err.status})" if err.status else ""
-    ctx.say(f"berth: {err.code}{status}: {err.message}")
+    ctx.say(f"berth: {err.code}{status}: {humane(err.message)}")
     for line in advice(ctx, err, argv):
         ctx.say(line)
     return code

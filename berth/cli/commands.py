@@ -2,8 +2,8 @@
 the operator's `berth admin nodes|pools|tenants|events ...`.
 
 Output is a readable table when stdout is a terminal (or BERTH_FORCE_TTY=1,
-or --table) and the API's JSON otherwise (or --json): the typed answer
-encoded with its wire names. A refusal prints what happened, why, and the
+or -o table|wide) and the API's JSON otherwise (or -o json|yaml): the typed
+answer encoded with its wire names. A refusal prints what happened, why, and the
 command to run next, on stderr; the exit code says whose move it is
 (berth/cli/advice.py, docs/cli.md).
 """
@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import shlex
 import time
 from typing import Any, Awaitable, Callable, Sequence, TextIO
 
 import msgspec
 
-from berth.cli.advice import EXIT_OK, EXIT_TIMEOUT, exit_code_of_operation, report_refusal
+from berth.cli.advice import EXIT_OF_ACTOR, EXIT_OK, EXIT_TIMEOUT, exit_code_of_operation, report_refusal
 from berth.cli.context import Context, connection_flags, same_command, without
 from berth.cli.parser import DEFAULT_WAIT_S, request_of
-from berth.cli.render import (render_confirmation, render_events, render_list, render_node, render_node_action,
-                              render_nodes, render_offered_pool, render_offered_pools, render_operation, render_pool,
-                              render_pools, render_quote, render_reservation, render_tenant, render_tenants,
-                              render_usage, render_whoami, raised_notes, table, when)
-from berth.client import WAIT_STEP_MS, BerthError
+from berth.cli.render import (column_widths, condition_text, list_headers, list_row, raised_notes, render_confirmation,
+                              render_events, render_list, render_node, render_node_action, render_nodes,
+                              render_offered_pool, render_offered_pools, render_operation, render_pool, render_pools,
+                              render_quote, render_reservation, render_tenant, render_tenants, render_usage,
+                              render_whoami, table, when)
+from berth.client import (WAIT_STEP_MS, AccessDenied, BerthError, Condition, NotFound, Operation, Reservation,
+                          ReservationPage, now_ms)
 
 
 def wire(answer: Any) -> Any:
@@ -35,7 +36,7 @@ def wire(answer: Any) -> Any:
 
 async def cmd_create(ctx: Context, argv: Sequence[str]) -> int:
     r = await ctx.client.create(request=request_of(ctx.args), idempotency_key=ctx.key)
-    text = "\n".join([render_reservation(r), *raised_notes(ctx.args, r.resources)])
+    text = "\n".join([render_reservation(r, ctx.wide), *raised_notes(ctx.args, r.resources)])
     if r.operation is not None and not r.operation.done:
         text += "\nnext: " + shlex.join(["berth", "operations", "wait", r.operation.id, "--timeout-sec",
                                          str(DEFAULT_WAIT_S), *connection_flags(ctx)])
@@ -52,7 +53,7 @@ async def cmd_quote(ctx: Context, argv: Sequence[str]) -> int:
 def _one(method: str) -> Callable[[Context, Sequence[str]], Awaitable[int]]:
     async def run(ctx: Context, argv: Sequence[str]) -> int:
         r = await getattr(ctx.client, method)(ctx.args.reservation_id)
-        ctx.emit({"reservation": wire(r)}, render_reservation(r))
+        ctx.emit({"reservation": wire(r)}, render_reservation(r, ctx.wide))
         return EXIT_OK
 
     return run
@@ -68,15 +69,83 @@ async def cmd_extend(ctx: Context, argv: Sequence[str]) -> int:
                 "changed (extend moves the end later only; release ends it early)")
     else:
         head = f"not extended: the bookings can reach {when(x.available_until)} at most (another booking follows)"
-    ctx.emit(wire(x), head + "\n" + render_reservation(x.reservation))
+    ctx.emit(wire(x), head + "\n" + render_reservation(x.reservation, ctx.wide))
     return EXIT_OK
 
 
 async def cmd_list(ctx: Context, argv: Sequence[str]) -> int:
     a = ctx.args
+    cursor = await _end_of_events(ctx) if a.watch else None  # before the list: no change after it is missed
     page = await ctx.client.list(scope=a.scope, state=a.state, pool_id=a.pool, limit=a.limit, cursor=a.cursor)
-    ctx.emit(wire(page), render_list(page, ctx, argv))
-    return EXIT_OK
+    if not a.watch:
+        ctx.emit(wire(page), render_list(page, ctx, argv))
+        return EXIT_OK
+    return await _watch(ctx, page, cursor)
+
+
+async def _end_of_events(ctx: Context) -> int | None:
+    """The cursor after the tenant's last event so far."""
+    cursor = None
+    while True:
+        page = await ctx.client.list_events(after=cursor, limit=500)
+        if not page.events:
+            return cursor
+        cursor = page.next_cursor
+
+
+class _View:
+    """Which reservations `list --watch` shows: those the list's filters select, and any it has shown (so a row
+    that leaves the filter, say released under --state active, is seen leaving)."""
+
+    def __init__(self, ctx: Context, page: ReservationPage):
+        self.ctx = ctx
+        self.shown = {r.id for r in page.reservations}
+        self.principal = next((r.principal_id for r in page.reservations), None)  # scope mine: whose they are
+
+    async def _mine(self, r: Reservation) -> bool:
+        if self.principal is None:  # learnt once: the newest of mine (a reservation of mine exists if r is one)
+            newest = await self.ctx.client.list(scope="mine", limit=1)
+            self.principal = next((x.principal_id for x in newest.reservations), None)
+        return r.principal_id == self.principal
+
+    async def shows(self, r: Reservation) -> bool:
+        a = self.ctx.args
+        if r.id in self.shown:
+            return True
+        if (a.state and r.state != a.state) or (a.pool and r.pool_id != a.pool):
+            return False
+        if a.scope != "all" and not await self._mine(r):
+            return False
+        self.shown.add(r.id)
+        return True
+
+
+async def _watch(ctx: Context, page: ReservationPage, cursor: int | None) -> int:
+    """The list, then each reservation again as events touch it (one long poll after another), until Ctrl-C."""
+    headers = list_headers(ctx.wide)
+    rows = [list_row(r, ctx.wide) for r in page.reservations]
+    widths = column_widths(headers, rows)  # later rows line up under the first table
+    if ctx.structured:
+        for r in page.reservations:
+            ctx.emit_record({"reservation": wire(r)}, "")
+    else:
+        print(table(headers, rows, width=ctx.width), file=ctx.out, flush=True)
+    if ctx.progress:
+        ctx.say("watching for changes (Ctrl-C to stop)")
+    view = _View(ctx, page)
+    while True:
+        events = await ctx.client.list_events(after=cursor, limit=500, wait_ms=FOLLOW_WAIT_MS)
+        if events.next_cursor is not None:
+            cursor = events.next_cursor
+        last = {e.reservation_id: e for e in events.events if e.reservation_id}  # each touched once, its last event
+        for rid, event in last.items():
+            try:
+                r = await ctx.client.get(rid)
+            except (NotFound, AccessDenied):  # gone, or another principal's that this token may not read
+                continue
+            if await view.shows(r):
+                ctx.emit_record({"event": wire(event), "reservation": wire(r)},
+                                table(headers, [list_row(r, ctx.wide)], width=ctx.width, header=False, at_least=widths))
 
 
 async def cmd_operation_get(ctx: Context, argv: Sequence[str]) -> int:
@@ -86,22 +155,28 @@ async def cmd_operation_get(ctx: Context, argv: Sequence[str]) -> int:
 
 
 class Progress:
-    """A spinner with the elapsed time and the operation's status, redrawn on one stderr line."""
+    """A spinner with the elapsed time and the operation's status (and its reservation's conditions), redrawn on one
+    stderr line cut to the terminal's width."""
 
     FRAMES = "|/-\\"
 
-    def __init__(self, stream: TextIO, label: str, timeout_s: float):
+    def __init__(self, stream: TextIO, label: str, timeout_s: float, width: int | None = None):
         self.stream = stream
         self.label = label
         self.timeout_s = timeout_s
+        self.width = width or 120  # the line is cut to it: a wrapped line could not be redrawn in place
         self.status = "waiting"
         self.started = time.monotonic()
         self._task: asyncio.Task | None = None
 
+    def _line(self, text: str) -> str:
+        return text if len(text) < self.width else text[: self.width - 2] + "…"
+
     async def _spin(self) -> None:
         for frame in itertools.cycle(self.FRAMES):
             elapsed = time.monotonic() - self.started
-            self.stream.write(f"\r\033[K{frame} {self.label} {self.status}  {elapsed:.0f}s of {self.timeout_s:g}s")
+            self.stream.write("\r\033[K" + self._line(f"{frame} {self.label} {elapsed:.0f}s of {self.timeout_s:g}s: "
+                                                      f"{self.status}"))
             self.stream.flush()
             await asyncio.sleep(0.1)
 
@@ -117,22 +192,62 @@ class Progress:
             self.stream.flush()
 
 
+CONDITION_STEP_MS = 2000  # while the reservation binds: how soon a changed condition (BindFailed) is seen
+
+# Conditions that do not resolve by themselves, and whose move it is: `operations wait` stops on them.
+STUCK = {("DevicesBound", "False", "BindFailed"): "platform"}  # a node's agent could not bind the devices
+
+
+def stuck_condition(r: Reservation) -> Condition | None:
+    return next((c for c in r.conditions if (c.type, c.status, c.reason) in STUCK), None)
+
+
+def _step_ms(r: Reservation | None) -> int:
+    """The next long poll's length: short while conditions may change (binding, or a window about to start)."""
+    if r is None:
+        return WAIT_STEP_MS
+    if r.state == "binding":
+        return CONDITION_STEP_MS
+    if r.state == "placed" and r.start is not None:
+        return max(CONDITION_STEP_MS, min(WAIT_STEP_MS, r.start - now_ms() + 500))
+    return WAIT_STEP_MS
+
+
+def wait_status(op: Operation, r: Reservation | None) -> str:
+    """`running, reservation binding; DevicesBound=False Binding: waiting for ...`"""
+    if r is None:
+        return op.status
+    return f"{op.status}, reservation {r.state}" + "".join(f"; {condition_text(c)}" for c in r.conditions)
+
+
+async def _reservation_of(ctx: Context, op: Operation) -> Reservation | None:
+    try:
+        return await ctx.client.get(op.reservation_id)
+    except BerthError:  # the wait goes on without the conditions
+        return None
+
+
 async def cmd_operation_wait(ctx: Context, argv: Sequence[str]) -> int:
-    """Poll /operations/wait in bounded steps until the operation ends or --timeout-sec passes."""
+    """Poll /operations/wait in bounded steps until the operation ends, the reservation is stuck on a condition
+    that will not resolve by itself, or --timeout-sec passes; the progress line shows its conditions."""
     op_id, timeout_s = ctx.args.operation_id, max(0.0, ctx.args.timeout_sec)
-    progress = Progress(ctx.err, op_id, timeout_s) if ctx.progress else None
+    progress = Progress(ctx.err, op_id, timeout_s, ctx.width) if ctx.progress else None
     deadline = time.monotonic() + timeout_s
     if progress:
         progress.start()
-    first = True
+    first, reservation, stuck = True, None, None
     try:
         while True:  # the first step answers at once (the status for the display), then bounded long polls
-            step_ms = 0 if first else max(0, min(WAIT_STEP_MS, int((deadline - time.monotonic()) * 1000)))
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            step_ms = 0 if first else min(_step_ms(reservation), left_ms)
             first = False
             answer = await ctx.client.wait_operation(op_id, step_ms)
+            if not answer.done:
+                reservation = await _reservation_of(ctx, answer.operation)
+                stuck = stuck_condition(reservation) if reservation is not None else None
             if progress:
-                progress.status = answer.operation.status
-            if answer.done or time.monotonic() >= deadline:
+                progress.status = wait_status(answer.operation, None if answer.done else reservation)
+            if answer.done or stuck is not None or time.monotonic() >= deadline:
                 break
     finally:
         if progress:
@@ -140,6 +255,13 @@ async def cmd_operation_wait(ctx: Context, argv: Sequence[str]) -> int:
     op = answer.operation
     text = render_operation(op)
     code = exit_code_of_operation(op)
+    if stuck is not None and reservation is not None:
+        ctx.emit(wire(answer), text)
+        ctx.say(f"berth: stuck: reservation {reservation.id} is {reservation.state} with {condition_text(stuck)}; "
+                "it will not resolve by itself")
+        ctx.say("next: end it and book again: " + shlex.join(["berth", "reservations", "release", reservation.id,
+                                                              *connection_flags(ctx)]))
+        return EXIT_OF_ACTOR[STUCK[(stuck.type, stuck.status, stuck.reason)]]
     if not answer.done:
         text += f"\nstill {op.status} after {timeout_s:g}s; wait again: " + shlex.join(
             ["berth", "operations", "wait", op_id, "--timeout-sec", f"{timeout_s:g}", *connection_flags(ctx)])
@@ -150,7 +272,7 @@ async def cmd_operation_wait(ctx: Context, argv: Sequence[str]) -> int:
 
 async def cmd_pools_list(ctx: Context, argv: Sequence[str]) -> int:
     pools = await ctx.client.list_pools(start=ctx.args.start, until=ctx.args.until)
-    ctx.emit({"pools": wire(pools)}, render_offered_pools(pools))
+    ctx.emit({"pools": wire(pools)}, render_offered_pools(pools, ctx.width))
     return EXIT_OK
 
 
@@ -177,12 +299,12 @@ async def cmd_events_list(ctx: Context, argv: Sequence[str]) -> int:
     if not a.follow:
         page = await ctx.client.list_events(after=a.after, limit=a.limit)
         shown = [e for e in page.events if mine(e)]
-        text = render_events(shown) if shown else "no events"
+        text = render_events(shown, width=ctx.width) if shown else "no events"
         if page.events:
             text += f"\nmore: {same_command(ctx, [*without(argv, '--after'), '--after', str(page.next_cursor)])}"
         ctx.emit({"events": wire(shown), "nextCursor": page.next_cursor}, text)
         return EXIT_OK
-    cursor, header = a.after, not ctx.json
+    cursor, header = a.after, True
     if ctx.progress:
         ctx.say("following events (Ctrl-C to stop)")
     while True:
@@ -190,11 +312,8 @@ async def cmd_events_list(ctx: Context, argv: Sequence[str]) -> int:
         for e in page.events:
             if not mine(e):
                 continue
-            if ctx.json:
-                print(json.dumps(wire(e)), file=ctx.out, flush=True)
-            else:
-                print(render_events([e], header=header), file=ctx.out, flush=True)
-                header = False
+            ctx.emit_record(wire(e), render_events([e], header=header, width=ctx.width))
+            header = False
         if page.next_cursor is not None:
             cursor = page.next_cursor
 
@@ -210,7 +329,8 @@ async def cmd_usage(ctx: Context, argv: Sequence[str]) -> int:
 async def cmd_confirmations_list(ctx: Context, argv: Sequence[str]) -> int:
     items = await ctx.client.list_confirmations(status=ctx.args.status, limit=ctx.args.limit)
     text = table(("ID", "STATUS", "AGENT", "APPROVER", "EXPIRES"),
-                 [(c.id, c.status, c.agent_id, c.approver, when(c.expires_at)) for c in items]) if items else "no confirmations"
+                 [(c.id, c.status, c.agent_id, c.approver, when(c.expires_at)) for c in items],
+                 width=ctx.width) if items else "no confirmations"
     ctx.emit({"confirmations": wire(items)}, text)
     return EXIT_OK
 
@@ -227,13 +347,13 @@ def _confirmation(method: str) -> Callable[[Context, Sequence[str]], Awaitable[i
 async def cmd_admin_nodes_list(ctx: Context, argv: Sequence[str]) -> int:
     a = ctx.args
     nodes = await ctx.client.list_nodes(pool_id=a.pool, state=a.state, start=a.start, until=a.until)
-    ctx.emit({"nodes": wire(nodes)}, render_nodes(nodes))
+    ctx.emit({"nodes": wire(nodes)}, render_nodes(nodes, ctx.width))
     return EXIT_OK
 
 
 async def cmd_admin_nodes_get(ctx: Context, argv: Sequence[str]) -> int:
     node = await ctx.client.get_node(ctx.args.node_id, start=ctx.args.start, until=ctx.args.until)
-    ctx.emit({"node": wire(node)}, render_node(node))
+    ctx.emit({"node": wire(node)}, render_node(node, ctx.width))
     return EXIT_OK
 
 
@@ -252,7 +372,7 @@ def _node_action(action: str) -> Callable[[Context, Sequence[str]], Awaitable[in
 
 async def cmd_admin_pools_list(ctx: Context, argv: Sequence[str]) -> int:
     pools = await ctx.client.list_fleet_pools()
-    ctx.emit({"pools": wire(pools)}, render_pools(pools))
+    ctx.emit({"pools": wire(pools)}, render_pools(pools, ctx.width))
     return EXIT_OK
 
 
@@ -264,13 +384,13 @@ async def cmd_admin_pools_get(ctx: Context, argv: Sequence[str]) -> int:
 
 async def cmd_admin_tenants_list(ctx: Context, argv: Sequence[str]) -> int:
     tenants = await ctx.client.list_tenants()
-    ctx.emit({"tenants": wire(tenants)}, render_tenants(tenants))
+    ctx.emit({"tenants": wire(tenants)}, render_tenants(tenants, ctx.width))
     return EXIT_OK
 
 
 async def cmd_admin_tenants_get(ctx: Context, argv: Sequence[str]) -> int:
     tenant = await ctx.client.get_tenant(ctx.args.tenant_id)
-    ctx.emit({"tenant": wire(tenant)}, render_tenant(tenant))
+    ctx.emit({"tenant": wire(tenant)}, render_tenant(tenant, ctx.width))
     return EXIT_OK
 
 
@@ -278,7 +398,7 @@ async def cmd_admin_events_list(ctx: Context, argv: Sequence[str]) -> int:
     page = await ctx.client.list_fleet_events(after=ctx.args.after, limit=ctx.args.limit)
     rows = [(e.seq, when(e.at), e.type, e.data.get("nodeId"), f"{e.data.get('from')} -> {e.data.get('state')}",
              e.data.get("by"), e.data.get("reason")) for e in page.events]
-    text = table(("SEQ", "AT", "EVENT", "NODE", "STATE", "BY", "REASON"), rows) if rows else "no events"
+    text = table(("SEQ", "AT", "EVENT", "NODE", "STATE", "BY", "REASON"), rows, width=ctx.width) if rows else "no events"
     if page.events:
         text += f"\nmore: {same_command(ctx, [*without(argv, '--after'), '--after', str(page.next_cursor)])}"
     ctx.emit(wire(page), text)

@@ -4,21 +4,26 @@ from __future__ import annotations
 import argparse
 from dataclasses import Field, fields
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Any, Callable, Sequence
 
-from berth.client import ReservationRequest, parse_time
+from berth.client import ReservationRequest, now_ms, parse_duration_ms, parse_time
 
 DEFAULT_WAIT_S = 600
+OUTPUTS = ("table", "wide", "json", "yaml")  # -o: table and wide for people, json and yaml for programs
 
 # ---- argument types -----------------------------------------------------------
 
-def _time_text(text: str) -> str:
-    """A time as typed (epoch ms or ISO 8601), checked now and parsed when the body is built."""
-    try:
-        parse_time(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+def _time_of(now: int) -> Callable[[str], int]:
+    """The type of every time flag: now, +30m, ISO 8601 or epoch ms as epoch ms, relative to one `now` for the whole
+    invocation (so --start now --end +1h is exactly an hour, and every retry sends the same body)."""
+    def time_arg(text: str) -> int:
+        try:
+            return parse_time(text, now)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    time_arg.__name__ = "time"  # argparse names the type in its error: "invalid time value"
+    return time_arg
 
 
 def _price_text(text: str) -> str:
@@ -31,22 +36,19 @@ def _price_text(text: str) -> str:
     return text
 
 
-_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
-
-
 def _duration_ms(text: str) -> int:
     """90m, 2h, 1d, 3600s or 500ms as milliseconds."""
-    for unit in sorted(_UNITS_MS, key=len, reverse=True):
-        if text.endswith(unit):
-            number = text[: -len(unit)]
-            try:
-                value = Decimal(number)
-            except InvalidOperation:
-                break
-            if value.is_finite() and value > 0:
-                return int(value * _UNITS_MS[unit])
-            break
-    raise argparse.ArgumentTypeError(f"{text!r}: give a duration with a unit, e.g. 30m, 2h, 1d")
+    try:
+        return parse_duration_ms(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class _SumDurations(argparse.Action):
+    """A repeated duration flag adds up: --by 1h --by 30m is 90 minutes."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, (getattr(namespace, self.dest, None) or 0) + values)
 
 
 # ---- the request's flags: one per ReservationRequest field ----------------------------
@@ -56,10 +58,7 @@ def flag_of(f: Field) -> str:
     return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 
-_KIND_TYPES = {"time": _time_text, "price": _price_text}
-
-
-def _add_field(p, f: Field, required: bool = False) -> None:
+def _add_field(p, f: Field, time_arg: Callable[[str], int], required: bool = False) -> None:
     kind = f.metadata["kind"]
     kw: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"]}
     annotation = str(f.type)
@@ -68,8 +67,10 @@ def _add_field(p, f: Field, required: bool = False) -> None:
         return
     if f.metadata["metavar"]:
         kw["metavar"] = f.metadata["metavar"]
-    if kind in _KIND_TYPES:
-        kw["type"] = _KIND_TYPES[kind]
+    if kind == "time":
+        kw["type"] = time_arg
+    elif kind == "price":
+        kw["type"] = _price_text
     elif annotation.startswith("int"):
         kw["type"] = int
     elif annotation.startswith("float"):
@@ -82,12 +83,12 @@ def _add_field(p, f: Field, required: bool = False) -> None:
 WINDOW = ("duration_hours", "end")  # one of them is required
 
 
-def _request_flags(p: argparse.ArgumentParser, create: bool) -> None:
+def _request_flags(p: argparse.ArgumentParser, create: bool, time_arg: Callable[[str], int]) -> None:
     window = p.add_mutually_exclusive_group(required=True)
     for f in fields(ReservationRequest):
         if f.metadata["create_only"] and not create:
             continue
-        _add_field(window if f.name in WINDOW else p, f, required=f.name in ("pool_id", "gpu_model"))
+        _add_field(window if f.name in WINDOW else p, f, time_arg, required=f.name in ("pool_id", "gpu_model"))
 
 
 def request_of(args: argparse.Namespace) -> ReservationRequest:
@@ -113,12 +114,16 @@ class _Parser(argparse.ArgumentParser):
 
 def _common() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
-    conn = common.add_argument_group("connection (flag, then environment, then config file)")
+    conn = common.add_argument_group("connection (flag, then environment, then the config file's profile, then its "
+                                     "top-level keys)")
     conn.add_argument("--url", help="the control plane, e.g. https://cp.example.net:8080 (env BERTH_URL)")
     conn.add_argument("--token", help="your bearer token (env BERTH_TOKEN)")
     conn.add_argument("--config", metavar="PATH",
-                      help='JSON {"url": ..., "token": ..., "caFile": ...} (default '
-                           "$XDG_CONFIG_HOME/berth/config.json or ~/.config/berth/config.json)")
+                      help='JSON {"url": ..., "token": ..., "caFile": ..., "profiles": {NAME: {"url": ...}}} '
+                           "(default $XDG_CONFIG_HOME/berth/config.json or ~/.config/berth/config.json)")
+    conn.add_argument("--profile", metavar="NAME",
+                      help='read the config file\'s profiles.NAME before its top-level keys (env BERTH_PROFILE; '
+                           'default: the file\'s "profile", if any)')
     conn.add_argument("--ca-file", metavar="FILE",
                       help="verify an https:// control plane with the CA certificates in this PEM file instead of "
                            "the system trust store (env BERTH_CA_FILE, config caFile)")
@@ -132,57 +137,79 @@ def _common() -> argparse.ArgumentParser:
     conn.add_argument("--request-timeout", type=float, default=30.0, metavar="SECONDS",
                       help="seconds per attempt (default 30)")
     out = common.add_mutually_exclusive_group()
-    out.add_argument("--json", dest="output", action="store_const", const="json",
-                     help="print the API's JSON (the default when stdout is not a terminal)")
-    out.add_argument("--table", dest="output", action="store_const", const="table",
-                     help="print a table (the default on a terminal)")
+    out.add_argument("-o", "--output", choices=OUTPUTS,
+                     help="table (the default on a terminal, fitted to its width), wide (reservations: also binding, "
+                          "spot and principal), json (the API's, the default when stdout is not a terminal) or yaml")
+    out.add_argument("--json", dest="output", action="store_const", const="json", help="the same as -o json")
+    out.add_argument("--table", dest="output", action="store_const", const="table", help="the same as -o table")
     return common
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command(subs, name: str, aliases: Sequence[str] = (), **kw: Any) -> argparse.ArgumentParser:
+    """A command and its aliases (`ls` for list, `rm` for release); args.command is the name whichever was typed."""
+    p = subs.add_parser(name, aliases=list(aliases), **kw)
+    p.set_defaults(command=name)
+    return p
+
+
+def _list(subs, **kw: Any) -> argparse.ArgumentParser:
+    return _command(subs, "list", ("ls",), **kw)
+
+
+def build_parser(now: int | None = None) -> argparse.ArgumentParser:
+    """The tenant CLI's parser; every time flag's now and +1h count from `now` (default: the clock, read once)."""
+    time_arg = _time_of(now_ms() if now is None else now)
     common = _common()
     parser = _Parser(prog="berth", description="Berth's tenant commands")
     groups = parser.add_subparsers(dest="group", required=True, metavar="GROUP")
 
     res = groups.add_parser("reservations", help="create, read and end reservations").add_subparsers(
         dest="command", required=True, metavar="COMMAND")
-    create = res.add_parser("create", parents=[common], help="reserve GPUs (202 Accepted; then wait on the operation)")
-    _request_flags(create, create=True)
+    create = _command(res, "create", parents=[common], help="reserve GPUs (202 Accepted; then wait on the operation)")
+    _request_flags(create, create=True, time_arg=time_arg)
     create.add_argument("--idempotency-key", metavar="KEY",
                         help="the request's key; default: a new one per invocation, kept across its retries")
-    quote = res.add_parser("quote", parents=[common], help="price a request now (creates nothing)")
-    _request_flags(quote, create=False)
-    for name, text in (("get", "show a reservation"), ("release", "end a reservation now, refunding its quota"),
-                       ("cancel", "withdraw a pending or placed reservation"),
-                       ("renew", "move the lease deadline to now plus leaseSeconds")):
-        sub = res.add_parser(name, parents=[common], help=text)
+    quote = _command(res, "quote", parents=[common], help="price a request now (creates nothing)")
+    _request_flags(quote, create=False, time_arg=time_arg)
+    for name, aliases, text in (("get", (), "show a reservation"),
+                                ("release", ("rm",), "end a reservation now, refunding its quota"),
+                                ("cancel", (), "withdraw a pending or placed reservation"),
+                                ("renew", (), "move the lease deadline to now plus leaseSeconds")):
+        sub = _command(res, name, aliases, parents=[common], help=text)
         sub.add_argument("reservation_id", metavar="RESERVATION")
-    extend = res.add_parser("extend", parents=[common], help="move the end later, all or nothing")
+    extend = _command(res, "extend", parents=[common], help="move the end later, all or nothing")
     extend.add_argument("reservation_id", metavar="RESERVATION")
     how = extend.add_mutually_exclusive_group(required=True)
-    how.add_argument("--until", type=_time_text, metavar="TIME", help="the new end: epoch ms or ISO 8601 (safe to retry)")
-    how.add_argument("--by", type=_duration_ms, metavar="DURATION", help="extend by, e.g. 30m, 2h (repeats extend again)")
-    lst = res.add_parser("list", parents=[common], help="your reservations, newest first")
+    how.add_argument("--until", type=time_arg, metavar="TIME",
+                     help="the new end: +2h (from now), ISO 8601 or epoch ms (safe to retry)")
+    how.add_argument("--by", type=_duration_ms, action=_SumDurations, metavar="DURATION",
+                     help="extend by, e.g. 30m, 2h; repeated, the durations add up (--by 1h --by 30m: 90m); "
+                          "running the command again extends again")
+    lst = _list(res, parents=[common], help="your reservations, newest first (--watch: and then each change)")
     lst.add_argument("--scope", choices=("mine", "all"), help="mine (default) or the whole tenant's you may read")
     lst.add_argument("--state", help="pending, placed, binding, active, released or cancelled")
     lst.add_argument("--pool", help="only this pool")
     lst.add_argument("--limit", type=int, help="1 to 200 (default 50)")
     lst.add_argument("--cursor", help="the nextCursor of the previous page")
+    lst.add_argument("--watch", "-w", action="store_true",
+                     help="then print a reservation's row again each time it changes, until Ctrl-C (a long poll "
+                          "on the events cursor; json: one object per line, yaml: one document each)")
 
     pools = groups.add_parser("pools", help="what you can book: your tenant's pools and their free devices"
                               ).add_subparsers(dest="command", required=True, metavar="COMMAND")
-    pool_list = pools.add_parser("list", parents=[common], help="the pools your tenant owns or is offered")
-    pool_get = pools.add_parser("get", parents=[common], help="one pool, with its free devices over the window")
+    pool_list = _list(pools, parents=[common], help="the pools your tenant owns or is offered")
+    pool_get = _command(pools, "get", parents=[common], help="one pool, with its free devices over the window")
     pool_get.add_argument("pool_id", metavar="POOL")
     for sub in (pool_list, pool_get):
-        sub.add_argument("--from", dest="start", type=_time_text, metavar="TIME", help="free devices from (default now)")
-        sub.add_argument("--until", type=_time_text, metavar="TIME", help="until (default a week after --from)")
+        sub.add_argument("--from", dest="start", type=time_arg, metavar="TIME",
+                         help="free devices from (default now; also +1d, ISO 8601 or epoch ms)")
+        sub.add_argument("--until", type=time_arg, metavar="TIME", help="until (default a week after --from)")
     groups.add_parser("whoami", parents=[common], help="who your token speaks for: tenant, principal, kind, scope")
 
     events = groups.add_parser("events", help="what happened to your tenant's reservations").add_subparsers(
         dest="command", required=True, metavar="COMMAND")
-    ev_list = events.add_parser("list", parents=[common], help="the tenant's events, oldest first (--follow: "
-                                "and then each new one as it happens, until Ctrl-C)")
+    ev_list = _list(events, parents=[common], help="the tenant's events, oldest first (--follow: "
+                    "and then each new one as it happens, until Ctrl-C)")
     ev_list.add_argument("--after", type=int, metavar="SEQ", help="only events after this cursor (an event's seq)")
     ev_list.add_argument("--limit", type=int, help="events per page, 1 to 500 (default 100)")
     ev_list.add_argument("--reservation", metavar="RESERVATION", help="only this reservation's events")
@@ -191,27 +218,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     ops = groups.add_parser("operations", help="the long-running record of each mutation").add_subparsers(
         dest="command", required=True, metavar="COMMAND")
-    get_op = ops.add_parser("get", parents=[common], help="show an operation")
+    get_op = _command(ops, "get", parents=[common], help="show an operation")
     get_op.add_argument("operation_id", metavar="OPERATION")
-    wait = ops.add_parser("wait", parents=[common], help="wait until the operation ends (exit code by failure.actor)")
+    wait = _command(ops, "wait", parents=[common], help="wait until the operation ends, showing the reservation's "
+                    "conditions (exit code by failure.actor; gives up at once when the reservation is stuck)")
     wait.add_argument("operation_id", metavar="OPERATION")
     wait.add_argument("--timeout-sec", type=float, default=DEFAULT_WAIT_S, metavar="N",
                       help=f"give up after N seconds with exit code 6 (default {DEFAULT_WAIT_S})")
 
     usage = groups.add_parser("usage", parents=[common], help="charge history: lines per reservation and UTC day, totals")
     usage.add_argument("--reservation", metavar="RESERVATION", help="only this reservation")
-    usage.add_argument("--since", type=_time_text, metavar="DAY", help="UTC days starting at or after (2026-12-01 or epoch ms)")
-    usage.add_argument("--until", type=_time_text, metavar="DAY", help="UTC days starting before")
+    usage.add_argument("--since", type=time_arg, metavar="DAY",
+                       help="UTC days starting at or after (2026-12-01, --since=-7d, now or epoch ms)")
+    usage.add_argument("--until", type=time_arg, metavar="DAY", help="UTC days starting before (as --since)")
     usage.add_argument("--limit", type=int, help="lines per page, 1 to 500 (default 100)")
     usage.add_argument("--cursor", help="the nextCursor of the previous page")
 
     conf = groups.add_parser("confirmations", help="approvals asked by your delegated agents").add_subparsers(
         dest="command", required=True, metavar="COMMAND")
-    conf_list = conf.add_parser("list", parents=[common], help="confirmations you asked or are asked")
+    conf_list = _list(conf, parents=[common], help="confirmations you asked or are asked")
     conf_list.add_argument("--status", choices=("pending", "approved", "denied", "expired"))
     conf_list.add_argument("--limit", type=int)
     for name in ("get", "approve", "deny"):
-        sub = conf.add_parser(name, parents=[common], help=f"{name} a confirmation")
+        sub = _command(conf, name, parents=[common], help=f"{name} a confirmation")
         sub.add_argument("confirmation_id", metavar="CONFIRMATION")
 
     admin = groups.add_parser("admin", help="the operator's commands (--token: the bootstrap file's adminToken, or "
@@ -219,40 +248,39 @@ def build_parser() -> argparse.ArgumentParser:
     admin_groups = admin.add_subparsers(dest="admin_group", required=True, metavar="GROUP")
     nodes = admin_groups.add_parser("nodes", help="the fleet's nodes").add_subparsers(
         dest="command", required=True, metavar="COMMAND")
-    node_list = nodes.add_parser("list", parents=[common], help="every node: state, agent, heartbeat, bookings now and next")
+    node_list = _list(nodes, parents=[common], help="every node: state, agent, heartbeat, bookings now and next")
     node_list.add_argument("--pool", help="only this pool")
     node_list.add_argument("--state", choices=("ready", "cordoned", "draining", "cleaning", "maintenance", "lost"))
-    node_get = nodes.add_parser("get", parents=[common], help="one node, with its bookings in the window")
+    node_get = _command(nodes, "get", parents=[common], help="one node, with its bookings in the window")
     node_get.add_argument("node_id", metavar="NODE")
     for sub in (node_list, node_get):
-        sub.add_argument("--from", dest="start", type=_time_text, metavar="TIME", help="bookings from (default now)")
-        sub.add_argument("--until", type=_time_text, metavar="TIME", help="bookings until (default a week after --from)")
+        sub.add_argument("--from", dest="start", type=time_arg, metavar="TIME",
+                         help="bookings from (default now; also +1d, ISO 8601 or epoch ms)")
+        sub.add_argument("--until", type=time_arg, metavar="TIME", help="bookings until (default a week after --from)")
     for name, text in (("cordon", "no new placements on the node; its bookings stay"),
                        ("uncordon", "a cordoned or draining node takes placements again"),
                        ("drain", "cordon, and move placed reservations that have not started to other nodes "
                                  "(or back to pending); active ones run to their end"),
                        ("clear", "a node in maintenance becomes ready")):
-        sub = nodes.add_parser(name, parents=[common], help=text)
+        sub = _command(nodes, name, parents=[common], help=text)
         sub.add_argument("node_id", metavar="NODE")
         sub.add_argument("--reason", help="why, recorded in the node's event and the log")
-    release = nodes.add_parser("release-identity", parents=[common],
-                               help="let the node's next registration come from any host (a replaced machine)")
+    release = _command(nodes, "release-identity", parents=[common],
+                       help="let the node's next registration come from any host (a replaced machine)")
     release.add_argument("node_id", metavar="NODE")
     pools = admin_groups.add_parser("pools", help="the fleet's pools").add_subparsers(
         dest="command", required=True, metavar="COMMAND")
-    pools.add_parser("list", parents=[common], help="every pool: nodes by state, GPUs in use and free")
-    pool_get = pools.add_parser("get", parents=[common], help="one pool")
+    _list(pools, parents=[common], help="every pool: nodes by state, GPUs in use and free")
+    pool_get = _command(pools, "get", parents=[common], help="one pool")
     pool_get.add_argument("pool_id", metavar="POOL")
     tenants = admin_groups.add_parser("tenants", help="the tenants").add_subparsers(
         dest="command", required=True, metavar="COMMAND")
-    tenants.add_parser("list", parents=[common], help="every tenant: quota used, budget, spend")
-    tenant_get = tenants.add_parser("get", parents=[common], help="one tenant: each quota row, budget, spend")
+    _list(tenants, parents=[common], help="every tenant: quota used, budget, spend")
+    tenant_get = _command(tenants, "get", parents=[common], help="one tenant: each quota row, budget, spend")
     tenant_get.add_argument("tenant_id", metavar="TENANT")
     events = admin_groups.add_parser("events", help="what operators did to nodes").add_subparsers(
         dest="command", required=True, metavar="COMMAND")
-    event_list = events.add_parser("list", parents=[common], help="the fleet's events, oldest first")
+    event_list = _list(events, parents=[common], help="the fleet's events, oldest first")
     event_list.add_argument("--after", type=int, metavar="SEQ", help="the nextCursor of the previous page")
     event_list.add_argument("--limit", type=int, help="1 to 500 (default 100)")
     return parser
-
-

@@ -2,28 +2,122 @@
 from __future__ import annotations
 
 import json
+import re
+import textwrap
 import time
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any, Sequence
 
 from berth.cli.context import Context, request_command, same_command, without
-from berth.client import (AdminNode, AdminPool, AdminTenant, Confirmation, Event, NodeAction, NodeBooking, OfferedPool,
-                          Operation, Quote, Reservation, ReservationPage, Resources, Usage, Whoami)
+from berth.client import (AdminNode, AdminPool, AdminTenant, Condition, Confirmation, Event, NodeAction, NodeBooking,
+                          OfferedPool, Operation, Quote, Reservation, ReservationPage, Resources, Usage, Whoami, now_ms)
+
+# ---- money and times, as people read them -------------------------------------------------------------------------
+
+CENT = Decimal("0.01")
+
+
+def money(value: Any) -> str:
+    """$2.50: two decimals for people (the exact decimals stay in the JSON and in suggested commands)."""
+    if value is None:
+        return "-"
+    return f"${Decimal(str(value)).quantize(CENT, ROUND_HALF_UP)}"
 
 
 def money_rate(value: Any) -> str:
-    return f"${value}/hr"
+    return f"{money(value)}/hr"
+
+
+def _span(seconds: float) -> str:
+    """A span as people say it: 58 s, 12 min, 3 h, 2 d."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172_800:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86_400:.0f} d"
+
+
+def relative(ms: int, now: int | None = None) -> str:
+    """`in 58 s`, `3 h ago`, or `now` (within a second)."""
+    seconds = (ms - (now_ms() if now is None else now)) / 1000
+    if abs(seconds) < 1:
+        return "now"
+    return f"in {_span(seconds)}" if seconds > 0 else f"{_span(-seconds)} ago"
+
+
+def iso(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms // 1000))
 
 
 def when(ms: int | None) -> str:
+    """A moment for people: ISO 8601 UTC and how far it is from now, `2027-01-31T09:00:00Z (in 3 h)`; never epoch ms."""
     if ms is None:
         return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(ms / 1000))
+    return f"{iso(ms)} ({relative(ms)})"
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+def ago(seconds: float | None) -> str:
+    """An age in seconds (a heartbeat's) as `12 s ago`."""
+    if seconds is None:
+        return "never"
+    return f"{_span(seconds)} ago" if seconds >= 1 else "now"
+
+
+_EPOCH_MS = re.compile(r"(?<![\w:.-])1\d{12}(?![\w.])")  # 2001..2286 in epoch ms, standing as a word of its own
+
+
+def humane(text: str) -> str:
+    """A server's message with its epoch-ms times as when() writes them."""
+    return _EPOCH_MS.sub(lambda m: when(int(m.group())), text)
+
+
+# ---- tables ---------------------------------------------------------------------------------------------------------
+
+MIN_COLUMN = 8  # a column fitted to the terminal keeps at least its header and this many characters
+
+
+def _fit(widths: list[int], headers: Sequence[str], width: int) -> list[int]:
+    """Narrow the widest column, one character at a time, until the row fits `width` (or nothing can narrow)."""
+    widths = list(widths)
+    floors = [max(len(h), MIN_COLUMN) for h in headers]
+    while sum(widths) + 2 * (len(widths) - 1) > width:
+        narrowable = [i for i, w in enumerate(widths) if w > floors[i]]
+        if not narrowable:
+            break
+        widest = max(narrowable, key=lambda i: widths[i])
+        widths[widest] -= 1
+    return widths
+
+
+def _lines_of_row(row: Sequence[str], widths: Sequence[int]) -> list[str]:
+    """One row, its cells wrapped to their columns (a cell wider than its column continues on the next line)."""
+    wrapped = [textwrap.wrap(c, w, break_on_hyphens=False) or [""] if len(c) > w else [c] for c, w in zip(row, widths)]
+    height = max(len(cell) for cell in wrapped)
+    return ["  ".join((cell[i] if i < len(cell) else "").ljust(w) for cell, w in zip(wrapped, widths)).rstrip()
+            for i in range(height)]
+
+
+def column_widths(headers: Sequence[str], rows: Sequence[Sequence[Any]], at_least: Sequence[int] = ()) -> list[int]:
+    """Each column as wide as its widest cell, and at least `at_least`."""
+    cells = _cells(headers, rows)
+    return [max([len(r[i]) for r in cells] + list(at_least[i:i + 1])) for i in range(len(headers))]
+
+
+def _cells(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[list[str]]:
+    return [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, width: int | None = None, header: bool = True,
+          at_least: Sequence[int] = ()) -> str:
+    """Rows under their headers in columns as wide as their widest cell (at least `at_least`, so rows printed
+    apart line up), then narrowed to the terminal's `width` by wrapping the widest column."""
+    cells = _cells(headers, rows)
+    widths = column_widths(headers, rows, at_least)
+    if width:
+        widths = _fit(widths, cells[0], width)
+    return "\n".join(line for r in (cells if header else cells[1:]) for line in _lines_of_row(r, widths))
 
 
 def fields(pairs: Sequence[tuple[str, Any]]) -> str:
@@ -46,15 +140,43 @@ def _op(op: Operation | None) -> str | None:
     return text
 
 
-def render_reservation(r: Reservation) -> str:
+ENDED = frozenset({"released", "cancelled"})
+
+
+def ended_at(r: Reservation) -> int | None:
+    """When a released or cancelled reservation actually ended: its state changed then (updatedAt), or its window
+    ended first (a release by the reconciler at the end comes a moment after it)."""
+    if r.state not in ENDED:
+        return None
+    return min((t for t in (r.end, r.updated_at) if t is not None), default=None)
+
+
+def _end(r: Reservation) -> str:
+    ended = ended_at(r)
+    if ended is not None:
+        return when(ended)
+    return when(r.end) if r.end is not None else f"{r.duration_hours:g} h after start"
+
+
+def condition_text(c: Condition) -> str:
+    """`DevicesBound=False BindFailed: node n1: ...`, as the API's conditions read."""
+    return f"{c.type}={c.status}" + (f" {c.reason}" if c.reason else "") + (f": {c.message}" if c.message else "")
+
+
+def render_reservation(r: Reservation, wide: bool = False) -> str:
+    ended = ended_at(r)
     pairs: list[tuple[str, Any]] = [
         ("reservation", r.id), ("state", r.state + (f" ({r.reason})" if r.reason else "")),
         ("pool", f"{r.pool_id} ({r.region})"), ("gpus", _shape(r)), ("binding", r.binding + (", spot" if r.spot else "")),
         ("start", when(r.start) if r.start is not None else "as soon as placed"),
-        ("end", when(r.end) if r.end is not None else f"{r.duration_hours:g} h after start"),
+        ("end", _end(r) + (f", booked until {when(r.end)}" if ended is not None and r.end not in (None, ended) else "")),
+        ("price", money_rate(r.hourly_usd) if r.hourly_usd is not None else None),
         ("resources", f"{r.resources.vcpu:g} vcpu, {r.resources.memory_gib:g} GiB, {r.resources.hugepages_1gi} x 1 GiB hugepages"
          if r.resources.vcpu is not None else None),
     ]
+    if wide:
+        pairs += [("principal", r.principal_id), ("tenant", r.tenant_id), ("created", when(r.created_at)),
+                  ("updated", when(r.updated_at)), ("idempotency key", r.idempotency_key)]
     if r.lease_seconds is not None:
         pairs.append(("lease", f"{r.lease_seconds} s, renew by {when(r.lease_deadline)}"))
     if r.placements:
@@ -62,7 +184,7 @@ def render_reservation(r: Reservation) -> str:
     for b in r.bound:  # what each node made of it: the cgroup the work runs in, the device nodes it may open
         pairs.append(("bound", f"{b.node_id}: cgroup {b.cgroup or '-'}, devices {', '.join(b.devices) or '-'}"))
     for c in r.conditions:
-        pairs.append(("condition", f"{c.type}={c.status} {c.reason}: {c.message}"))
+        pairs.append(("condition", condition_text(c)))
     pairs.append(("operation", _op(r.operation)))
     if r.operation is not None and r.operation.failure is not None:
         pairs.append(("failure", r.operation.failure.message))
@@ -71,12 +193,25 @@ def render_reservation(r: Reservation) -> str:
     return fields(pairs)
 
 
+LIST_COLUMNS = ("ID", "STATE", "POOL", "GPUS", "START", "END", "OPERATION")
+WIDE_COLUMNS = ("BINDING", "SPOT", "PRINCIPAL")
+
+
+def list_headers(wide: bool) -> tuple[str, ...]:
+    return LIST_COLUMNS + (WIDE_COLUMNS if wide else ())
+
+
+def list_row(r: Reservation, wide: bool) -> tuple[Any, ...]:
+    """A reservation as a row of `reservations list` (END: when it ended, for a released or cancelled one)."""
+    row: tuple[Any, ...] = (r.id, r.state, r.pool_id, _shape(r), when(r.start), _end(r), _op(r.operation))
+    return row + ((r.binding, "yes" if r.spot else "no", r.principal_id) if wide else ())
+
+
 def render_list(page: ReservationPage, ctx: Context, argv: Sequence[str]) -> str:
     if not page.reservations:
         return "no reservations"
-    rows = [(r.id, r.state, r.pool_id, _shape(r), when(r.start), when(r.end), _op(r.operation))
-            for r in page.reservations]
-    text = table(("ID", "STATE", "POOL", "GPUS", "START", "END", "OPERATION"), rows)
+    wide = ctx.wide
+    text = table(list_headers(wide), [list_row(r, wide) for r in page.reservations], width=ctx.width)
     if page.next_cursor:
         text += f"\nmore: {same_command(ctx, [*without(argv, '--cursor'), '--cursor', page.next_cursor])}"
     return text
@@ -87,7 +222,7 @@ def render_quote(q: Quote, ctx: Context) -> str:
         ("quote", q.id), ("expires", when(q.expires_at)), ("pool", f"{q.pool_id} ({q.region})"),
         ("gpus", f"{q.node_count} x {q.gpu_count} {q.gpu_model}" if q.node_count > 1 else f"{q.gpu_count} {q.gpu_model}"),
         ("price", f"{money_rate(q.total_running_usd_per_hour)} {q.currency}"),
-        ("window", f"{q.window_hours:g} h, at most {q.total_usd} {q.currency}" if q.window_hours is not None else None),
+        ("window", f"{q.window_hours:g} h, at most {money(q.total_usd)} {q.currency}" if q.window_hours is not None else None),
         ("fits", ("now" if q.fits_now else (f"from {when(q.earliest_start)}" if q.earliest_start else
                   "not within a year, or behind the pool's queue"))
          + (f", by preempting {q.preempts_spot} spot reservation(s)" if q.preempts_spot else "")),
@@ -111,13 +246,14 @@ def render_operation(op: Operation) -> str:
 
 
 def render_usage(u: Usage, ctx: Context, argv: Sequence[str]) -> str:
-    rows = [(line.day, line.reservation_id, line.pool_id, line.seconds, money_rate(line.hourly_usd), f"${line.amount_usd}",
+    rows = [(line.day, line.reservation_id, line.pool_id, line.seconds, money_rate(line.hourly_usd), money(line.amount_usd),
              "yes" if line.running else "") for line in u.lines]
-    parts = [table(("DAY", "RESERVATION", "POOL", "SECONDS", "RATE", "AMOUNT", "RUNNING"), rows) if rows
+    parts = [table(("DAY", "RESERVATION", "POOL", "SECONDS", "RATE", "AMOUNT", "RUNNING"), rows, width=ctx.width) if rows
              else "no usage lines"]
-    parts.append(fields([("page total", f"${u.page_total_usd}"), ("total", f"${u.total_usd}")]))
+    parts.append(fields([("page total", money(u.page_total_usd)), ("total", money(u.total_usd))]))
     if u.by_reservation:
-        parts.append(table(("RESERVATION", "TOTAL"), [(t.reservation_id, f"${t.total_usd}") for t in u.by_reservation]))
+        parts.append(table(("RESERVATION", "TOTAL"), [(t.reservation_id, money(t.total_usd)) for t in u.by_reservation],
+                           width=ctx.width))
     if u.next_cursor:
         parts.append(f"more: {same_command(ctx, [*without(argv, '--cursor'), '--cursor', u.next_cursor])}")
     return "\n\n".join(parts)
@@ -157,13 +293,13 @@ def _free(p: OfferedPool) -> str:
     return text
 
 
-def render_offered_pools(pools: Sequence[OfferedPool]) -> str:
+def render_offered_pools(pools: Sequence[OfferedPool], width: int | None = None) -> str:
     if not pools:
         return "no pools: your tenant owns none and is offered none; ask the operator"
     return table(("POOL", "REGION", "MODEL", "SHARING", "SHAPE", "BINDINGS", "PRICE/GPU-H", "NODES", "FREE NOW/TOTAL"),
                  [(p.id, p.region, p.gpu_model, p.sharing, _pool_shape(p), ",".join(p.bindings),
                    money_rate(p.price_per_gpu_hour_usd), " ".join(f"{s.nodes}x{s.gpus}" for s in p.node_sizes) or "0",
-                   _free(p)) for p in pools])
+                   _free(p)) for p in pools], width=width)
 
 
 def render_offered_pool(p: OfferedPool) -> str:
@@ -180,38 +316,27 @@ def render_whoami(w: Whoami) -> str:
                    ("acting for", w.delegated_by), ("scope", w.scope)])
 
 
-EVENT_COLUMNS = (6, 24, 30, 28, 10)  # SEQ, AT, RESERVATION, EVENT, STATE: fixed, so --follow's rows line up
+EVENT_COLUMNS = (6, 32, 30, 28, 10)  # SEQ, AT, RESERVATION, EVENT, STATE: at least, so --follow's rows line up
 
 
-def render_events(events: Sequence[Event], header: bool = True) -> str:
-    """Events as rows of fixed columns (SEQ AT RESERVATION EVENT STATE DETAILS): the same with one row at a time."""
-    def row(cells: Sequence[str]) -> str:
-        return "  ".join(str(c).ljust(w) for c, w in zip(cells, EVENT_COLUMNS)) + "  " + cells[-1]
-
-    lines = [row(("SEQ", "AT", "RESERVATION", "EVENT", "STATE", "DETAILS"))] if header else []
+def render_events(events: Sequence[Event], header: bool = True, width: int | None = None) -> str:
+    """Events as rows (SEQ AT RESERVATION EVENT STATE DETAILS) of columns at least EVENT_COLUMNS wide: the same
+    with one row at a time."""
+    rows = []
     for e in events:
         details = " ".join(f"{k}={_detail(k, v)}" for k, v in e.data.items() if k not in ("state", "poolId"))
-        lines.append(row((e.seq, when(e.at), e.reservation_id or "-", e.type, e.data.get("state", ""), details)))
-    return "\n".join(line.rstrip() for line in lines)
+        rows.append((e.seq, when(e.at), e.reservation_id or "-", e.type, e.data.get("state", ""), details))
+    return table(("SEQ", "AT", "RESERVATION", "EVENT", "STATE", "DETAILS"), rows, width=width, header=header,
+                 at_least=EVENT_COLUMNS)
 
 
 def _detail(key: str, value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and key in ("end", "start", "until", "at", "expiresAt"):
-        return when(value)
+        return iso(value)  # no relative form here: a word of its own, key=value
     return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
 # ---- the operator's (berth admin ...) ----------------------------------------------------------------------------
-
-def ago(seconds: float | None) -> str:
-    if seconds is None:
-        return "never"
-    if seconds < 120:
-        return f"{seconds:.0f}s ago"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m ago"
-    return f"{seconds / 3600:.1f}h ago"
-
 
 def _booking(b: NodeBooking) -> str:
     marks = "".join(m for m, on in ((" spot", b.spot), (" carried-on", b.carried_on)) if on)
@@ -228,7 +353,7 @@ def now_and_next(node: AdminNode) -> tuple[str, str]:
     return now, nxt
 
 
-def render_nodes(nodes: Sequence[AdminNode]) -> str:
+def render_nodes(nodes: Sequence[AdminNode], width: int | None = None) -> str:
     if not nodes:
         return "no nodes"
     rows = []
@@ -236,10 +361,10 @@ def render_nodes(nodes: Sequence[AdminNode]) -> str:
         now, nxt = now_and_next(n)
         rows.append((n.id, n.pool_id, n.state, n.agent_version or ("declared" if n.declared else "-"),
                      ago(n.heartbeat_age_seconds), n.inventory.gpus, now, nxt))
-    return table(("NODE", "POOL", "STATE", "AGENT", "HEARTBEAT", "GPUS", "NOW", "NEXT"), rows)
+    return table(("NODE", "POOL", "STATE", "AGENT", "HEARTBEAT", "GPUS", "NOW", "NEXT"), rows, width=width)
 
 
-def render_node(n: AdminNode) -> str:
+def render_node(n: AdminNode, width: int | None = None) -> str:
     inv = n.inventory
     state = n.state or "-"
     if n.admin_state and n.admin_state != n.state:
@@ -262,7 +387,7 @@ def render_node(n: AdminNode) -> str:
                                [(b.reservation_id, b.tenant_id, b.state, b.binding + (", spot" if b.spot else ""),
                                  when(b.start), when(b.end), ",".join(b.devices),
                                  ("now" if b.current else "") + (" carried on" if b.carried_on else ""))
-                                for b in n.bookings])
+                                for b in n.bookings], width=width)
     else:
         text += "\n\nno bookings in the window"
     return text
@@ -289,13 +414,13 @@ def _nodes_by_state(counts: dict[str, int]) -> str:
     return ", ".join(f"{c} {s}" for s, c in counts.items() if c) or "none"
 
 
-def render_pools(pools: Sequence[AdminPool]) -> str:
+def render_pools(pools: Sequence[AdminPool], width: int | None = None) -> str:
     if not pools:
         return "no pools"
     return table(("POOL", "OWNER", "REGION", "MODEL", "SHARING", "PRICE", "NODES", "GPUS FREE/TOTAL", "IN USE", "PENDING"),
                  [(p.id + (" (archived)" if p.archived else ""), p.owner, p.region, p.gpu_model, p.sharing,
                    money_rate(p.price_per_gpu_hour_usd), _nodes_by_state(p.nodes), f"{p.gpus.free}/{p.gpus.total}",
-                   p.gpus.booked, p.pending) for p in pools])
+                   p.gpus.booked, p.pending) for p in pools], width=width)
 
 
 def render_pool(p: AdminPool) -> str:
@@ -315,19 +440,19 @@ def _usage(t: AdminTenant) -> list[tuple[str, str, str]]:
     return [(k, f"{t.used.get(k, 0):g}", f"{t.quota[k]:g}" if k in t.quota else "none") for k in keys]
 
 
-def render_tenants(tenants: Sequence[AdminTenant]) -> str:
+def render_tenants(tenants: Sequence[AdminTenant], width: int | None = None) -> str:
     if not tenants:
         return "no tenants"
     rows = []
     for t in tenants:
         used = ", ".join(f"{k} {u}/{q}" for k, u, q in _usage(t) if u != "0") or "-"
-        rows.append((t.id, f"${t.budget_usd}" if t.budget_usd is not None else "none", f"${t.spent_usd}",
-                     f"${t.committed_usd}", sum(t.reservations.values()), used))
-    return table(("TENANT", "BUDGET", "SPENT", "COMMITTED", "LIVE", "QUOTA USED/LIMIT"), rows)
+        rows.append((t.id, money(t.budget_usd) if t.budget_usd is not None else "none", money(t.spent_usd),
+                     money(t.committed_usd), sum(t.reservations.values()), used))
+    return table(("TENANT", "BUDGET", "SPENT", "COMMITTED", "LIVE", "QUOTA USED/LIMIT"), rows, width=width)
 
 
-def render_tenant(t: AdminTenant) -> str:
-    text = fields([("tenant", t.id), ("budget", f"${t.budget_usd}" if t.budget_usd is not None else "none"),
-                   ("spent", f"${t.spent_usd}"), ("committed", f"${t.committed_usd} (live reservations, to their end)"),
+def render_tenant(t: AdminTenant, width: int | None = None) -> str:
+    text = fields([("tenant", t.id), ("budget", money(t.budget_usd) if t.budget_usd is not None else "none"),
+                   ("spent", money(t.spent_usd)), ("committed", f"{money(t.committed_usd)} (live reservations, to their end)"),
                    ("live", ", ".join(f"{c} {s}" for s, c in t.reservations.items()) or "none")])
-    return text + "\n\n" + table(("QUOTA", "USED", "LIMIT"), _usage(t))
+    return text + "\n\n" + table(("QUOTA", "USED", "LIMIT"), _usage(t), width=width)

@@ -18,7 +18,8 @@ from berth.client.errors import (ERRORS, AccessDenied, BadAnswer, BerthError, Co
                                  ConfirmationRequired, InsufficientFunds, InvalidInput, InvalidState, NoCapacity,
                                  NotFound, PriceChanged, ProviderUnavailable, QuotaExceeded, QuoteExpired,
                                  SpendLimitReached, TransportError, Unauthenticated, Unsupported, error_of)
-from berth.client.requests import ReservationRequest, create_body, new_idempotency_key, parse_time, price_text
+from berth.client.requests import (ReservationRequest, create_body, iso_ms, new_idempotency_key, now_ms,
+                                   parse_duration_ms, parse_time, price_text)
 from berth.client.sync import Client
 
 __all__ = [
@@ -31,5 +32,6 @@ __all__ = [
     "BerthError", "ComputeAccessRequired", "Conflict", "ConfirmationRequired", "InsufficientFunds", "InvalidInput",
     "InvalidState", "NoCapacity", "NotFound", "PriceChanged", "ProviderUnavailable", "QuotaExceeded",
     "QuoteExpired", "SpendLimitReached", "TransportError", "Unauthenticated", "Unsupported", "error_of",
-    "ReservationRequest", "create_body", "new_idempotency_key", "parse_time", "price_text", "Client",
+    "ReservationRequest", "create_body", "iso_ms", "new_idempotency_key", "now_ms", "parse_duration_ms", "parse_time",
+    "price_text", "Client",
 ]

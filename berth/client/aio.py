@@ -78,6 +78,9 @@ class AsyncClient:
         self._session = session
         self._own_session = session is None
 
+    def __repr__(self) -> str:  # never the token
+        return f"AsyncClient(url={self.url!r}, retries={self.retries}, timeout={self.timeout:g})"
+
     @classmethod
     def from_settings(cls, settings: Settings, **kw: Any) -> "AsyncClient":
         """A client for these settings; tls.TlsError (a ValueError) when their TLS files cannot be used."""

@@ -1,4 +1,5 @@
-"""Where the client sends requests, as whom and trusting what: flags, then the environment, then the config file."""
+"""Where the client sends requests, as whom and trusting what: flags, then the environment, then the config file
+(its selected profile, then its top-level keys)."""
 from __future__ import annotations
 
 import json
@@ -25,7 +26,8 @@ TLS_FILES = (("ca_file", "caFile", "BERTH_CA_FILE", "--ca-file"),
 
 @dataclass(frozen=True)
 class Settings:
-    """Where to send requests and as whom, and where each came from (`flag`, `env BERTH_URL`, `file PATH`, `default`).
+    """Where to send requests and as whom, and where each came from (`flag`, `env BERTH_URL`, `file PATH`,
+    `file PATH profile NAME`, `default`). The repr leaves the token out.
 
     ca_file: the CA that signed the server's certificate (None: the system
     trust store); client_cert and client_key: this client's certificate, for a
@@ -33,11 +35,12 @@ class Settings:
     """
 
     url: str
-    token: str
+    token: str = dc_field(repr=False)  # never in a repr, a log line or a traceback's locals
     sources: dict[str, str] = dc_field(default_factory=dict)
     ca_file: str | None = None
     client_cert: str | None = None
     client_key: str | None = None
+    profile: str | None = None  # the config file's profile these settings read, if any
 
     def tls_context(self) -> ssl.SSLContext | None:
         """The SSL context for https:// (None: the default, the system trust store); tls.TlsError names the
@@ -53,7 +56,8 @@ class Settings:
         if source.startswith("env "):
             return var
         if source.startswith("file "):
-            return f"{key} (config file {source.removeprefix('file ')})"
+            where, _, profile = source.removeprefix("file ").partition(" profile ")
+            return f"{f'profiles.{profile}.' if profile else ''}{key} (config file {where})"
         return flag
 
 
@@ -78,28 +82,70 @@ def read_config_file(path: Path, required: bool) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise ConfigError(f'config file {path}: must be a JSON object like {{"url": ..., "token": ...}}')
-    for key in ("url", "token", *(file_key for _, file_key, _, _ in TLS_FILES)):
-        if key in doc and not isinstance(doc[key], str):
-            raise ConfigError(f"config file {path}: {key} must be a string")
+    _check_strings(doc, path, "")
+    profiles = doc.get("profiles", {})
+    if not isinstance(profiles, dict) or not all(isinstance(p, dict) for p in profiles.values()):
+        raise ConfigError(f'config file {path}: profiles must be an object of objects, e.g. '
+                          '{"profiles": {"prod": {"url": ..., "token": ...}}}')
+    for name, profile in profiles.items():
+        _check_strings(profile, path, f"profiles.{name}.")
+    if "profile" in doc and not isinstance(doc["profile"], str):
+        raise ConfigError(f"config file {path}: profile must be a string (the name of one of its profiles)")
     return doc
+
+
+SETTING_KEYS = ("url", "token", *(file_key for _, file_key, _, _ in TLS_FILES))
+
+
+def _check_strings(doc: Mapping[str, Any], path: Path, prefix: str) -> None:
+    for key in SETTING_KEYS:
+        if key in doc and not isinstance(doc[key], str):
+            raise ConfigError(f"config file {path}: {prefix}{key} must be a string")
+
+
+def select_profile(doc: Mapping[str, Any], path: Path, name: str | None,
+                   environ: Mapping[str, str]) -> tuple[str | None, Mapping[str, Any]]:
+    """The profile these settings read (--profile, else BERTH_PROFILE, else the file's "profile") and its keys;
+    (None, {}) when none is selected: the file's top-level keys are the default profile."""
+    if name:
+        chosen, given_as = name, "--profile"
+    elif environ.get("BERTH_PROFILE"):
+        chosen, given_as = environ["BERTH_PROFILE"], "BERTH_PROFILE"
+    else:
+        chosen, given_as = doc.get("profile"), "profile"
+    if not chosen:
+        return None, {}
+    profiles = doc.get("profiles", {})
+    if chosen not in profiles:
+        there = ", ".join(sorted(profiles)) if profiles else "none"
+        raise ConfigError(f"{given_as} {chosen}: no such profile in config file {path} (its profiles: {there})")
+    return chosen, profiles[chosen]
 
 
 def resolve_settings(url: str | None = None, token: str | None = None, config_path: str | os.PathLike | None = None,
                      environ: Mapping[str, str] | None = None, *, ca_file: str | None = None,
-                     client_cert: str | None = None, client_key: str | None = None) -> Settings:
-    """Each setting from the arguments, then the environment, then the config file, each on its own.
+                     client_cert: str | None = None, client_key: str | None = None,
+                     profile: str | None = None) -> Settings:
+    """Each setting from the arguments, then the environment, then the config file's profile, then the file's
+    top-level keys, each on its own.
 
     url: BERTH_URL or "url"; token: BERTH_TOKEN or "token"; ca_file:
     BERTH_CA_FILE or "caFile"; client_cert, client_key: BERTH_CLIENT_CERT,
     BERTH_CLIENT_KEY or "clientCert", "clientKey" (a relative path in the file
     is relative to the file). The file is `config_path` (which must exist),
     else `$XDG_CONFIG_HOME/berth/config.json` or `~/.config/berth/config.json`
-    (which may be absent). The URL defaults to http://127.0.0.1:8080; the
+    (which may be absent). The file may hold named profiles,
+    `{"profiles": {"prod": {"url": ..., "token": ...}}, "profile": "prod"}`:
+    the one named by `profile`, else BERTH_PROFILE, else the file's "profile"
+    is read before the top-level keys; an unknown name is a ConfigError naming
+    the profiles there are. The URL defaults to http://127.0.0.1:8080; the
     token has no default.
     """
     env = os.environ if environ is None else environ
     path = Path(config_path) if config_path is not None else default_config_path(env)
     doc = read_config_file(path, required=config_path is not None)
+    chosen, profile_doc = select_profile(doc, path, profile, env)
+    layers = [(profile_doc, f"file {path} profile {chosen}"), (doc, f"file {path}")]
     given = {"url": url, "token": token, "ca_file": ca_file, "client_cert": client_cert, "client_key": client_key}
     sources: dict[str, str] = {}
     values: dict[str, str | None] = {}
@@ -109,17 +155,19 @@ def resolve_settings(url: str | None = None, token: str | None = None, config_pa
             values[name], sources[name] = given[name], "flag"
         elif env.get(var):
             values[name], sources[name] = env[var], f"env {var}"
-        elif doc.get(key):
-            in_file = str(doc[key])
-            values[name], sources[name] = (in_file if name in ("url", "token") else str(path.parent / in_file),
-                                           f"file {path}")
         else:
+            layer = next(((d, label) for d, label in layers if d.get(key)), None)
             values[name] = None
+            if layer is not None:
+                in_file = str(layer[0][key])
+                values[name], sources[name] = (in_file if name in ("url", "token") else str(path.parent / in_file),
+                                               layer[1])
     if values["url"] is None:
         values["url"], sources["url"] = DEFAULT_URL, "default"
     if not values["token"]:
-        raise ConfigError(f'no token: give --token, set BERTH_TOKEN, or write {{"token": "..."}} to {path}')
+        where = f'to profile {chosen} in {path}' if chosen else f"to {path}"
+        raise ConfigError(f'no token: give --token, set BERTH_TOKEN, or write {{"token": "..."}} {where}')
     return Settings(str(values["url"]).rstrip("/"), str(values["token"]), sources, ca_file=values["ca_file"],
-                    client_cert=values["client_cert"], client_key=values["client_key"])
+                    client_cert=values["client_cert"], client_key=values["client_key"], profile=chosen)
 
 

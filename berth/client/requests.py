@@ -3,14 +3,15 @@
 `ReservationRequest` is the one definition of a create's fields: the Python
 client's keyword arguments, the JSON body (`to_body()`, each field's wire path
 in its metadata) and the CLI's flags (berth/cli/parser.py reads the same
-metadata) all come from it. Times are epoch ms, ISO 8601 or datetimes; prices
+metadata) all come from it. Times are epoch ms, ISO 8601, `now`, `+1h` or datetimes; prices
 Decimal or str, never float.
 """
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field, fields
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -20,8 +21,36 @@ def new_idempotency_key(prefix: str = "py") -> str:
     return f"{prefix}-{uuid.uuid4()}"
 
 
-def parse_time(value: str | int | datetime) -> int:
-    """Epoch milliseconds from epoch ms (int or digits) or ISO 8601 (an offset-less time is UTC)."""
+UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_MS = timedelta(milliseconds=1)
+
+
+def parse_duration_ms(text: str) -> int:
+    """90m, 2h, 1d, 3600s or 500ms as milliseconds (a positive number with a unit)."""
+    for unit in sorted(UNITS_MS, key=len, reverse=True):
+        if text.endswith(unit):
+            try:
+                value = Decimal(text[: -len(unit)])
+            except InvalidOperation:
+                break
+            if value.is_finite() and value > 0:
+                return int(value * UNITS_MS[unit])
+            break
+    raise ValueError(f"{text!r}: give a duration with a unit, e.g. 30m, 2h, 1d")
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def parse_time(value: str | int | datetime, now: int | None = None) -> int:
+    """Epoch milliseconds from epoch ms (int or digits), ISO 8601 (an offset-less time is UTC), `now`, or a time
+    relative to now: `+30m`, `+1h`, `-2d` (any unit of parse_duration_ms).
+
+    now: the moment `now` and relative times count from (default: the clock); one invocation passes one value, so
+    every time it resolves, and every retry of the body they make, agrees.
+    """
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a time")
     if isinstance(value, int):
@@ -32,13 +61,29 @@ def parse_time(value: str | int | datetime) -> int:
         text = value.strip()
         if text.isdigit():
             return int(text)
+        if text == "now":
+            return now_ms() if now is None else now
+        if text[:1] in "+-" and text[1:2].isdigit():
+            try:
+                offset = parse_duration_ms(text[1:])
+            except ValueError:
+                raise ValueError(f"{value!r}: give a relative time with a unit, e.g. +30m, +1h, +2d") from None
+            return (now_ms() if now is None else now) + (offset if text[0] == "+" else -offset)
         try:
             moment = datetime.fromisoformat(text)
         except ValueError:
-            raise ValueError(f"{value!r}: give epoch milliseconds or ISO 8601, e.g. 2027-01-31T09:00:00Z") from None
+            raise ValueError(f"{value!r}: give now, a relative time (+30m, +1h, +2d), ISO 8601 "
+                             "(2027-01-31T09:00:00Z) or epoch milliseconds") from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
-    return int(moment.timestamp() * 1000)
+    return (moment - _EPOCH) // _MS  # exact: no float rounding of the milliseconds
+
+
+def iso_ms(ms: int) -> str:
+    """Epoch ms as ISO 8601 UTC, with milliseconds only when there are any (parse_time reads it back exactly)."""
+    moment = _EPOCH + ms * _MS
+    text = moment.strftime("%Y-%m-%dT%H:%M:%S")
+    return text + (f".{ms % 1000:03d}Z" if ms % 1000 else "Z")
 
 
 def price_text(value: Decimal | str | int) -> str:
@@ -71,9 +116,11 @@ class ReservationRequest:
     node_count: int | None = _f("nodeCount", "nodes in the gang (default 1)", metavar="N")
     sharing: str | None = _f("sharing", "must equal the pool's: exclusive, mig or slots")
     mig_profile: str | None = _f("migProfile", "MIG pools: the instance profile, e.g. 1g.10gb", metavar="PROFILE")
-    start: str | int | datetime | None = _f("start", "epoch ms or ISO 8601 (UTC unless an offset is given); absent: "
-                                            "as soon as possible", metavar="TIME", kind="time")
-    end: str | int | datetime | None = _f("end", "the window's end: epoch ms or ISO 8601", metavar="TIME", kind="time")
+    start: str | int | datetime | None = _f("start", "now, +30m, +1h, ISO 8601 (UTC unless an offset is "
+                                            "given) or epoch ms; absent: as soon as possible", metavar="TIME",
+                                            kind="time")
+    end: str | int | datetime | None = _f("end", "the window's end: +2h (from now), ISO 8601 or epoch ms",
+                                          metavar="TIME", kind="time")
     duration_hours: float | None = _f("durationHours", "the window's length (durationHours)", flag="--hours",
                                       metavar="H")
     binding: str | None = _f("binding", "hold (default), node or kubernetes", metavar="KIND")

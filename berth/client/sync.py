@@ -50,6 +50,9 @@ class Client:
     def url(self) -> str:
         return self._async.url
 
+    def __repr__(self) -> str:  # never the token
+        return f"Client(url={self.url!r}, retries={self._async.retries}, timeout={self._async.timeout:g})"
+
     def _run(self, coro: Awaitable[T]) -> T:
         if self._loop.is_closed():
             raise RuntimeError("this Client is closed")

@@ -167,12 +167,12 @@ def test_extend_renew_cancel_and_release(berth, alice):
 
 REFUSALS = [
     ("price ceiling", [*ONE, "--max-hourly-price", "1"], "alice", 4,
-     ["reason: price_ceiling", "cheapest eligible rate: $2.500000/hr",
+     ["reason: price_ceiling", "cheapest eligible rate: $2.50/hr",
       "next: berth reservations create --pool budget --gpu-model H100_80GB --gpu-count 1 --hours 1 --max-hourly-price 1",
       "  or: berth reservations create --pool h100 --gpu-model H100_80GB --gpu-count 1 --hours 1 --max-hourly-price 2.500000"]),
     ("larger than the pool", ["--pool", "k8s", "--gpu-model", "H100_80GB", "--gpu-count", "8", "--node-count", "2",
                               "--hours", "1"], "alice", 4,
-     ["reason: no_stock", "alternative: pool h100 (eu) at $40.000000/hr",
+     ["reason: no_stock", "alternative: pool h100 (eu) at $40.00/hr",
       "next: berth reservations create --pool h100 --gpu-model H100_80GB --gpu-count 8 --node-count 2 --hours 1"]),
     ("no stock", ["--pool", "h100", "--gpu-model", "H100_80GB", "--gpu-count", "9", "--hours", "1"], "alice", 4,
      ["reason: no_stock", "its largest node has 8 H100_80GB", "largest: 2 node(s) of 8 GPUs each",
@@ -249,7 +249,7 @@ def test_an_unreachable_server_is_retried_then_exits_5_with_the_key_to_retry(ber
 def test_provider_unavailable_advice_keeps_the_key_and_the_reference():
     args = build_parser().parse_args(["reservations", "create", *ONE, "--idempotency-key", "k-1"])
     ctx = tenant_cli.Context(args, c.Settings("http://x", "t", {"url": "env BERTH_URL"}), None, sys.stdout,  # type: ignore[arg-type]
-                             sys.stderr, json=False, progress=False, key="k-1")
+                             sys.stderr, output="table", progress=False, key="k-1")
     err = c.ProviderUnavailable("PROVIDER_UNAVAILABLE", "pool lost", {"actor": "platform", "reference": "pool-lost:h100:1"}, 503)
     said = advice.advice(ctx, err, [])
     assert 5 == advice.exit_code_of(err)
@@ -260,7 +260,8 @@ def test_provider_unavailable_advice_keeps_the_key_and_the_reference():
 
 @pytest.mark.parametrize("argv, said", [
     (["reservations", "create", "--pool", "h100"], "the following arguments are required: --gpu-model"),
-    (["reservations", "create", *ONE, "--start", "yesterday"], "give epoch milliseconds or ISO 8601"),
+    (["reservations", "create", *ONE, "--start", "yesterday"], "give now, a relative time (+30m, +1h, +2d), ISO 8601"),
+    (["reservations", "create", *ONE, "--start", "+1y"], "give a relative time with a unit, e.g. +30m"),
     (["reservations", "extend", "rsv_x", "--by", "10"], "give a duration with a unit"),
     (["reservations", "create", *ONE, "--max-hourly-price", "cheap"], "give a decimal price"),
 ])
@@ -358,7 +359,8 @@ def test_operations_wait_on_a_terminal_shows_a_spinner_and_a_table(server, confi
     os.close(leader)
     assert 6 == proc.wait(30)
     screen = b"".join(chunks).decode()
-    assert f"\r\033[K| {res.operation.id} " in screen and f"{res.operation.id} running  0s of 1s" in screen  # the spinner
+    assert f"\r\033[K| {res.operation.id} 0s of 1s: " in screen  # the spinner, then the reservation's state
+    assert f"{res.operation.id} 0s of 1s: running, reservation " in screen
     assert "status       running" in screen and "wait again: berth operations wait" in screen
 
 
@@ -390,8 +392,8 @@ def test_usage_prints_lines_and_totals(berth, server, alice):
     shown = berth("usage", "--reservation", res.id, "--table")
     assert 0 == shown.code, shown.err
     assert shown.out.splitlines()[0].split() == ["DAY", "RESERVATION", "POOL", "SECONDS", "RATE", "AMOUNT", "RUNNING"]
-    assert f"{res.id}  metered" in shown.out and "$8.000000/hr" in shown.out
-    assert f"total       ${line['amountUsd']}" in shown.out
+    assert f"{res.id}  metered" in shown.out and "$8.00/hr" in shown.out  # money for people: two decimals
+    assert f"total       ${Decimal(line['amountUsd']).quantize(Decimal('0.01'))}" in shown.out
     tomorrow = time.strftime("%Y-%m-%d", time.gmtime(time.time() + 86_400))
     assert [] == berth("usage", "--since", tomorrow, "--json").json["lines"]
 
