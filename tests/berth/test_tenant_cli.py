@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import pty
 import select
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -18,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from berth import client as c
 from berth import cli as tenant_cli
 from berth.cli import advice
 from berth.cli.parser import build_parser
+from berth.cli.render import relative
 from tests.controlplane.conftest import TOKENS, bootstrap_doc
 from tests.serverproc import ServerProcess, wait_until
 
@@ -57,6 +61,10 @@ def server(tmp_path_factory):
     doc["pools"].append({"id": "metered", "owner": "acme", "region": "eu", "gpuModel": "L40S_48GB", "pricePerGpuHourUsd": "4"})
     doc["nodes"].append({"id": "metered1", "pool": "metered", "hostname": "metered1.test", "gpus": 2})
     doc["nodeTokens"].append({"pool": "metered", "token": "node-token-metered-0001"})
+    # A pool whose node's agent fails to bind, in the operations wait test.
+    doc["pools"].append({"id": "flaky", "owner": "acme", "region": "eu", "gpuModel": "L40S_48GB", "pricePerGpuHourUsd": "4"})
+    doc["nodes"].append({"id": "flaky1", "pool": "flaky", "hostname": "flaky1.test", "gpus": 2})
+    doc["nodeTokens"].append({"pool": "flaky", "token": "node-token-flaky-00001"})
     doc["tenants"][0]["quota"]["gpu:L40S_48GB"] = 4
     d = tmp_path_factory.mktemp("cli")
     (d / "b.json").write_text(json.dumps(doc))
@@ -132,6 +140,87 @@ def test_terminal_mode_prints_tables_and_the_next_command(berth):
     listed = berth("reservations", "list", "--table")
     assert listed.out.splitlines()[0].split() == ["ID", "STATE", "POOL", "GPUS", "START", "END", "OPERATION"]
     assert op in listed.out
+
+
+def test_every_output_form_shows_the_same_answer(berth):
+    """-o json and --json are one; yaml is the same document; wide adds binding, spot and principal."""
+    rid = berth("reservations", "create", *ONE, "--spot", "--json").json["reservation"]["id"]
+    as_json = berth("reservations", "get", rid, "-o", "json")
+    as_yaml = berth("reservations", "get", rid, "-o", "yaml")
+    assert (0, 0) == (as_json.code, as_yaml.code), as_yaml.err
+    assert as_json.json == yaml.safe_load(as_yaml.out)
+    assert isinstance(yaml.safe_load(as_yaml.out)["reservation"]["hourlyUsd"], str)  # money stays a decimal string
+    wide = berth("reservations", "ls", "-o", "wide")
+    header, *rows = wide.out.splitlines()
+    assert ["ID", "STATE", "POOL", "GPUS", "START", "END", "OPERATION", "BINDING", "SPOT", "PRINCIPAL"] == header.split()
+    row = next(r for r in rows if r.startswith(rid))
+    assert row.split()[-3:] == ["hold", "yes", "alice"]
+    assert "principal        alice" in berth("reservations", "get", rid, "-o", "wide").out
+
+
+def test_tables_fit_the_terminal_and_json_is_never_cut(berth):
+    for _ in range(2):
+        assert 0 == berth("reservations", "create", *ONE, "--json").code
+    narrow = berth("reservations", "list", "--table", env={"COLUMNS": "100"})
+    assert 0 == narrow.code, narrow.err
+    wide_open = berth("reservations", "list", "--table")  # piped, no COLUMNS: as wide as it is
+    assert max(map(len, narrow.out.splitlines())) <= 100 < max(map(len, wide_open.out.splitlines()))
+    assert len(narrow.out.splitlines()) > len(wide_open.out.splitlines())  # wrapped, not cut
+    as_json = berth("reservations", "list", "--json", env={"COLUMNS": "40"})
+    assert as_json.json["reservations"]  # parses: JSON is never fitted
+
+
+def test_times_read_as_iso_with_a_relative_form_and_money_with_two_decimals(berth):
+    r = berth("reservations", "create", *ONE, "--json").json["reservation"]
+    shown = berth("reservations", "get", r["id"], "--table").out
+    start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r["start"] // 1000))
+    assert f"start        {start} (" in shown and ("ago)" in shown or "(now)" in shown)
+    assert re.search(r"end          \S+ \(in (59|60) min\)", shown)
+    assert "price        $2.50/hr" in shown  # 2.500000 in the JSON
+    assert str(r["start"]) not in shown  # never epoch ms
+
+
+def test_a_released_reservation_shows_when_it_actually_ended(berth, alice):
+    start = (int(time.time() * 1000) // DAY_MS + 3) * DAY_MS
+    r = alice.create("h100", "H100_80GB", gpu_count=1, start=start, end=start + 3_600_000)
+    alice.cancel(r.id)
+    shown = berth("reservations", "get", r.id, "--table").out
+    end_line = next(line for line in shown.splitlines() if line.startswith("end"))
+    booked = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime((start + 3_600_000) / 1000))
+    assert end_line.endswith(f"booked until {booked} (in {relative(start + 3_600_000).removeprefix('in ')})")
+    ended = alice.get(r.id).updated_at
+    assert end_line.startswith(f"end          {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(ended // 1000))}")
+    row = next(line for line in berth("reservations", "list", "--table").out.splitlines() if line.startswith(r.id))
+    assert booked not in row and ("ago)" in row or "(now)" in row)
+
+
+def test_now_and_relative_times_resolve_once_for_the_whole_invocation(berth):
+    now = 1_800_000_000_000
+    args = build_parser(now).parse_args(["reservations", "create", *ONE[:6], "--start", "now", "--end", "+90m"])
+    assert (now, now + 90 * 60_000) == (args.start, args.end)  # one now for every flag, fixed before any retry
+    before = int(time.time() * 1000)
+    r = berth("reservations", "create", *ONE[:6], "--start", "now", "--end", "+90m", "--json").json["reservation"]
+    assert before - 1000 <= r["start"] and r["end"] - before < 90 * 60_000 + 5000  # the server's now starts it
+    until = berth("reservations", "extend", r["id"], "--until", "+2h", "--json")
+    assert 0 == until.code, until.err
+    assert abs(until.json["reservation"]["end"] - (int(time.time() * 1000) + 7_200_000)) < 10_000
+    assert 0 == berth("usage", "--since=-7d", "--until", "now", "--json").code
+
+
+def test_repeated_by_adds_the_durations_up(berth):
+    r = berth("reservations", "create", *ONE, "--json").json["reservation"]
+    extended = berth("reservations", "extend", r["id"], "--by", "1h", "--by", "30m", "--json")
+    assert (0, r["end"] + 90 * 60_000) == (extended.code, extended.json["reservation"]["end"])
+    assert "the durations add up" in " ".join(berth("reservations", "extend", "--help").out.split())
+
+
+def test_ls_and_rm_are_list_and_release(berth):
+    r = berth("reservations", "create", *ONE, "--json").json["reservation"]
+    assert r["id"] in {x["id"] for x in berth("reservations", "ls", "--json").json["reservations"]}
+    removed = berth("reservations", "rm", r["id"], "--json")
+    assert (0, "released") == (removed.code, removed.json["reservation"]["state"])
+    assert 0 == berth("events", "ls", "--limit", "1", "--json").code
+    assert "list (ls)" in berth("reservations", "--help").out and "release (rm)" in berth("reservations", "--help").out
 
 
 def test_start_and_end_accept_iso_8601_and_epoch_ms(berth):
@@ -310,6 +399,41 @@ def test_a_missing_config_file_named_by_flag_exits_2(berth, tmp_path):
     assert 2 == run.code and "no such file" in run.err
 
 
+def test_profiles_in_the_config_file_come_after_the_flag_and_the_environment(berth, server, tmp_path, unused_tcp_port):
+    config = tmp_path / "berth.json"
+    config.write_text(json.dumps({
+        "url": f"http://127.0.0.1:{unused_tcp_port}", "token": TOKENS["alice"],  # the default profile: nowhere
+        "profiles": {"prod": {"url": server.url, "token": TOKENS["bob"]}, "urlonly": {"url": server.url}}}))
+
+    def who(*argv: str, env: dict | None = None) -> Run:
+        return berth("reservations", "create", *ONE, "--json", "--retries", "0", "--config", str(config), *argv,
+                     token=None, env={"BERTH_URL": None, **(env or {})})
+
+    assert "bob" == who("--profile", "prod").json["reservation"]["principalId"]
+    assert "bob" == who(env={"BERTH_PROFILE": "prod"}).json["reservation"]["principalId"]
+    assert "alice" == who("--profile", "urlonly").json["reservation"]["principalId"]  # then the top-level token
+    assert "dave" == who("--profile", "prod", "--token", TOKENS["dave"]).json["reservation"]["principalId"]
+    assert 5 == who().code  # no profile chosen: the top-level keys
+    doc = json.loads(config.read_text())
+    config.write_text(json.dumps({**doc, "profile": "prod"}))  # the file's own default
+    assert "bob" == who().json["reservation"]["principalId"]
+    assert "alice" == who("--profile", "urlonly").json["reservation"]["principalId"]  # the flag wins
+    unknown = who("--profile", "staging")
+    assert (2, f"berth: --profile staging: no such profile in config file {config} (its profiles: prod, urlonly)") == (
+        unknown.code, unknown.err.strip())
+    assert 2 == who(env={"BERTH_PROFILE": "staging"}).code
+
+
+def test_the_settings_and_the_clients_never_show_the_token(tmp_path):
+    settings = c.resolve_settings("http://127.0.0.1:1", "secret-token-000001", environ={})
+    client, blocking = c.AsyncClient.from_settings(settings), c.Client.from_settings(settings)
+    try:
+        for shown in (repr(settings), str(settings), repr(client), repr(blocking)):
+            assert "secret-token" not in shown and "127.0.0.1:1" in shown
+    finally:
+        blocking.close()
+
+
 # ---- operations wait -------------------------------------------------------------------------------
 
 def test_operations_wait_times_out_with_6_then_exits_by_the_failure_actor(berth):
@@ -336,6 +460,34 @@ def test_operations_wait_exits_4_when_the_provider_could_not_place_it(berth):
     waited = berth("operations", "wait", pending["operation"]["id"], "--timeout-sec", "20", "--json")
     assert (4, "failed", "provider") == (waited.code, waited.json["operation"]["status"],
                                          waited.json["operation"]["failure"]["actor"])
+
+
+def test_operations_wait_shows_the_conditions_and_gives_up_when_the_binding_failed(berth, server, alice):
+    from tests.controlplane.test_nodes import inventory
+
+    status, node = server.post("/api/nodes/register", "node-token-flaky-00001",
+                               {"hostname": "flaky1.test", "inventory": inventory("flaky1.test", "mixed.json")})
+    assert status == 200, node
+    res = alice.create("flaky", "L40S_48GB", gpu_count=1, duration_hours=1)
+    assert wait_until(lambda: alice.get(res.id).state == "binding", timeout=5)
+    waiter = subprocess.Popen  # the wait runs while the agent's failure arrives
+    started = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
+    env.update({"BERTH_URL": server.url, "BERTH_TOKEN": TOKENS["alice"], "BERTH_FORCE_TTY": "1", "COLUMNS": "300"})
+    proc = waiter([sys.executable, "-m", "berth", "operations", "wait", res.operation.id, "--timeout-sec", "60"],
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    time.sleep(1)
+    status, doc = server.post("/api/nodes/report", node["nodeToken"], {"reports": [
+        {"reservationId": res.id, "status": "failed", "message": "binding kind node is not supported"}]})
+    assert doc["accepted"] == [res.id]
+    out, err = proc.communicate(timeout=30)
+    assert advice.EXIT_PLATFORM == proc.returncode, err
+    assert time.monotonic() - started < 15  # not the 60 s of --timeout-sec
+    assert "DevicesBound=False Binding: waiting for the nodes' agents" in err  # on the progress line, as it changed
+    said = f"reservation {res.id} is binding with DevicesBound=False BindFailed: node flaky1: binding kind node"
+    assert said in err and "it will not resolve by itself" in err
+    assert f"next: end it and book again: berth reservations release {res.id}" in err
+    assert "status       running" in out
 
 
 def test_operations_wait_on_a_terminal_shows_a_spinner_and_a_table(server, config_home, alice):
@@ -413,40 +565,59 @@ def test_events_list_shows_a_reservations_events_with_iso_times(berth, alice):
     assert {r.id} == {e["reservationId"] for e in doc["events"]} and doc["nextCursor"] >= doc["events"][-1]["seq"]
 
 
+class Lines:
+    """The lines a running command prints on stdout, each within a few seconds or the test fails."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.buf = b""
+
+    def next(self, within: float = 5) -> str:
+        while b"\n" not in self.buf:
+            ready, _, _ = select.select([self.proc.stdout], [], [], within)
+            assert ready, f"nothing printed within {within} s"
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            assert chunk, "the command ended: " + self.proc.stderr.read().decode()
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+    def next_json(self, within: float = 5) -> dict:
+        return json.loads(self.next(within))
+
+
+def start_berth(server, config_home, *argv: str, token: str = "alice") -> subprocess.Popen:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
+    environ.update({"XDG_CONFIG_HOME": str(config_home), "BERTH_URL": server.url, "BERTH_TOKEN": TOKENS[token]})
+    return subprocess.Popen([sys.executable, "-m", "berth", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=environ)
+
+
+def interrupt(proc: subprocess.Popen) -> int:
+    proc.send_signal(2)
+    return proc.wait(10)
+
+
 def test_events_follow_prints_each_new_event_as_it_happens(server, config_home, alice):
     cursor = alice.list_events(limit=500)
     while cursor.events:  # the end of the tenant's events so far
         cursor = alice.list_events(after=cursor.next_cursor, limit=500)
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
-    environ.update({"XDG_CONFIG_HOME": str(config_home), "BERTH_URL": server.url, "BERTH_TOKEN": TOKENS["alice"]})
-    follow = subprocess.Popen([sys.executable, "-m", "berth", "events", "list", "--follow", "--json",
-                               "--after", str(cursor.next_cursor or 0)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=environ)
-    buf = b""
-
-    def next_event() -> dict:
-        nonlocal buf
-        while b"\n" not in buf:
-            ready, _, _ = select.select([follow.stdout], [], [], 5)
-            assert ready, "no event printed within 5 s"
-            buf += os.read(follow.stdout.fileno(), 65536)
-        line, buf = buf.split(b"\n", 1)
-        return json.loads(line)
-
+    follow = start_berth(server, config_home, "events", "list", "--follow", "--json",
+                         "--after", str(cursor.next_cursor or 0))
+    lines = Lines(follow)
     try:
         time.sleep(0.5)  # its first long poll is waiting
         started = time.monotonic()
         r = alice.create("h100", "H100_80GB", gpu_count=1, duration_hours=1)
-        first = next_event()
+        first = lines.next_json()
         assert (r.id, "reservation.placed") == (first["reservationId"], first["type"])
         assert time.monotonic() - started < 5  # pushed by the long poll, not found by a later poll
         alice.release(r.id)
         seen = []  # reservation.binding may come in between
         while "reservation.released" not in seen:
-            seen.append(next_event()["type"])
+            seen.append(lines.next_json()["type"])
     finally:
-        follow.send_signal(2)
-        code = follow.wait(10)
+        code = interrupt(follow)
     assert advice.EXIT_INTERRUPTED == code, follow.stderr.read()
 
 
@@ -481,3 +652,89 @@ def test_whoami_names_the_tenant_principal_kind_and_scope(berth):
     table_run = berth("whoami", token="agent", env={"BERTH_FORCE_TTY": "1"})
     rows = dict(line.split(None, 1) for line in table_run.out.replace("acting for", "acting-for").splitlines())
     assert ("agent", "agent", "alice") == (rows["principal"], rows["kind"], rows["acting-for"])
+
+
+def later(client: c.Client) -> c.Reservation:
+    """A reservation whose window starts in three hours: it stays placed meanwhile."""
+    start = (int(time.time() * 1000) // 3_600_000 + 3) * 3_600_000
+    return client.create("h100", "H100_80GB", gpu_count=1, start=start, end=start + 3_600_000)
+
+
+def test_list_watch_prints_the_list_then_each_change_of_my_reservations(server, config_home, alice):
+    mine = later(alice)
+    watch = start_berth(server, config_home, "reservations", "list", "--watch", "--json", "--state", "placed")
+    lines = Lines(watch)
+    try:
+        first = lines.next_json()
+        assert {"reservation"} == set(first) and mine.id == first["reservation"]["id"]
+        time.sleep(0.5)  # its first long poll is waiting
+        with c.Client(server.url, TOKENS["bob"]) as bob:
+            later(bob)  # the tenant's, not mine: not shown
+        new = later(alice)
+        change = lines.next_json()
+        assert (new.id, "placed", "reservation.placed") == (
+            change["reservation"]["id"], change["reservation"]["state"], change["event"]["type"])
+        alice.release(mine.id)  # leaves --state placed: seen leaving
+        change = lines.next_json()
+        assert (mine.id, "released", "reservation.released") == (
+            change["reservation"]["id"], change["reservation"]["state"], change["event"]["type"])
+    finally:
+        code = interrupt(watch)
+    assert advice.EXIT_INTERRUPTED == code, watch.stderr.read()
+
+
+def test_list_watch_on_a_terminal_lines_up_the_changed_rows(server, config_home, alice):
+    alice.create("h100", "H100_80GB", gpu_count=1, duration_hours=1)
+    watch = start_berth(server, config_home, "reservations", "list", "--watch", "--table", "--limit", "3")
+    lines = Lines(watch)
+    try:
+        header = lines.next()
+        assert header.split() == ["ID", "STATE", "POOL", "GPUS", "START", "END", "OPERATION"]
+        for _ in range(3):
+            lines.next()
+        time.sleep(0.5)
+        new = alice.create("h100", "H100_80GB", gpu_count=1, duration_hours=1)
+        row = lines.next()
+        assert row.startswith(new.id) and row.index("placed") == header.index("STATE")
+    finally:
+        interrupt(watch)
+
+
+# ---- completion ------------------------------------------------------------------------------------
+
+def complete(line: str) -> list[str]:
+    """What bash offers for `line` (the cursor at its end), from the generated script."""
+    script = subprocess.run([sys.executable, "-m", "berth", "completion", "bash"], capture_output=True, text=True,
+                            check=True).stdout
+    words = shlex.split(line) + ([""] if line.endswith(" ") else [])
+    driver = (f"{script}\nCOMP_WORDS=({' '.join(shlex.quote(w) for w in words)}); COMP_CWORD={len(words) - 1}; "
+              "_berth; printf '%s\\n' \"${COMPREPLY[@]}\"")
+    return subprocess.run(["bash", "-c", driver], capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_bash_completion_offers_commands_subcommands_flags_and_choices():
+    registered = subprocess.run(["bash", "-c", "source <(python -m berth completion bash) && complete -p berth"],
+                                capture_output=True, text=True)
+    assert (0, "complete -F _berth berth") == (registered.returncode, registered.stdout.strip()), registered.stderr
+    assert ["list", "ls"] == complete("berth reservations l")
+    assert {"reservations", "admin", "completion", "controlplane"} <= set(complete("berth "))
+    assert ["--scope"] == complete("berth reservations list --sc")
+    assert ["all", "mine"] == sorted(complete("berth reservations list --scope "))
+    assert ["--profile", "--pool"] == complete("berth reservations ls --state active --p")  # past a flag's value
+    assert ["table", "wide", "json", "yaml"] == complete("berth admin nodes list -o ")
+    assert ["bash", "zsh"] == complete("berth completion ")
+
+
+def test_zsh_completion_is_a_zsh_script():
+    script = subprocess.run([sys.executable, "-m", "berth", "completion", "zsh"], capture_output=True, text=True,
+                            check=True).stdout
+    assert script.startswith("#compdef berth") and "'berth reservations' 'create quote get release rm" in script
+    if shutil.which("zsh") is None:
+        pytest.skip("zsh is not installed: the script's syntax is not checked")
+    checked = subprocess.run(["zsh", "-n"], input=script, capture_output=True, text=True)
+    assert 0 == checked.returncode, checked.stderr
+
+
+def test_completion_for_another_shell_is_a_usage_error():
+    out = subprocess.run([sys.executable, "-m", "berth", "completion", "fish"], capture_output=True, text=True)
+    assert 2 == out.returncode and "give the shell, bash or zsh" in out.stderr
