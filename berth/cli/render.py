@@ -78,16 +78,26 @@ def humane(text: str) -> str:
 MIN_COLUMN = 8  # a column fitted to the terminal keeps at least its header and this many characters
 
 
-def _fit(widths: list[int], headers: Sequence[str], width: int) -> list[int]:
-    """Narrow the widest column, one character at a time, until the row fits `width` (or nothing can narrow)."""
+def _fit(widths: list[int], cells: Sequence[Sequence[str]], width: int) -> list[int]:
+    """Narrow the widest column, one character at a time, until the row fits `width` (or nothing can narrow).
+
+    In turn: columns of words (a cell with a space: times, operations, details) down to their longest word, so
+    they wrap between words; then down to MIN_COLUMN, breaking words; only then the others (ids), so an id stays
+    whole to copy unless nothing else can make the room.
+    """
     widths = list(widths)
-    floors = [max(len(h), MIN_COLUMN) for h in headers]
-    while sum(widths) + 2 * (len(widths) - 1) > width:
-        narrowable = [i for i, w in enumerate(widths) if w > floors[i]]
-        if not narrowable:
-            break
-        widest = max(narrowable, key=lambda i: widths[i])
-        widths[widest] -= 1
+    headers, rows = cells[0], cells[1:]
+    columns = range(len(headers))
+    least = [max(len(h), MIN_COLUMN) for h in headers]
+    worded = {i for i in columns if any(" " in r[i] for r in rows)}
+    longest_word = [max([least[i]] + [len(w) for r in rows for w in r[i].split()]) for i in columns]
+    for allowed, floors in ((worded, longest_word), (worded, least), (set(columns), least)):
+        while sum(widths) + 2 * (len(widths) - 1) > width:
+            narrowable = [i for i in allowed if widths[i] > floors[i]]
+            if not narrowable:
+                break
+            widest = max(narrowable, key=lambda i: widths[i])
+            widths[widest] -= 1
     return widths
 
 
@@ -112,11 +122,11 @@ def _cells(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[list[s
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, width: int | None = None, header: bool = True,
           at_least: Sequence[int] = ()) -> str:
     """Rows under their headers in columns as wide as their widest cell (at least `at_least`, so rows printed
-    apart line up), then narrowed to the terminal's `width` by wrapping the widest column."""
+    apart line up), then narrowed to the terminal's `width` by wrapping the widest column of words."""
     cells = _cells(headers, rows)
     widths = column_widths(headers, rows, at_least)
     if width:
-        widths = _fit(widths, cells[0], width)
+        widths = _fit(widths, cells, width)
     return "\n".join(line for r in (cells if header else cells[1:]) for line in _lines_of_row(r, widths))
 
 

@@ -359,6 +359,12 @@ def test_bad_arguments_exit_2_before_anything_is_sent(berth, argv, said):
     assert 2 == run.code and said in run.err
 
 
+def test_an_unknown_confirmation_points_at_the_confirmations_list(berth):
+    run = berth("confirmations", "approve", "cnf_missing")
+    assert (3, "berth confirmations list") == (run.code, run.line("next: check the id:"))
+    assert 0 == berth(*shlex.split(run.line("next: check the id:"))[1:]).code
+
+
 def test_no_token_anywhere_exits_2_and_says_where_to_put_one(berth):
     run = berth("reservations", "list", token=None)
     assert 2 == run.code and "no token: give --token, set BERTH_TOKEN" in run.err

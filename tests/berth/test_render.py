@@ -1,0 +1,73 @@
+"""How the CLI writes for people: times as ISO 8601 with a relative form, money to two decimals, tables fitted to
+the terminal by wrapping their widest column."""
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+
+from berth.cli import render
+from berth.client import iso_ms, parse_time
+
+NOW = 1_800_000_000_000  # 2027-01-15T08:00:00Z
+
+
+@pytest.mark.parametrize("offset_ms, said", [
+    (0, "now"), (58_000, "in 58 s"), (-119_000, "119 s ago"), (12 * 60_000, "in 12 min"),
+    (-3 * 3_600_000, "3 h ago"), (47 * 3_600_000, "in 47 h"), (-3 * 86_400_000, "3 d ago"),
+])
+def test_relative_times_read_as_people_say_them(offset_ms, said):
+    assert said == render.relative(NOW + offset_ms, NOW)
+
+
+def test_a_moment_is_iso_8601_utc_with_its_relative_form():
+    assert render.when(NOW).startswith("2027-01-15T08:00:00Z (")
+    assert "-" == render.when(None)
+
+
+def test_epoch_ms_in_a_message_become_moments_and_other_numbers_stay():
+    text = render.humane(f"the window ended at {NOW}: extend refused (reference pool-lost:h100:{NOW}, 12 GPUs)")
+    assert f"ended at {render.when(NOW)}: extend" in text and f"pool-lost:h100:{NOW}" in text and "12 GPUs" in text
+
+
+@pytest.mark.parametrize("value, shown", [("2.500000", "$2.50"), ("0.002222", "$0.00"), ("0.005", "$0.01"),
+                                          (Decimal("1234.5"), "$1234.50"), (None, "-")])
+def test_money_for_people_has_two_decimals(value, shown):
+    assert shown == render.money(value)
+
+
+def test_iso_ms_reads_back_to_the_same_millisecond():
+    for ms in (NOW, NOW + 1, NOW + 999, 1_796_221_636_346):
+        assert ms == parse_time(iso_ms(ms))
+    assert "2027-01-15T08:00:00Z" == iso_ms(NOW)
+
+
+def test_relative_times_count_from_the_given_now():
+    assert (NOW, NOW + 5_400_000, NOW - 2 * 86_400_000) == (parse_time("now", NOW), parse_time("+90m", NOW),
+                                                            parse_time("-2d", NOW))
+    with pytest.raises(ValueError, match="give a relative time with a unit"):
+        parse_time("+3", NOW)
+
+
+ROWS = [("rsv_aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "placed", "an operation with a long description of what it does"),
+        ("rsv_b", "released", "short")]
+
+
+def test_a_table_as_wide_as_its_cells_without_a_width():
+    lines = render.table(("ID", "STATE", "OPERATION"), ROWS).splitlines()
+    assert 3 == len(lines) and lines[1].startswith("rsv_aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa  placed    an operation")
+
+
+def test_a_table_fits_the_width_by_wrapping_its_widest_column():
+    lines = render.table(("ID", "STATE", "OPERATION"), ROWS, width=70).splitlines()
+    assert max(map(len, lines)) <= 70
+    assert lines[1].startswith("rsv_aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa  placed    ")  # the ID column kept whole
+    assert "an operation with a long description of what it does" == " ".join(
+        line[44:].strip() for line in lines[1:-1])  # wrapped onto the next line, nothing cut
+    assert lines[-1].split() == ["rsv_b", "released", "short"]
+
+
+def test_rows_printed_apart_line_up_with_at_least():
+    widths = render.column_widths(("ID", "STATE", "OPERATION"), ROWS)
+    alone = render.table(("ID", "STATE", "OPERATION"), [ROWS[1]], header=False, at_least=widths)
+    assert alone.index("released") == render.table(("ID", "STATE", "OPERATION"), ROWS).splitlines()[2].index("released")
