@@ -100,12 +100,11 @@ class _View:
     def __init__(self, ctx: Context, page: ReservationPage):
         self.ctx = ctx
         self.shown = {r.id for r in page.reservations}
-        self.principal = next((r.principal_id for r in page.reservations), None)  # scope mine: whose they are
+        self.principal: str | None = None  # scope mine: whose they are (whoami, asked once when first needed)
 
     async def _mine(self, r: Reservation) -> bool:
-        if self.principal is None:  # learnt once: the newest of mine (a reservation of mine exists if r is one)
-            newest = await self.ctx.client.list(scope="mine", limit=1)
-            self.principal = next((x.principal_id for x in newest.reservations), None)
+        if self.principal is None:
+            self.principal = (await self.ctx.client.whoami()).id
         return r.principal_id == self.principal
 
     async def shows(self, r: Reservation) -> bool:
