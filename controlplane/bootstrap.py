@@ -15,7 +15,8 @@ import msgspec
 from msgspec import Meta, Struct
 
 from controlplane.catalog import Catalog
-from controlplane.domain.model import SHARING_MODES, Node, Offer, Pool, PoolPolicy, Principal, Tenant, Unit
+from controlplane.domain.model import (SHARING_MODES, BmcRef, Node, Offer, Pool, PoolPolicy, Principal, Tenant,
+                                       Unit)
 from common.share import Share
 
 Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")]
@@ -59,8 +60,22 @@ class KubernetesDoc(Struct, forbid_unknown_fields=True):
     resourceName: ResourceName = DEFAULT_RESOURCE_NAME
 
 
+# A POSIX portable user name (what the agent accepts as the login account of a node binding).
+UserName = Annotated[str, Meta(min_length=1, max_length=32, pattern=r"^[a-z_][a-z0-9_-]*$")]
+
+
+class TenantRootDoc(Struct, forbid_unknown_fields=True):
+    """policy.tenantRoot as an object: the account node bindings log in to, how a node is cleaned after the
+    hand-back, and how long the calendar keeps it for that (unbilled; also the cleaning's time limit)."""
+
+    user: UserName = "root"
+    cleaning: Literal["inband", "redfish"] = "inband"
+    turnaroundMinutes: Annotated[int, Meta(ge=1, le=1440)] = 30
+    bootOverride: Annotated[str, Meta(min_length=1, max_length=32)] | None = None  # redfish: e.g. "Pxe"
+
+
 class PolicyDoc(Struct, forbid_unknown_fields=True):
-    tenantRoot: bool = False
+    tenantRoot: bool | TenantRootDoc = False
     kubernetes: bool | KubernetesDoc = False
     perGpu: PerGpuDoc | None = None
     placer: Literal["calendar", "pool-lease"] = "calendar"
@@ -102,6 +117,14 @@ class GpuDoc(Struct, forbid_unknown_fields=True):
     slots: Annotated[int, Meta(ge=1, le=64)] | None = None
 
 
+class BmcDoc(Struct, forbid_unknown_fields=True):
+    """A node's BMC for cleaning redfish; credentialsFile is JSON {username, password}, mode 0600 (controlplane/bmc.py)."""
+
+    redfishUrl: Annotated[str, Meta(min_length=1, max_length=2048)]
+    systemId: Annotated[str, Meta(min_length=1, max_length=256)]
+    credentialsFile: Annotated[str, Meta(min_length=1, max_length=4096)]
+
+
 class NodeDoc(Struct, forbid_unknown_fields=True):
     id: Id
     pool: Id
@@ -110,6 +133,7 @@ class NodeDoc(Struct, forbid_unknown_fields=True):
     vcpu: NonNegative = 0
     memoryGiB: NonNegative = 0
     hugepages1Gi: Annotated[int, Meta(ge=0)] = 0
+    bmc: BmcDoc | None = None
 
 
 class NodeTokenDoc(Struct, forbid_unknown_fields=True):
@@ -177,6 +201,26 @@ def _units(doc: NodeDoc, pool: Pool, field: str) -> tuple[tuple[Unit, ...], int]
     return tuple(units), len(gpus)
 
 
+def _bmc(doc: NodeDoc, pool: Pool, field: str, base_dir: Path | None) -> BmcRef | None:
+    """The node's BMC, checked as the first cleaning would use it (URL, system id, the credentials file's mode and
+    form); required on a node of a pool that cleans by redfish."""
+    if doc.bmc is None:
+        if pool.policy.tenant_root and pool.policy.cleaning == "redfish":
+            raise BootstrapError(f"{field}.bmc: required: pool {pool.id} cleans node bindings by redfish; declare "
+                                 "{redfishUrl, systemId, credentialsFile}")
+        return None
+    from controlplane.bmc import Bmc, BmcError  # sushy is imported only where a BMC is declared
+
+    path = Path(doc.bmc.credentialsFile)
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    try:
+        bmc = Bmc(doc.bmc.redfishUrl, doc.bmc.systemId, path)
+    except BmcError as exc:
+        raise BootstrapError(f"{field}.bmc: {exc}") from None
+    return BmcRef(bmc.redfish_url, bmc.system_id, str(path))
+
+
 def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, list[tuple[str, str]]], str | None]:
     """The catalog the file declares, its tokens by kind ([(token, subject)]) and the admin token."""
     try:
@@ -228,8 +272,16 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
         per_gpu = None
         if p.policy.perGpu is not None:
             per_gpu = Share(round(p.policy.perGpu.vcpu * 1000), round(p.policy.perGpu.memoryGiB * 1024))
+        root = p.policy.tenantRoot if isinstance(p.policy.tenantRoot, TenantRootDoc) else TenantRootDoc()
+        if root.bootOverride is not None and root.cleaning != "redfish":
+            raise BootstrapError(f"pools[{i}].policy.tenantRoot.bootOverride: a boot override is for cleaning "
+                                 "redfish (the reset through the BMC); this pool cleans inband")
         policy = PoolPolicy(
-            tenant_root=p.policy.tenantRoot,
+            tenant_root=bool(p.policy.tenantRoot),
+            root_user=root.user,
+            cleaning=root.cleaning,
+            turnaround_ms=root.turnaroundMinutes * 60_000,
+            boot_override=root.bootOverride or "",
             kubernetes=bool(p.policy.kubernetes),
             kubernetes_cluster=p.policy.kubernetes.cluster if isinstance(p.policy.kubernetes, KubernetesDoc) else "",
             kubernetes_resource=(p.policy.kubernetes.resourceName if isinstance(p.policy.kubernetes, KubernetesDoc)
@@ -259,7 +311,8 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
         hostnames[n.hostname] = n.id
         units, gpu_count = _units(n, pool, f"nodes[{i}]")
         capacity = Share(round(n.vcpu * 1000), round(n.memoryGiB * 1024), n.hugepages1Gi)
-        nodes[n.id] = Node(n.id, n.pool, n.hostname, units, gpu_count, capacity, declared=True)
+        nodes[n.id] = Node(n.id, n.pool, n.hostname, units, gpu_count, capacity, declared=True,
+                           bmc=_bmc(n, pool, f"nodes[{i}]", base_dir))
 
     for i, t in enumerate(doc.nodeTokens):
         if t.pool not in pools:
@@ -293,15 +346,18 @@ def read(path: str | Path) -> tuple[Catalog, dict[str, list[tuple[str, str]]], s
 def merge(current: Catalog, declared: Catalog) -> Catalog:
     """The catalog after applying a bootstrap: what the file names replaces what is stored.
 
-    A declared node that an agent has taken over keeps the agent's inventory; every node keeps the state an
-    operator set (a cordon survives the restart that applies the file again).
+    A declared node that an agent has taken over keeps the agent's inventory (and takes the file's BMC); every
+    node keeps the state an operator set (a cordon survives the restart that applies the file again) and a
+    cleaning under way.
     """
     nodes = dict(current.nodes)
     for node_id, node in declared.nodes.items():
         existing = nodes.get(node_id)
         if existing is not None and not existing.declared:
+            nodes[node_id] = replace(existing, bmc=node.bmc)
             continue
-        nodes[node_id] = (replace(node, state=existing.state, state_reason=existing.state_reason)
+        nodes[node_id] = (replace(node, state=existing.state, state_reason=existing.state_reason,
+                                  cleaning=existing.cleaning)
                           if existing is not None else node)
     return Catalog(
         {**current.tenants, **declared.tenants},

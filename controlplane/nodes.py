@@ -20,11 +20,12 @@ from typing import Any
 import structlog
 
 from controlplane.catalog import Catalog, encode_item
+from controlplane.cleaning import Cleaner
 from controlplane.domain import states
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import CONFLICT, INVALID_INPUT, NOT_FOUND, UNAUTHENTICATED, DomainError
 from controlplane.domain.ids import token_hash
-from controlplane.domain.model import Bound, Node, Pool, Reservation, Unit
+from controlplane.domain.model import Bound, Node, Pool, Reservation, SshEndpoint, Unit
 from common.share import Share
 from controlplane.state import WriterState
 from controlplane.reconciler import Reconciler
@@ -84,7 +85,8 @@ def capacity_of(inventory: Inventory) -> Share:
 
 def binding_of(res: Reservation, node: Node | None, node_id: str, pool: Pool | None = None) -> Binding:
     """What the node's agent is to make of a reservation: its units there, its share and their NUMA nodes (and,
-    for a kubernetes binding, the resource name of its pool)."""
+    for a kubernetes binding, the resource name of its pool; for a node binding, the tenant's keys, the login
+    account and the cleaning, as fixed at creation)."""
     placement = next((p for p in res.placements if p.node_id == node_id), None)
     by_id = {u.id: u for u in node.units} if node else {}
     units = [by_id[uid] for uid in (placement.units if placement else []) if uid in by_id]
@@ -99,6 +101,7 @@ def binding_of(res: Reservation, node: Node | None, node_id: str, pool: Pool | N
         released=res.hold is not None, stuck=res.hold is not None and res.hold.carried_from is not None,
         endingAt=res.end - res.ending_warning_ms if res.end and res.ending_warning_ms else 0,
         ending=res.end is not None and res.ending_warned == res.end,
+        sshKeys=tuple(res.ssh_keys), user=res.login_user, cleaning=res.cleaning,
     )
 
 
@@ -114,7 +117,7 @@ class NodeLive:
 
 class NodeService:
     def __init__(self, store: Store, clock: Clock, catalog: CatalogRef, state: WriterState, moves: Transitions,
-                 tokens: Tokens, reconciler: Reconciler, grace_s: float = 30.0):
+                 tokens: Tokens, reconciler: Reconciler, grace_s: float = 30.0, cleaner: Cleaner | None = None):
         self.store = store
         self.clock = clock
         self.catalog = catalog
@@ -123,6 +126,7 @@ class NodeService:
         self.tokens = tokens
         self.grace_s = grace_s
         self.reconciler = reconciler
+        self.cleaner = cleaner or Cleaner(store, clock, catalog, moves, reconciler)
         self.live: dict[str, NodeLive] = {}
         self.wanted_on: dict[str, set[str]] = {}  # reservation -> the nodes it is wanted on now
         self.heartbeat_s = min(HEARTBEAT_S, max(0.2, grace_s / 3))  # three heartbeats fit in the grace
@@ -210,7 +214,7 @@ class NodeService:
                                   f"not of pool {pool.id}; use that pool's bootstrap token",
                                   {"field": "hostname", "nodeId": existing.id, "poolId": existing.pool_id})
             if existing is not None:
-                self._check_takeover(existing, machine_id)
+                self._check_takeover(existing, machine_id, inventory.bootId)
             node_id = existing.id if existing else f"{pool.id}-{hostname}"
             node = self._apply_inventory(tx, catalog, pool, node_id, hostname, inventory, machine_id=machine_id)
             tx.delete_tokens("node", node_id)
@@ -229,14 +233,19 @@ class NodeService:
         log.info("node registered", node_id=node.id, pool_id=pool.id, units=len(node.units), agent_version=agent_version)
         return RegisterAnswer(node.id, token, pool.id, self.heartbeat_s, self.grace_s, live.rv)
 
-    def _check_takeover(self, node: Node, machine_id: str) -> None:
-        """May this registration take the node? Not while its agent is alive, and once it is lost only from the
-        host that registered it (its machine id), unless an operator released the node's identity."""
+    def _check_takeover(self, node: Node, machine_id: str, boot_id: str | None = None) -> None:
+        """May this registration take the node? Not while its agent is alive (unless the same host comes back from
+        a new boot, as after a reset: the agent that sent the last heartbeat is gone with the old boot), and once
+        it is lost only from the host that registered it (its machine id), unless an operator released the
+        node's identity."""
         if node.declared or node.identity_released:
             return
         live = self.live.get(node.id)
         release = f"berth admin nodes release-identity {node.id}"
-        if live is not None and live.last_seen is not None and not live.lost:
+        last_boot = node.inventory.bootId if node.inventory is not None else None
+        rebooted = bool(node.machine_id and machine_id == node.machine_id and boot_id and last_boot
+                        and boot_id != last_boot)
+        if live is not None and live.last_seen is not None and not live.lost and not rebooted:
             ago = self.clock.monotonic() - live.last_seen
             if ago <= self.grace_s:
                 log.warning("registration refused: the node's agent is alive", node_id=node.id,
@@ -283,19 +292,21 @@ class NodeService:
                     schedulable=old.schedulable if old is not None and not old.declared else True,
                     machine_id=machine_id, identity_released=released,
                     state=old.state if old is not None else "ready",  # an operator's cordon outlives inventories
-                    state_reason=old.state_reason if old is not None else "")
-        if old == node:
-            return node
-        tx.put_catalog("node", node_id, encode_item(node))
-        tx.touch()
-        self.catalog.current = catalog.with_changes(nodes={**catalog.nodes, node_id: node})
-        self.state.add_nodes([node])
-        gone = {u.id for u in old.units} - {u.id for u in units} if old is not None else set()
-        if gone:
-            self._devices_lost(tx, node_id, gone)
-        for note in notes:
-            log.info("inventory note", node_id=node_id, note=note)
-        return node
+                    state_reason=old.state_reason if old is not None else "",
+                    bmc=old.bmc if old is not None else None, inventory=inventory,
+                    cleaning=old.cleaning if old is not None else None)
+        if old != node:
+            tx.put_catalog("node", node_id, encode_item(node))
+            tx.touch()
+            self.catalog.current = catalog.with_changes(nodes={**catalog.nodes, node_id: node})
+            self.state.add_nodes([node])
+            gone = {u.id for u in old.units} - {u.id for u in units} if old is not None else set()
+            if gone:
+                self._devices_lost(tx, node_id, gone)
+            for note in notes:
+                log.info("inventory note", node_id=node_id, note=note)
+        self.cleaner.came_back(tx, node_id, inventory, self.clock.compute_now())  # back from a redfish reset?
+        return self.catalog.current.nodes[node_id]
 
     def _devices_lost(self, tx: Tx, node_id: str, gone: set[str]) -> None:
         now = self.clock.compute_now()
@@ -445,6 +456,8 @@ class NodeService:
                         continue
                     self._bound(tx, res, node.id, rep, now)
                 elif rep.status == "unbound":
+                    if res.binding == "node":  # handed back: the node is cleaned before anyone books it again
+                        self.cleaner.begin(tx, node.id, res, now)
                     res.bound = [b for b in res.bound if b.node_id != node.id]
                     self.moves.confirm(res, now)
                     if rep.evicted:
@@ -459,32 +472,54 @@ class NodeService:
                         continue
                     self.moves.held(res, node.id, list(rep.holders), now)
                     self.moves.save(tx, res)
-                elif rep.status == "cleaned":  # a node binding's clean check: taken with the node binding's cleaning
-                    ignored.append(Ignored(rid, "this control plane does not clean node bindings yet"))
-                    continue
+                elif rep.status == "cleaned":  # a node binding's in-band clean check after its hand-back
+                    why = self.cleaner.cleaned(tx, node.id, rid, rep.clean, now)
+                    if why is not None:
+                        ignored.append(Ignored(rid, why))
+                        continue
                 else:  # failed
                     if res.state not in (states.BINDING, states.ACTIVE):
                         ignored.append(Ignored(rid, f"the reservation is {res.state}"))
                         continue
-                    res.set_condition("DevicesBound", "False", "BindFailed",
-                                      f"node {node.id}: {(rep.message or 'binding failed')[:500]}", now)
-                    self.moves.save(tx, res)
+                    message = f"node {node.id}: {(rep.message or 'binding failed')[:500]}"
+                    res.set_condition("DevicesBound", "False", "BindFailed", message, now)
+                    if res.binding == "node" and res.state == states.BINDING:
+                        self._handover_failed(tx, res, node.id, message, now)
+                    else:
+                        self.moves.save(tx, res)
                 accepted.append(rid)
             return ReportAnswer(tuple(accepted), tuple(ignored))
 
         return await self.store.call(job)
 
+    def _handover_failed(self, tx: Tx, res: Reservation, node_id: str, message: str, now: int) -> None:
+        """A node binding's node could not be handed over (the keys could not be installed): the create fails, the
+        platform's doing, and nothing bills; the node's own message says why."""
+        self.moves.end(tx, res, now, "handover-failed", actor="platform", nodeId=node_id)
+        op = res.create_operation()
+        if op is not None and op.failure is not None:
+            op.failure.message = f"{op.failure.message} ({message})"
+            self.moves.save(tx, res)
+        tx.on_commit(lambda pool_id=res.pool_id: self.reconciler.capacity_freed(pool_id))
+
     def _bound(self, tx: Tx, res: Reservation, node_id: str, rep: Report, now: int) -> None:
         devices = list(rep.devices)
         mine = next((b for b in res.bound if b.node_id == node_id), None)
-        same = mine is not None and (mine.cgroup, mine.devices, mine.end) == (rep.cgroup, devices, rep.end)
+        ssh = (SshEndpoint(rep.ssh.host, rep.ssh.port, rep.ssh.user, tuple(rep.ssh.hostKeys))
+               if rep.ssh is not None else None)
+        same = mine is not None and (mine.cgroup, mine.devices, mine.end, mine.ssh) == (rep.cgroup, devices, rep.end,
+                                                                                         ssh)
         if same and rep.oomKills <= mine.oom_kills:
             return  # a repeated report changes nothing
         before = mine.oom_kills if mine is not None and mine.cgroup == rep.cgroup else 0
         if rep.oomKills > before:
             self._oom_killed(tx, res, node_id, rep.oomKills, rep.oomKills - before, now)
+        node = self.catalog.current.nodes.get(node_id)
+        # a node binding's hand-over: the node as it was then is what its cleaning must bring it back to
+        handed = (mine.inventory if mine is not None and mine.inventory is not None else
+                  node.inventory if res.binding == "node" and node is not None else None)
         res.bound = [b for b in res.bound if b.node_id != node_id] + [
-            Bound(node_id, mine.at if same else now, rep.cgroup, devices, rep.end, rep.oomKills)]
+            Bound(node_id, mine.at if same else now, rep.cgroup, devices, rep.end, rep.oomKills, ssh, handed)]
         if same:
             self.moves.save(tx, res)
             return

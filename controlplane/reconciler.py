@@ -27,8 +27,8 @@ from controlplane import confirmations
 from controlplane.domain import states
 from controlplane.domain.clock import Clock
 from controlplane.domain.model import Reservation
-from controlplane.domain.timers import (CONFIRMATION, CONFIRMATION_WINDOW_MS, END, ENDING, EXPIRE, HOLD, LEASE, RETRY,
-                                       START)
+from controlplane.domain.timers import (CLEANING, CONFIRMATION, CONFIRMATION_WINDOW_MS, END, ENDING, EXPIRE, HOLD,
+                                       LEASE, RETRY, START)
 from controlplane.state import WriterState
 from controlplane.store.port import Store, Tx
 from controlplane.transitions import Transitions
@@ -50,6 +50,8 @@ class Reconciler:
         self.passes = 0
         self.transitions = 0
         self.pass_took: Callable[[float], None] = lambda seconds: None  # each pass's duration, for /metrics
+        # a node's cleaning past its time (controlplane/cleaning.py): True when that moved the node
+        self.cleaning_overdue: Callable[[Tx, str, int], bool] = lambda tx, node_id, now: False
 
     def wake(self) -> None:
         """Something is due now (a window that already started): pass at once, not at the next tick."""
@@ -59,12 +61,17 @@ class Reconciler:
         """Freed capacity: try the pool's pending reservations now."""
         if not self.state.pending.get(pool_id):
             return
-        job = asyncio.ensure_future(self.store.call(lambda tx: self.moves.place_pending(tx, pool_id)))
+        self.background(self.store.call(lambda tx: self.moves.place_pending(tx, pool_id)))
+
+    def background(self, work) -> asyncio.Future:
+        """Run work (a coroutine or future) beside the loop; drain() waits for it."""
+        job = asyncio.ensure_future(work)
         self._background.add(job)
         job.add_done_callback(self._background.discard)
+        return job
 
     async def drain(self) -> None:
-        """Wait for the placements started by capacity_freed to finish."""
+        """Wait for the background work (placements started by capacity_freed, BMC resets) to finish."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
@@ -122,6 +129,9 @@ class Reconciler:
         for _, kind, ident in due:
             if kind == RETRY:
                 retry_pools.append(ident)
+                continue
+            if kind == CLEANING:
+                moved += self.cleaning_overdue(tx, ident, now)
                 continue
             res = tx.reservation(ident)
             if res is None or (res.state in states.TERMINAL and res.hold is None):

@@ -88,6 +88,9 @@ def draft_of(principal: Principal, key: str, fp: str, plan: Plan, now: int) -> R
         mig_profile=plan.mig_profile, spot=plan.spot, lease_seconds=plan.lease_seconds,
         ending_warning_ms=pool.policy.ending_warning_ms,
     )
+    if plan.whole_node:  # tenant root: fixed at creation, as the price is
+        res.ssh_keys, res.login_user, res.cleaning = list(plan.ssh_keys), pool.policy.root_user, pool.policy.cleaning
+        res.turnaround_ms = plan.turnaround_ms
     apply_plan(res, plan)
     return res
 
@@ -632,9 +635,7 @@ class ReservationService:
             self.moves.save(tx, res)
             return Answer(res, self._answer(tx, res).operation, extended=False, available_until=room,
                           not_extended="no-room")
-        tx.set_bookings_end(rid, new_end)
-        tx.touch()
-        self.state.calendar.set_end(rid, new_end)
+        self.moves.set_end(tx, res, new_end)
         res.end = new_end
         if res.duration_ms is not None and res.start is not None:
             res.duration_ms = new_end - res.start

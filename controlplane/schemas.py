@@ -11,12 +11,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from common.sshkeys import SshKeyError, parse_public_key
 from controlplane.commands import Create, Extend, ListQuery
 from controlplane.domain.admission import CreateRequest, ResourcesAsk
 from controlplane.domain.clock import HOUR_MS
 from controlplane.domain.errors import DomainError, INVALID_INPUT
 from controlplane.domain.ids import fingerprint
-from controlplane.domain.model import Operation, Reservation
+from controlplane.domain.model import Bound, Operation, Reservation
 from controlplane.domain.pricing import money, parse_money
 from controlplane.domain.states import PUBLIC_STATES
 
@@ -30,6 +31,15 @@ class Resources(Struct, forbid_unknown_fields=True):
     vcpu: Annotated[float, Meta(ge=0, le=1_000_000)] | None = None
     memoryGiB: Annotated[float, Meta(ge=0, le=100_000_000)] | None = None
     hugepages1Gi: Annotated[int, Meta(ge=0, le=1_000_000)] | None = None
+
+
+MAX_SSH_KEYS = 16
+
+
+class Access(Struct, forbid_unknown_fields=True):
+    """How a node binding's tenant logs in: its OpenSSH public keys (each checked by common/sshkeys.py)."""
+
+    sshKeys: Annotated[list[str], Meta(min_length=1, max_length=MAX_SSH_KEYS)]
 
 
 class Wait(Struct, forbid_unknown_fields=True):
@@ -50,6 +60,7 @@ class CreateBody(Struct, forbid_unknown_fields=True):
     resources: Resources | None = None
     spot: bool = False
     leaseSeconds: Annotated[int, Meta(ge=1, le=604800)] | None = None
+    access: Access | None = None  # binding node: required
     idempotencyKey: Key | None = None
     wait: Wait | None = None
     quoteId: Id | None = None
@@ -176,6 +187,27 @@ def fingerprint_of(body: CreateBody) -> str:
 
 # ---- wire -> commands (the one conversion into the services' terms) ---------
 
+def ssh_keys_of(access: Access | None) -> tuple[str, ...] | None:
+    """access.sshKeys checked, each as its canonical line; INVALID_INPUT naming access.sshKeys[i] and the rule."""
+    if access is None:
+        return None
+    lines: list[str] = []
+    seen: dict[bytes, int] = {}
+    for i, line in enumerate(access.sshKeys):
+        field = f"access.sshKeys[{i}]"
+        try:
+            key = parse_public_key(line)
+        except SshKeyError as exc:
+            raise DomainError(INVALID_INPUT, f"{field}: {exc.detail}",
+                              {"field": field, "rule": exc.rule}) from None
+        if key.blob in seen:
+            raise DomainError(INVALID_INPUT, f"{field}: the same key as access.sshKeys[{seen[key.blob]}] "
+                              f"({key.fingerprint}): send each key once", {"field": field, "rule": "duplicate"})
+        seen[key.blob] = i
+        lines.append(key.line())
+    return tuple(lines)
+
+
 def create_request(body: CreateBody) -> CreateRequest:
     res = body.resources
     return CreateRequest(
@@ -196,6 +228,7 @@ def create_request(body: CreateBody) -> CreateRequest:
         ),
         spot=body.spot,
         lease_seconds=body.leaseSeconds,
+        ssh_keys=ssh_keys_of(body.access),
     )
 
 
@@ -214,7 +247,10 @@ def create_command(body: CreateBody, header_key: str | None) -> Create:
         if ceiling is None:
             raise DomainError(INVALID_INPUT, 'maxHourlyPrice: must be a decimal string with at most six decimals, below 10^12, '
                               'e.g. "3.000000"', {"field": "maxHourlyPrice", "rule": "a decimal string, six decimals at most"})
-    return Create(create_request(body), fingerprint_of(body), header_key or body.idempotencyKey,
+    request = create_request(body)
+    if request.ssh_keys is not None:  # the keys are compared as checked lines (spacing does not make a new request)
+        body = msgspec.structs.replace(body, access=Access(list(request.ssh_keys)))
+    return Create(request, fingerprint_of(body), header_key or body.idempotencyKey,
                   body.wait.timeoutMs if body.wait else 0, body.quoteId, ceiling)
 
 
@@ -288,12 +324,22 @@ def reservation_to_wire(res: Reservation, operation: Operation | None) -> dict:
             }
             for c in res.conditions
         ],
-        "bound": [{"nodeId": b.node_id, "at": b.at, "cgroup": b.cgroup, "devices": list(b.devices)} for b in res.bound],
+        "bound": [bound_to_wire(b) for b in res.bound],
         "operation": operation_to_wire(operation),
         "createdAt": res.created_at,
         "updatedAt": res.updated_at,
         "reason": res.reason,
     }
+    if res.binding == "node":  # tenant root: the keys and account the nodes take (docs/node-binding.md)
+        out["access"] = {"sshKeys": list(res.ssh_keys), "user": res.login_user}
+        out["turnaroundMinutes"] = res.turnaround_ms / 60_000
+    return out
+
+
+def bound_to_wire(b: Bound) -> dict:
+    out: dict[str, Any] = {"nodeId": b.node_id, "at": b.at, "cgroup": b.cgroup, "devices": list(b.devices)}
+    if b.ssh is not None:  # node binding: how to connect
+        out["ssh"] = {"host": b.ssh.host, "port": b.ssh.port, "user": b.ssh.user, "hostKeys": list(b.ssh.host_keys)}
     return out
 
 

@@ -13,7 +13,7 @@ from controlplane.domain import states
 from controlplane.domain.calendar import Booking, Calendar
 from controlplane.domain.model import Node, Reservation
 from controlplane.domain.quota import QuotaLedger
-from controlplane.domain.timers import RETRY_MS, Timers
+from controlplane.domain.timers import CLEANING, RETRY_MS, Timers
 
 
 class WriterState:
@@ -38,6 +38,9 @@ class WriterState:
         self.charged = {}
         self.timers = Timers()
         self.add_nodes(catalog.nodes.values())
+        for node in catalog.nodes.values():
+            if node.cleaning is not None:
+                self.timers.add(node.cleaning.deadline, CLEANING, node.id)
         for booking in bookings:
             self.calendar.add_node(booking.pool_id, booking.node_id, booking.units)
             self.calendar.book(booking)

@@ -20,7 +20,7 @@ from controlplane.catalog import Catalog, encode_item
 from controlplane.domain import node_states, states
 from controlplane.domain.calendar import Booking
 from controlplane.domain.clock import Clock
-from controlplane.domain.model import Failure, Hold, Operation, Placement, Reservation
+from controlplane.domain.model import Failure, Hold, Node, Operation, Placement, Reservation
 from controlplane.domain.placement import Ask, place
 from controlplane.domain.preemption import preempt_for
 from controlplane.domain.timers import RETRY_MS
@@ -42,8 +42,10 @@ class CatalogRef:
 
 
 def ask_of(res: Reservation, start: int, end: int) -> Ask:
+    """What placement must find for the window [start, end) and a node binding's turnaround after it."""
     return Ask(
-        gpu_count=res.gpu_count, node_count=res.node_count, share=res.resources, start=start, end=end,
+        gpu_count=res.gpu_count, node_count=res.node_count, share=res.resources, start=start,
+        end=end + res.turnaround_ms,
         sharing=res.sharing, mig_profile=res.mig_profile, whole_node=res.binding == "node",
     )
 
@@ -119,9 +121,10 @@ class Transitions:
 
     def book(self, tx: Tx, res: Reservation, placements: list[Placement], start: int, end: int, catalog: Catalog) -> None:
         bookings = []
-        for p in placements:
+        for p in placements:  # a node binding's bookings run on through its turnaround (cleaning, unbilled)
             share = catalog.nodes[p.node_id].capacity if res.binding == "node" else res.resources
-            bookings.append(Booking(res.id, res.pool_id, p.node_id, tuple(p.units), start, end, share))
+            bookings.append(Booking(res.id, res.pool_id, p.node_id, tuple(p.units), start, end + res.turnaround_ms,
+                                    share))
         tx.insert_bookings(bookings)
         tx.touch()
         for b in bookings:
@@ -137,8 +140,18 @@ class Transitions:
         tx.touch()
         self.state.calendar.release(res.id, now)
 
+    def set_end(self, tx: Tx, res: Reservation, new_end: int) -> None:
+        """Move the end of the reservation's bookings to the window's new end (and its turnaround after it)."""
+        tx.set_bookings_end(res.id, new_end + res.turnaround_ms)
+        tx.touch()
+        self.state.calendar.set_end(res.id, new_end + res.turnaround_ms)
+
     def room(self, res: Reservation, new_end: int) -> int:
-        """The latest end up to new_end that the reservation's devices and host shares can reach."""
+        """The latest window end up to new_end that the reservation's devices and host shares can reach (a node
+        binding's turnaround must fit after it)."""
+        return self._room(res, new_end + res.turnaround_ms) - res.turnaround_ms
+
+    def _room(self, res: Reservation, new_end: int) -> int:
         latest = self.state.calendar.latest_end(res.id, new_end)
         catalog = self.catalog.current
         for b in self.state.calendar.bookings_of(res.id):
@@ -286,6 +299,8 @@ class Transitions:
             tx.bill_until(res.id, res.billing_end)
         if held:
             self._hold(res, now)
+        elif old in (states.BINDING, states.ACTIVE) and res.turnaround_ms:
+            self.unbook(tx, res, now + res.turnaround_ms)  # the node was handed over: it is cleaned before reuse
         elif old in states.BOOKED:
             self.unbook(tx, res, now)
         if old in states.CHARGED:
@@ -415,18 +430,22 @@ class Transitions:
 
     def to_maintenance(self, tx: Tx, node_id: str, reason: str, message: str, now: int) -> None:
         """The platform takes a node out of placement until an operator clears it (`berth admin nodes clear`)."""
-        catalog = self.catalog.current
-        node = catalog.nodes.get(node_id)
+        node = self.catalog.current.nodes.get(node_id)
         if node is None or node.state == node_states.MAINTENANCE:
             return
-        current = replace(node, state=node_states.MAINTENANCE, state_reason=f"{reason}: {message}")
-        tx.put_catalog("node", node_id, encode_item(current))
-        tx.touch()
-        self.catalog.current = catalog.with_changes(nodes={**catalog.nodes, node_id: current})
+        self.put_node(tx, replace(node, state=node_states.MAINTENANCE, state_reason=f"{reason}: {message}",
+                                  cleaning=None))
         tx.event(node_states.FLEET_EVENTS, None, "node.maintenance", now,
                  {"nodeId": node_id, "poolId": node.pool_id, "state": node_states.MAINTENANCE, "from": node.state,
                   "by": "platform", "reason": reason, "message": message})
         log.warning("node to maintenance", node_id=node_id, reason=reason, message=message)
+
+    def put_node(self, tx: Tx, node: Node) -> None:
+        """Write a changed node to the catalog (the store and the snapshot placement reads)."""
+        catalog = self.catalog.current
+        tx.put_catalog("node", node.id, encode_item(node))
+        tx.touch()
+        self.catalog.current = catalog.with_changes(nodes={**catalog.nodes, node.id: node})
 
     @staticmethod
     def confirm(res: Reservation, now: int) -> None:
@@ -458,6 +477,9 @@ def ending_failure(reason: str, actor: str) -> Failure:
         "node-lost": ("node_lost", "The node was lost before the devices were ready. Nothing was billed.",
                       "Create again with a new key (the old one replays this failed reservation), or contact "
                       "support with the operation id."),
+        "handover-failed": ("handover_failed", "The node could not be handed over (the tenant's keys could not be "
+                            "installed). Nothing was billed.", "Create again with a new key (the old one replays this "
+                            "failed reservation), or contact support with the operation id."),
         "ended": ("devices_not_bound", "The window ended before the node reported the devices bound. Nothing was "
                   "billed.", "Create again with a new key (the old one replays this failed reservation), or "
                   "contact support with the operation id."),

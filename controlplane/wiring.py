@@ -17,6 +17,7 @@ from controlplane.domain.errors import INVALID_INPUT, DomainError, not_found
 from controlplane.domain.ids import token_hash
 from controlplane.iam.cedar import CedarAuthorizer, validate
 from controlplane.billing import Billing
+from controlplane.cleaning import Cleaner
 from controlplane.confirmations import ConfirmationService
 from controlplane.fleet import FleetService
 from controlplane.iam.authorizer import Authorizer
@@ -103,8 +104,9 @@ class ControlPlane:
         self.reservations = ReservationService(self.store, self.authorizer, self.clock, self.catalog, self.state,
                                                self.moves, self.billing, self.quotes, self.reconciler)
         self.operations = OperationService(self.store, self.moves, self.reservations)
+        self.cleaner = Cleaner(self.store, self.clock, self.catalog, self.moves, self.reconciler)
         self.nodes = NodeService(self.store, self.clock, self.catalog, self.state, self.moves, self.tokens,
-                                 self.reconciler, grace_s=config.node_grace_s)
+                                 self.reconciler, grace_s=config.node_grace_s, cleaner=self.cleaner)
         self.fleet = FleetService(self.store, self.clock, self.catalog, self.state, self.moves, self.nodes,
                                   self.authorizer, self.reconciler, self.billing)
         self.metrics = ControlPlaneMetrics()

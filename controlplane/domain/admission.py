@@ -52,6 +52,7 @@ class CreateRequest:
     resources: ResourcesAsk | None = None
     spot: bool = False
     lease_seconds: int | None = None
+    ssh_keys: tuple[str, ...] | None = None  # access.sshKeys, checked and canonical (schemas.py); node bindings
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,8 @@ class Plan:
     excess: Share = NO_SHARE  # booked per node above the per-GPU share
     hourly_usd: Decimal = Decimal(0)
     floor: Share = NO_SHARE  # per node, what the GPUs' per-GPU share brings (booked, not charged)
+    ssh_keys: tuple[str, ...] = ()  # node bindings: the tenant's keys
+    turnaround_ms: int = 0  # node bindings: the calendar keeps each node this long past the window (cleaning)
 
     @property
     def included(self) -> dict[str, int]:
@@ -84,12 +87,13 @@ class Plan:
                 "memory_mib": (f.memory_mib + f.hugepages_1g * 1024) * self.node_count}
 
     def ask(self, start: int, end: int) -> Ask:
+        """What placement must find for the window [start, end) (and a node binding's turnaround after it)."""
         return Ask(
             gpu_count=self.gpu_count,
             node_count=self.node_count,
             share=self.resources,
             start=start,
-            end=end,
+            end=end + self.turnaround_ms,
             sharing=self.pool.sharing,
             mig_profile=self.mig_profile,
             whole_node=self.whole_node,
@@ -190,6 +194,12 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, profile: PoolPr
             raise invalid("resources", "a node binding books whole nodes: cgroup limits mean nothing to root")
         if pool.sharing != "exclusive":
             raise invalid("binding", "'node' books whole GPUs; this pool shares them")
+        if req.ssh_keys is None:
+            raise invalid("access.sshKeys", "required for binding 'node': 1 to 16 OpenSSH public keys (e.g. the "
+                          f"line of ~/.ssh/id_ed25519.pub) the tenant logs in to {pool.policy.root_user} with")
+    elif req.ssh_keys is not None:
+        raise invalid("access", f"only binding 'node' takes access (SSH keys for tenant root); binding "
+                      f"{req.binding!r} gives devices, not a login: leave access out")
     if req.binding == "kubernetes":
         if not pool.policy.kubernetes:
             raise invalid("binding", f"'kubernetes' needs a pool with policy.kubernetes; pool {pool.id} has none")
@@ -232,6 +242,7 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, profile: PoolPr
         lease_seconds=req.lease_seconds, resources=resources, charge=charge, whole_node=whole_node,
         excess=excess, hourly_usd=hourly(pool, gpu_count, req.node_count, excess),
         floor=resources.minus(excess),
+        ssh_keys=req.ssh_keys or (), turnaround_ms=pool.policy.turnaround_ms if whole_node else 0,
     )
     _check_pool_can_hold(plan, profile)
     return plan

@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Mapping
 
+from common.inventory import Inventory
 from common.share import NO_SHARE, Share
 from controlplane.domain.ids import operation_id
 
 SHARING_MODES = ("exclusive", "mig", "slots")
 BINDINGS = ("hold", "node", "kubernetes")
 PLACERS = ("calendar", "pool-lease")
+CLEANING_MODES = ("inband", "redfish")  # how a node binding's node is cleaned after its hand-back
 PRINCIPAL_KINDS = ("user", "agent", "operator")  # an operator acts on the fleet (/api/admin/), not in a tenant
 SCOPES = ("read", "manage")
 
@@ -56,6 +58,13 @@ class Offer:
 @dataclass(frozen=True, slots=True)
 class PoolPolicy:
     tenant_root: bool = False
+    # policy.tenantRoot as an object (docs/node-binding.md): the account node bindings log in to, how a node is
+    # cleaned after the hand-back, how long the calendar keeps it for that (unbilled), and for redfish the one-time
+    # boot source of the reset ("" none)
+    root_user: str = "root"
+    cleaning: str = "inband"
+    turnaround_ms: int = 30 * 60_000
+    boot_override: str = ""
     kubernetes: bool = False
     kubernetes_cluster: str = ""
     kubernetes_resource: str = ""  # the extended resource its nodes' kubelets see the GPUs as (berth.dev/gpu)
@@ -102,6 +111,30 @@ class Unit:
 
 
 @dataclass(frozen=True, slots=True)
+class BmcRef:
+    """Where a node's BMC is and the file its credentials are in (controlplane/bmc.py); never leaves the control
+    plane."""
+
+    redfish_url: str
+    system_id: str
+    credentials_file: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cleaning:
+    """A node taken back from a node binding, being cleaned (node state `cleaning`) until `deadline`."""
+
+    reservation_id: str
+    mode: str  # inband: the agent reports `cleaned`; redfish: reset through the BMC, back with a new boot
+    since: int
+    deadline: int  # past it the node goes to maintenance
+    before: str = "ready"  # the state it returns to when clean (an operator's cordon outlives the cleaning)
+    boot_id: str = ""  # the boot the node was in at the hand-back (redfish: it must come back in another)
+    inventory: Inventory | None = None  # recorded at the hand-over (redfish: it must come back equal)
+    reset: str = ""  # redfish: the reset the BMC accepted ("" not yet)
+
+
+@dataclass(frozen=True, slots=True)
 class Node:
     id: str
     pool_id: str
@@ -115,6 +148,9 @@ class Node:
     identity_released: bool = False  # an operator let the next registration take the node, from any host
     state: str = "ready"  # as operators (and cleaning) set it: ready | cordoned | draining | cleaning | maintenance
     state_reason: str = ""  # why the node is in its state, when the platform put it there (maintenance)
+    bmc: BmcRef | None = None  # from the bootstrap file: for cleaning redfish
+    inventory: Inventory | None = None  # the last inventory its agent sent (recorded at a node binding's hand-over)
+    cleaning: Cleaning | None = None  # while the node is being cleaned after a node binding
 
     @property
     def placeable(self) -> bool:
@@ -161,6 +197,18 @@ class Bound:
     devices: list[str] = field(default_factory=list)
     end: int | None = None  # the window's end as the node applied it
     oom_kills: int = 0  # processes the node's OOM killer ended in the reservation's cgroup, as last reported
+    ssh: SshEndpoint | None = None  # node binding: how the tenant connects
+    inventory: Inventory | None = None  # node binding: the node's inventory at the hand-over, to clean back to
+
+
+@dataclass(frozen=True, slots=True)
+class SshEndpoint:
+    """How a node binding's tenant reaches its node, as the agent reported it."""
+
+    host: str
+    port: int
+    user: str
+    host_keys: tuple[str, ...] = ()  # SHA256 fingerprints
 
 
 @dataclass(slots=True)
@@ -251,6 +299,11 @@ class Reservation:
     held_from: int | None = None  # when billing became held time (usage shows it apart); kept after the hold
     ending_warning_ms: int = 0  # the pool's endingWarningMinutes when it was created
     ending_warned: int | None = None  # the end that reservation.ending was emitted for (an extension re-arms it)
+    # node bindings: the tenant's keys (canonical lines), and the pool's tenantRoot as it was at creation
+    ssh_keys: list[str] = field(default_factory=list)
+    login_user: str = ""
+    cleaning: str = ""
+    turnaround_ms: int = 0  # the calendar keeps each node this long past the window (or a release), unbilled
     seq: int = 0  # creation order in the store; list pages on it
 
     @property

@@ -21,6 +21,7 @@ CONFIRMATION = "confirmation"  # an awaiting-confirmation draft older than the c
 RETRY = "retry"  # a pool's pending reservations are tried again (the id is the pool's)
 HOLD = "hold"  # a held kubernetes release reached its bookings' end: carry on, or end the hold
 ENDING = "ending"  # a booked reservation's end is near: reservation.ending, once per end
+CLEANING = "cleaning"  # a node's cleaning after a node binding is past its time (the id is the node's)
 
 CONFIRMATION_WINDOW_MS = 30 * 60_000
 RETRY_MS = 30_000

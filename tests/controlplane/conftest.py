@@ -1,7 +1,9 @@
 """Fixtures for the control plane: a real server on loopback with a real SQLite file and a fake clock."""
 from __future__ import annotations
 
+import base64
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,15 @@ forbid (principal, action in [Action::"compute:reservations:create", Action::"co
 forbid (principal == User::"bob", action == Action::"compute:reservations:read", resource is Reservation)
   when { resource.principal != principal };
 """
+
+
+def ssh_key(n: int = 1, comment: str = "tenant@example") -> str:
+    """An Ed25519 public key line as `ssh-keygen -y` prints one (the SSH wire form, 32 bytes of key material)."""
+    blob = b"".join(struct.pack(">I", len(p)) + p for p in (b"ssh-ed25519", bytes([n]) * 32))
+    return f"ssh-ed25519 {base64.b64encode(blob).decode()} {comment}"
+
+
+NODE_ACCESS = {"sshKeys": [ssh_key(1)]}  # what a node binding's create carries
 
 
 def h100_node(node_id: str, pool: str = "h100", vcpu: int = 64, memory: int = 512, hugepages: int = 16) -> dict:

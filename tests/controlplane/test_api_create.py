@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.controlplane.conftest import HOUR, T0
+from tests.controlplane.conftest import HOUR, NODE_ACCESS, T0
 
 
 async def test_create_places_a_fitting_request_and_answers_202(api):
@@ -222,13 +222,13 @@ async def test_refusals_name_the_field_and_change_nothing(api, who, fields, stat
 
 
 async def test_node_binding_books_every_gpu_and_the_whole_host(api):
-    res = (await api.create(key="n", binding="node", gpuCount=None))[1]["reservation"]
+    res = (await api.create(key="n", binding="node", gpuCount=None, access=NODE_ACCESS))[1]["reservation"]
     assert res["state"] == "placed" and res["gpuCount"] == 8
     assert len(res["placements"][0]["devices"]) == 8
     assert res["resources"]["vcpu"] == 64.0
-    status, doc = await api.create(key="n1", binding="node", gpuCount=4)
+    status, doc = await api.create(key="n1", binding="node", gpuCount=4, access=NODE_ACCESS)
     assert (status, doc["error"]["details"]["field"]) == (400, "gpuCount")
-    second = (await api.create(key="n2", binding="node", gpuCount=8))[1]["reservation"]
+    second = (await api.create(key="n2", binding="node", gpuCount=8, access=NODE_ACCESS))[1]["reservation"]
     assert second["state"] == "placed"
     assert second["placements"][0]["nodeId"] != res["placements"][0]["nodeId"]
     third = (await api.create(key="hold"))[1]["reservation"]

@@ -11,7 +11,7 @@ from decimal import Decimal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.controlplane.conftest import HOUR, T0, TOKENS, bootstrap_doc
+from tests.controlplane.conftest import HOUR, NODE_ACCESS, T0, TOKENS, bootstrap_doc
 from tests.controlplane.test_billing import make_active, quote
 from tests.controlplane.test_nodes import node_call, register
 
@@ -222,7 +222,7 @@ async def test_a_node_binding_is_seen_whole_by_iam_and_its_hugepages_by_quota(ap
 
     api.cp.authorizer.decide_now = spy
     try:
-        status, doc = await api.create(key="n", binding="node", gpuCount=None, nodeCount=2)
+        status, doc = await api.create(key="n", binding="node", gpuCount=None, nodeCount=2, access=NODE_ACCESS)
     finally:
         api.cp.authorizer.decide_now = decide_now
     assert 202 == status, doc
