@@ -38,6 +38,9 @@ log = structlog.get_logger("berth.cleaning")
 
 RETURNS = (node_states.READY, node_states.CORDONED, node_states.DRAINING)  # states a cleaning starts from
 MAX_SHOWN = 20  # differences named in a maintenance reason
+# What changes across a reboot without anyone having changed the node (as the agent's in-band check has it).
+NOT_COMPARED = ("bootId", "hostname")
+NOT_COMPARED_LEAVES = (".sinceMs",)
 
 
 def differences(recorded: Inventory | None, now: Inventory) -> list[str]:
@@ -45,7 +48,8 @@ def differences(recorded: Inventory | None, now: Inventory) -> list[str]:
     expected, and not a difference)."""
     if recorded is None:
         return ["no inventory was recorded at the hand-over, so the node cannot be checked against it"]
-    return [c.describe() for c in diff(recorded, now).changes if c.path != "bootId"]
+    return [c.describe() for c in diff(recorded, now).changes
+            if c.path not in NOT_COMPARED and not c.path.endswith(NOT_COMPARED_LEAVES)]
 
 
 class Cleaner:
