@@ -189,9 +189,15 @@ class Checkpoint:
     # -- reports and versions -----------------------------------------------
 
     def queue_report(self, report: Report) -> None:
-        """Keep the latest report per reservation until the control plane accepts it."""
-        self.data.pendingReports = [r for r in self.data.pendingReports if r.reservationId != report.reservationId]
-        self.data.pendingReports.append(report)
+        """Keep the latest report per reservation until the control plane accepts it. A node binding's `cleaned`
+        is kept beside it, after it: the control plane takes the hand-back (`unbound`) before the clean check."""
+        cleaned = report.status == "cleaned"
+        kept = [r for r in self.data.pendingReports
+                if r.reservationId != report.reservationId or (r.status == "cleaned") != cleaned]
+        at = len(kept) if cleaned else next((i for i, r in enumerate(kept) if r.reservationId == report.reservationId
+                                              and r.status == "cleaned"), len(kept))
+        kept.insert(at, report)
+        self.data.pendingReports = kept
 
     def reports_done(self, reservation_ids: set[str]) -> None:
         self.data.pendingReports = [r for r in self.data.pendingReports if r.reservationId not in reservation_ids]

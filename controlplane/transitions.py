@@ -140,6 +140,13 @@ class Transitions:
         tx.touch()
         self.state.calendar.release(res.id, now)
 
+    def keep_for_turnaround(self, tx: Tx, res: Reservation, until: int) -> None:
+        """A handed-over node binding ended early: its bookings (all started) now end at `until`, the end of its
+        turnaround, and stay in the calendar so that nobody books the node while it is cleaned."""
+        tx.end_bookings(res.id, until)
+        tx.touch()
+        self.state.calendar.set_end(res.id, until)
+
     def set_end(self, tx: Tx, res: Reservation, new_end: int) -> None:
         """Move the end of the reservation's bookings to the window's new end (and its turnaround after it)."""
         tx.set_bookings_end(res.id, new_end + res.turnaround_ms)
@@ -300,7 +307,7 @@ class Transitions:
         if held:
             self._hold(res, now)
         elif old in (states.BINDING, states.ACTIVE) and res.turnaround_ms:
-            self.unbook(tx, res, now + res.turnaround_ms)  # the node was handed over: it is cleaned before reuse
+            self.keep_for_turnaround(tx, res, now + res.turnaround_ms)  # handed over: cleaned before reuse
         elif old in states.BOOKED:
             self.unbook(tx, res, now)
         if old in states.CHARGED:

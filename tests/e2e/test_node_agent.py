@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cgroups import Subtree, bpf
+from tests.agent.test_tenantroot import make_key
 from tests.e2e.conftest import (H100_TOKEN, MIG_TOKEN, NODE_TOKEN, ControlPlane, alive, exec_open, pids_of,
                                 spawn_in, wait_for)
 
@@ -173,24 +174,21 @@ def test_a_cut_link_loses_the_node_and_restoring_it_resumes_without_a_second_bin
 
 
 def test_a_node_binding_on_an_agent_without_ssh_keys_dir_is_refused_with_a_clear_failed_report(agents, workdir,
-                                                                                                  bpf_works):
+                                                                                                  bpf_works, tmp_path):
     cp = ControlPlane(workdir).start()
     try:
         metal = agents("metal", cp.url, NODE_TOKEN, "h100", extra=["--reconcile-seconds", "3600",
                                                                    "--watch-timeout-ms", "1500"])
         metal.wait_event("reconciled", timeout=20)
-        rid = cp.create(poolId="metal", gpuCount=8, binding="node")["id"]
+        _, public = make_key(tmp_path / "tenant")
+        rid = cp.create(poolId="metal", gpuCount=8, binding="node",
+                        access={"sshKeys": [public.read_text().strip()]})["id"]
         message = "node bindings are off on this agent: start it with --ssh-keys-dir"
-
-        def failed():
-            conds = {c["type"]: c for c in cp.get(rid)["conditions"]}
-            c = conds.get("DevicesBound")
-            return c if c and c["status"] == "False" and c["reason"] == "BindFailed" else None
-
-        cond = wait_for(failed, 5, what="DevicesBound=False, reason BindFailed")
-        assert message in cond["message"], cond
+        # the hand-over failed: the create's operation fails (the platform's doing) and nothing is left bound
+        res = cp.wait_state(rid, "released", timeout=5)
+        failure = res["operation"]["failure"]
+        assert ("platform", True) == (failure["actor"], message in failure["message"]), failure
         assert not (metal.root / f"rsv-{rid}").exists()
-        assert "binding" == cp.get(rid)["state"]
         metal.stop()
     finally:
         cp.stop()
