@@ -108,3 +108,18 @@ def test_a_node_left_changed_goes_to_maintenance_and_takes_no_booking_until_clea
     assert later["state"] == "pending" or all(p["nodeId"] != node for p in later.get("placements", [])), later
     admin(cp, "nodes/clear", {"nodeId": node, "reason": "GPU 3 reseated"})
     assert "ready" == admin(cp, "nodes/get", {"nodeId": node})["node"]["state"]
+
+
+def test_with_the_agent_stopped_sshd_refuses_the_key_by_itself_once_the_window_is_over(metal, sshd_server, tmp_path):
+    cp, agent = metal
+    private, public = make_key(tmp_path / "tenant")
+    end = (int(time.time()) + 6) * 1000  # expiry-time has whole seconds
+    rid = cp.create(poolId="metal", gpuCount=8, binding="node", access={"sshKeys": [public.read_text().strip()]},
+                    durationHours=None, end=end)["id"]
+    cp.wait_state(rid, "active", timeout=5)
+    assert 0 == login(sshd_server, private).returncode
+    agent.stop()  # nobody will take the keys back: only their expiry-time ends the access
+    time.sleep(max(0.0, end / 1000 - time.time()) + 1.5)
+    refused = login(sshd_server, private)
+    assert (255, True) == (refused.returncode, "Permission denied" in refused.stderr)
+    assert f"berth:{rid}" in (sshd_server.keys_dir / sshd_server.user).read_text()  # still in the file
