@@ -193,7 +193,10 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         lines.append("next: retry with the same key: " + retry_same if create else "next: retry: " + retry_same)
         return lines
     if code == "INVALID_INPUT":
-        flag = FLAG_OF_FIELD.get(str(err.field), "")
+        field, _, index = str(err.field).partition("[")  # access.sshKeys[1]: the second --ssh-key
+        flag = FLAG_OF_FIELD.get(field, "")
+        if flag and index.rstrip("]").isdigit():
+            flag = f"{flag} number {int(index.rstrip(']')) + 1}"
         return [f"next: fix {flag} ({d.get('rule', err.message)})" if flag else f"next: fix the request ({err.message})"]
     if code == "UNAUTHENTICATED":
         return [f"the token (from {ctx.settings.sources.get('token')}) is not accepted: check --token, BERTH_TOKEN "

@@ -116,6 +116,10 @@ def request_command(ctx: Context, command: str, overrides: dict[str, Any] | None
         value = overrides[f.name] if f.name in overrides else getattr(ctx.args, f.name, None)
         if value is None or value is False:
             continue
+        if isinstance(value, (list, tuple)):  # a repeated flag (--ssh-key)
+            for item in value:
+                words += [flag_of(f), str(item)]
+            continue
         words += [flag_of(f)] if value is True else [flag_of(f), _flag_value(value, f.metadata["kind"])]
     for dest, flag in (("idempotency_key", "--idempotency-key"),):
         value = overrides[dest] if dest in overrides else (getattr(ctx.args, dest, None) if dest in keep else None)

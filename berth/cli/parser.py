@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import Field, fields
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Sequence
@@ -54,6 +55,20 @@ class _SumDurations(argparse.Action):
 # ---- the request's flags: one per ReservationRequest field ----------------------------
 
 
+def _ssh_key(text: str) -> str:
+    """A public key as given: its line, or the path of a .pub file holding it (the server checks the key)."""
+    if not text.lstrip().startswith(("ssh-", "ecdsa-", "sk-")) and os.path.isfile(os.path.expanduser(text)):
+        try:
+            with open(os.path.expanduser(text), encoding="utf-8") as f:
+                line = f.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"{text}: cannot read the key file: {exc}") from None
+        if "\n" in line:
+            raise argparse.ArgumentTypeError(f"{text}: holds more than one line; give one public key per --ssh-key")
+        return line
+    return text.strip()
+
+
 def flag_of(f: Field) -> str:
     return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
@@ -67,6 +82,9 @@ def _add_field(p, f: Field, time_arg: Callable[[str], int], required: bool = Fal
         return
     if f.metadata["metavar"]:
         kw["metavar"] = f.metadata["metavar"]
+    if kind == "keys":
+        p.add_argument(flag_of(f), action="append", type=_ssh_key, **kw)
+        return
     if kind == "time":
         kw["type"] = time_arg
     elif kind == "price":
@@ -100,6 +118,7 @@ def request_of(args: argparse.Namespace) -> ReservationRequest:
 FLAG_OF_FIELD = {
     **{f.metadata["wire"]: flag_of(f) for f in fields(ReservationRequest)},
     "resources": "--vcpu/--memory-gib/--hugepages", "idempotencyKey": "--idempotency-key",
+    "access": "--ssh-key", "access.sshKeys": "--ssh-key",
     "Idempotency-Key": "--idempotency-key", "until": "--until", "by": "--by", "since": "--since",
     "cursor": "--cursor", "limit": "--limit", "state": "--state", "scope": "--scope", "Authorization": "--token",
     "from": "--from", "reason": "--reason", "after": "--after", "nodeId": "NODE", "tenantId": "TENANT",

@@ -130,6 +130,9 @@ class ReservationRequest:
                                    metavar="N")
     spot: bool | None = _f("spot", "spot: may be preempted")
     lease_seconds: int | None = _f("leaseSeconds", "renew within this many seconds (30 to 604800)", metavar="S")
+    ssh_keys: tuple[str, ...] | None = _f("access.sshKeys", "binding node: an OpenSSH public key to log in with, as "
+                                          "its line or a .pub file (repeat for up to 16)", flag="--ssh-key",
+                                          metavar="KEY|FILE", kind="keys")
     quote_id: str | None = _f("quoteId", "the quote to hold the price to (quoteId)", flag="--quote",
                               metavar="QUOTE_ID", create_only=True)
     max_hourly_price: Decimal | str | None = _f("maxHourlyPrice", "refuse (NO_CAPACITY price_ceiling) above this "
@@ -149,6 +152,8 @@ class ReservationRequest:
                 value = parse_time(value)
             elif kind == "price":
                 value = price_text(value)
+            elif kind == "keys":
+                value = list(value)
             *parents, leaf = f.metadata["wire"].split(".")
             target = body
             for p in parents:

@@ -745,3 +745,18 @@ def test_zsh_completion_is_a_zsh_script():
 def test_completion_for_another_shell_is_a_usage_error():
     out = subprocess.run([sys.executable, "-m", "berth", "completion", "fish"], capture_output=True, text=True)
     assert 2 == out.returncode and "give the shell, bash or zsh" in out.stderr
+
+
+def test_ssh_keys_for_a_node_binding_come_from_lines_or_pub_files_and_a_bad_one_names_its_flag(berth, tmp_path):
+    import subprocess as sp
+    key = tmp_path / "id_ed25519"
+    sp.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True, capture_output=True)
+    pub = Path(f"{key}.pub")
+    base = ["--pool", "h100", "--gpu-model", "H100_80GB", "--gpu-count", "8", "--hours", "1", "--binding", "node"]
+    quote = berth("reservations", "quote", *base, "--ssh-key", str(pub), "--json")
+    assert 0 == quote.code, quote.err
+    bad = berth("reservations", "quote", *base, "--ssh-key", str(pub), "--ssh-key", "ssh-ed25519 AAAAnotakey",
+                env={"BERTH_FORCE_TTY": "1"})
+    assert 3 == bad.code and "access.sshKeys[1]" in bad.err and "next: fix --ssh-key number 2" in bad.err, bad.err
+    missing = berth("reservations", "quote", *base)
+    assert 3 == missing.code and "next: fix --ssh-key" in missing.err, missing.err
