@@ -55,9 +55,18 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     except KeyboardInterrupt:
         print("berth: interrupted" + (f"; retry with --idempotency-key {ctx.key}" if ctx.key else ""), file=err)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `berth ... | head`: the reader has all it wanted; end quietly, as cat does
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())  # so that the final flush cannot fail again
+        except (OSError, ValueError):
+            pass
+        return EXIT_BROKEN_PIPE
     except Exception as exc:  # a bug of the CLI: say so plainly, with what to report
         print(f"berth: unexpected {type(exc).__name__}: {exc}", file=err)
         return EXIT_CLI
+
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
 
 
 if __name__ == "__main__":  # pragma: no cover
