@@ -760,3 +760,16 @@ def test_ssh_keys_for_a_node_binding_come_from_lines_or_pub_files_and_a_bad_one_
     assert 3 == bad.code and "access.sshKeys[1]" in bad.err and "next: fix --ssh-key number 2" in bad.err, bad.err
     missing = berth("reservations", "quote", *base)
     assert 3 == missing.code and "next: fix --ssh-key" in missing.err, missing.err
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(server, config_home):
+    import io
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    err = io.StringIO()
+    code = tenant_cli.main(["whoami", "--json"], stdout=ClosedPipe(), stderr=err, environ={
+        "BERTH_URL": server.url, "BERTH_TOKEN": TOKENS["alice"], "XDG_CONFIG_HOME": str(config_home)})
+    assert (141, "") == (code, err.getvalue())
