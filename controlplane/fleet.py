@@ -26,13 +26,12 @@ import structlog
 from common.share import NO_SHARE, Share
 from controlplane.billing import Billing
 from controlplane.catalog import encode_item
-from controlplane.domain import node_states, states
+from controlplane.domain import node_states
 from controlplane.domain.calendar import NodeCalendar, PoolCalendar
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import (COMPUTE_ACCESS_REQUIRED, INVALID_STATE, DomainError, invalid,
                                         not_found)
 from controlplane.domain.model import Node, Pool, Principal, Reservation, Tenant
-from controlplane.domain.timers import RETRY_MS
 from controlplane.iam.authorizer import (NODES_CLEAR, NODES_CORDON, NODES_DRAIN, NODES_READ, NODES_RELEASE_IDENTITY,
                                          POOLS_READ, TENANTS_READ, Authorizer, AuthzRequest, Resource,
                                          access_denied, tenant_resource)
@@ -41,7 +40,7 @@ from controlplane.reconciler import Reconciler
 from controlplane.reservations import iam_unavailable
 from controlplane.state import WriterState
 from controlplane.store.port import Store, Tx
-from controlplane.transitions import CatalogRef, Transitions
+from controlplane.transitions import CatalogRef, Moved, Transitions
 
 log = structlog.get_logger("berth.fleet")
 
@@ -101,14 +100,6 @@ class NodeView:
     bookings: tuple[BookingView, ...]  # those overlapping the window, by start
     drained: bool  # holds no booking that ends after now
     stuck: tuple[str, ...] = ()  # kubernetes releases carried on here now (the KubernetesReleaseStuck condition)
-
-
-@dataclass(frozen=True, slots=True)
-class Moved:
-    reservation_id: str
-    tenant_id: str
-    from_nodes: tuple[str, ...]
-    to_nodes: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,7 +401,7 @@ class FleetService:
             # Before any move, so that placement no longer sees the node as a place for them.
             self.catalog.current = catalog.with_changes(nodes={**catalog.nodes, node_id: current})
         try:
-            moved, pending = self._move_off(tx, current, now) if action == node_states.DRAIN else ([], [])
+            moved, pending = self.moves.move_off(tx, current, now, "drain") if action == node_states.DRAIN else ([], [])
         except BaseException:
             self.catalog.current = catalog  # the job rolls back: so does the node's state in memory
             raise
@@ -423,53 +414,6 @@ class FleetService:
                 data["pending"] = pending
             tx.event(FLEET_EVENTS, None, EVENT_OF_ACTION[action], now, data)
         return changed, moved, pending
-
-    def _move_off(self, tx: Tx, node: Node, now: int) -> tuple[list[Moved], list[str]]:
-        """Move the node's placed reservations that have not started to other nodes (the placement of a create:
-        gangs whole, spot work preempted for work that is not spot), or back to pending where nothing fits."""
-        cal = self.state.calendar.pool(node.pool_id).nodes.get(node.id)
-        if cal is None:
-            return [], []
-        waiting = [hb.owner for hb in cal.host[bisect_left(cal.host_starts, now + 1):]]  # not started: start > now
-        moved: list[Moved] = []
-        pending: list[str] = []
-        for rid in dict.fromkeys(waiting):
-            res = tx.reservation(rid)
-            if res is None or res.state != states.PLACED or (res.start or 0) <= now:
-                continue  # started (the reconciler moves it to binding): it runs here to its end
-            before = tuple(p.node_id for p in res.placements)
-            self.moves.unbook(tx, res, now)
-            res.placements = []
-            if self.moves.try_place(tx, res, now, may_preempt=True) is not None:
-                res.updated_at = now
-                self.moves.save(tx, res, states.PLACED)
-                to = tuple(p.node_id for p in res.placements)
-                self.moves.event(tx, res, "reservation.moved", now, nodeId=node.id, fromNodes=list(before),
-                                 nodes=list(to), reason="drain")
-                moved.append(Moved(res.id, res.tenant_id, before, to))
-                log.info("reservation moved off a draining node", reservation_id=res.id, node_id=node.id, to=to)
-                continue
-            self._back_to_pending(tx, res, node, now)
-            self.moves.event(tx, res, "reservation.pending", now, nodeId=node.id, fromNodes=list(before),
-                             reason="drain")
-            pending.append(res.id)
-            log.warning("reservation back to pending: nothing else fits it", reservation_id=res.id, node_id=node.id)
-        return moved, pending
-
-    def _back_to_pending(self, tx: Tx, res: Reservation, node: Node, now: int) -> None:
-        states.move(res, states.PENDING, now)
-        res.lease_deadline = None  # the lease runs from placement
-        if self.moves.placer_of(res) == "pool-lease":
-            position = len(self.state.queue(res.pool_id)) + 1
-            res.set_condition("Queued", "True", "WaitingForCapacity",
-                              f"number {position} in pool {res.pool_id}'s queue (node {node.id} was drained); placed "
-                              "in order as capacity frees", now)
-        else:
-            res.set_condition("Unschedulable", "True", "NodeDrained",
-                              f"node {node.id} was drained and no other node of pool {res.pool_id} fits the window; "
-                              "retried every 30 s and when capacity frees", now)
-        self.moves.save(tx, res, states.PLACED)
-        self.state.timers.retry_pool(res.pool_id, now + RETRY_MS)
 
     async def release_identity(self, actor: Principal | None, node_id: str) -> Node:
         node = self._node(node_id)

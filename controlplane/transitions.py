@@ -11,7 +11,8 @@ reconciler (reconciler.py) both go through here.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from bisect import bisect_left
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import structlog
@@ -26,6 +27,16 @@ from controlplane.domain.preemption import preempt_for
 from controlplane.domain.timers import RETRY_MS
 from controlplane.state import WriterState
 from controlplane.store.port import Tx
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """A placed reservation moved off a node (a drain, or the node's maintenance)."""
+
+    reservation_id: str
+    tenant_id: str
+    from_nodes: tuple[str, ...]
+    to_nodes: tuple[str, ...]
+
 
 log = structlog.get_logger("berth.reservations")
 
@@ -436,16 +447,69 @@ class Transitions:
         return None
 
     def to_maintenance(self, tx: Tx, node_id: str, reason: str, message: str, now: int) -> None:
-        """The platform takes a node out of placement until an operator clears it (`berth admin nodes clear`)."""
+        """The platform takes a node out of placement until an operator clears it (`berth admin nodes clear`);
+        what was placed there and has not started moves to other nodes (or back to pending), as on a drain."""
         node = self.catalog.current.nodes.get(node_id)
         if node is None or node.state == node_states.MAINTENANCE:
             return
         self.put_node(tx, replace(node, state=node_states.MAINTENANCE, state_reason=f"{reason}: {message}",
                                   cleaning=None))
+        moved, pending = self.move_off(tx, node, now, "maintenance")
         tx.event(node_states.FLEET_EVENTS, None, "node.maintenance", now,
                  {"nodeId": node_id, "poolId": node.pool_id, "state": node_states.MAINTENANCE, "from": node.state,
-                  "by": "platform", "reason": reason, "message": message})
-        log.warning("node to maintenance", node_id=node_id, reason=reason, message=message)
+                  "by": "platform", "reason": reason, "message": message,
+                  **({"moved": len(moved), "pending": len(pending)} if moved or pending else {})})
+        log.warning("node to maintenance", node_id=node_id, reason=reason, message=message, moved=len(moved),
+                    pending=len(pending))
+
+    def move_off(self, tx: Tx, node: Node, now: int, why: str) -> tuple[list["Moved"], list[str]]:
+        """Move the node's placed reservations that have not started to other nodes (the placement of a create:
+        gangs whole, spot work preempted for work that is not spot), or back to pending where nothing fits; `why`:
+        drain or maintenance."""
+        cal = self.state.calendar.pool(node.pool_id).nodes.get(node.id)
+        if cal is None:
+            return [], []
+        waiting = [hb.owner for hb in cal.host[bisect_left(cal.host_starts, now + 1):]]  # not started: start > now
+        moved: list[Moved] = []
+        pending: list[str] = []
+        for rid in dict.fromkeys(waiting):
+            res = tx.reservation(rid)
+            if res is None or res.state != states.PLACED or (res.start or 0) <= now:
+                continue  # started (the reconciler moves it to binding): it runs here to its end
+            before = tuple(p.node_id for p in res.placements)
+            self.unbook(tx, res, now)
+            res.placements = []
+            if self.try_place(tx, res, now, may_preempt=True) is not None:
+                res.updated_at = now
+                self.save(tx, res, states.PLACED)
+                to = tuple(p.node_id for p in res.placements)
+                self.event(tx, res, "reservation.moved", now, nodeId=node.id, fromNodes=list(before), nodes=list(to),
+                           reason=why)
+                moved.append(Moved(res.id, res.tenant_id, before, to))
+                log.info("reservation moved off a node", reservation_id=res.id, node_id=node.id, to=to, why=why)
+                continue
+            self._back_to_pending(tx, res, node, now, why)
+            self.event(tx, res, "reservation.pending", now, nodeId=node.id, fromNodes=list(before), reason=why)
+            pending.append(res.id)
+            log.warning("reservation back to pending: nothing else fits it", reservation_id=res.id, node_id=node.id,
+                        why=why)
+        return moved, pending
+
+    def _back_to_pending(self, tx: Tx, res: Reservation, node: Node, now: int, why: str) -> None:
+        states.move(res, states.PENDING, now)
+        res.lease_deadline = None  # the lease runs from placement
+        happened = "was drained" if why == "drain" else "went to maintenance"
+        if self.placer_of(res) == "pool-lease":
+            position = len(self.state.queue(res.pool_id)) + 1
+            res.set_condition("Queued", "True", "WaitingForCapacity",
+                              f"number {position} in pool {res.pool_id}'s queue (node {node.id} {happened}); placed "
+                              "in order as capacity frees", now)
+        else:
+            res.set_condition("Unschedulable", "True", "NodeDrained" if why == "drain" else "NodeMaintenance",
+                              f"node {node.id} {happened} and no other node of pool {res.pool_id} fits the window; "
+                              "retried every 30 s and when capacity frees", now)
+        self.save(tx, res, states.PLACED)
+        self.state.timers.retry_pool(res.pool_id, now + RETRY_MS)
 
     def put_node(self, tx: Tx, node: Node) -> None:
         """Write a changed node to the catalog (the store and the snapshot placement reads)."""

@@ -421,3 +421,26 @@ async def test_redfish_a_reset_the_bmc_refuses_puts_the_node_in_maintenance_at_o
     seen = await node_state(api, "r1")
     assert "maintenance" == seen["state"] and seen["stateReason"].startswith("ResetFailed:")
     assert "no system 'no-such-system'" in seen["stateReason"]
+
+
+async def test_a_node_gone_to_maintenance_sends_its_bookings_that_have_not_started_elsewhere_or_to_pending(api):
+    res, node = await bound_node(api)
+    node_id = node["nodeId"]
+    other = "h2" if node_id == "h1" else "h1"
+    status, doc = await api.post("/api/admin/nodes/cordon", ADMIN, {"nodeId": other})  # so the later one is here
+    assert 200 == status, doc
+    status, doc = await create_node(api, "later", start=T0 + 5 * HOUR, end=T0 + 6 * HOUR)
+    assert 202 == status, doc
+    on_it = doc["reservation"]
+    assert [node_id] == [p["nodeId"] for p in on_it["placements"]]
+    await hand_back(api, res, node)
+    await node_call(api, "report", node["nodeToken"], {"reports": [
+        {"reservationId": res["id"], "status": "cleaned", "clean": {"ok": False, "differences": ["GPU 3 lost"]}}]})
+    assert "maintenance" == (await node_state(api, node_id))["state"]
+    got = await api.ok("get", "alice", {"reservationId": on_it["id"]})
+    assert ("pending", []) == (got["state"], got["placements"])  # the other node is cordoned
+    assert any(c["reason"] == "NodeMaintenance" for c in got["conditions"]), got["conditions"]
+    moved = [e for e in await api.events() if e["reservationId"] == on_it["id"] and e["type"] == "reservation.pending"]
+    assert "maintenance" == moved[-1]["data"]["reason"]
+    [event] = [e for e in await fleet_events(api) if e["type"] == "node.maintenance"]
+    assert (0, 1) == (event["data"].get("moved", 0), event["data"]["pending"])
