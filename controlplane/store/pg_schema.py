@@ -1,0 +1,126 @@
+"""The PostgreSQL store's schema, versioned: migrations applied at start under an advisory lock, a newer one refused.
+
+The tables mirror the SQLite engine's (controlplane/store/sqlite.py), with
+what several replicas on one database need from the database itself
+(docs/scale-out.md):
+
+- **No double booking.** Each device of a booking is a row of
+  `booked_units`, under an exclusion constraint (btree_gist): one node's unit
+  `=`, the time range `&&`. Two replicas racing for one device in
+  overlapping windows cannot both commit. A booking cut to an empty window
+  (`[t, t)`, kept for history) overlaps nothing.
+- **Idempotency.** A reservation's id is derived from (tenant, principal,
+  key) and is unique: the same key sent to two replicas yields one row.
+- **Commit-order events.** `events.seq` is a sequence; readers page by it.
+
+`migrate(conn)` takes `pg_advisory_lock(MIGRATION_LOCK)`, so two replicas
+starting together apply each migration once, in order, each in its own
+transaction with its version row. A database whose schema is newer than
+this code knows raises SchemaTooNew, and nothing is changed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+MIGRATION_LOCK = 0x62657274_0001  # "bert" and 1: the advisory lock key of schema migrations
+
+
+class SchemaTooNew(Exception):
+    """The database was migrated by a newer Berth; this one must not write to it."""
+
+
+MIGRATIONS: tuple[tuple[int, str, str], ...] = (
+    (1, "the tables of the SQLite engine, with an exclusion constraint on booked devices", """
+CREATE EXTENSION IF NOT EXISTS btree_gist;
+CREATE TABLE catalog (kind TEXT NOT NULL, id TEXT NOT NULL, doc BYTEA NOT NULL, PRIMARY KEY (kind, id));
+CREATE TABLE tokens (hash TEXT PRIMARY KEY, kind TEXT NOT NULL, subject TEXT NOT NULL);
+CREATE TABLE reservations (
+  seq BIGSERIAL PRIMARY KEY,
+  id TEXT NOT NULL UNIQUE,
+  tenant_id TEXT NOT NULL,
+  principal_id TEXT NOT NULL,
+  pool_id TEXT NOT NULL,
+  state TEXT NOT NULL,
+  doc BYTEA NOT NULL
+);
+CREATE INDEX reservations_by_tenant ON reservations (tenant_id, seq);
+CREATE INDEX reservations_by_principal ON reservations (tenant_id, principal_id, seq);
+CREATE INDEX reservations_live ON reservations (state) WHERE state NOT IN ('released', 'cancelled');
+CREATE TABLE bookings (
+  id BIGSERIAL PRIMARY KEY,
+  reservation_id TEXT NOT NULL,
+  pool_id TEXT NOT NULL,
+  node_id TEXT NOT NULL,
+  start_ms BIGINT NOT NULL,
+  end_ms BIGINT NOT NULL CHECK (end_ms >= start_ms),
+  vcpu_milli BIGINT NOT NULL,
+  memory_mib BIGINT NOT NULL,
+  hugepages_1g BIGINT NOT NULL
+);
+CREATE INDEX bookings_by_reservation ON bookings (reservation_id);
+CREATE INDEX bookings_by_node ON bookings (node_id, end_ms);
+CREATE TABLE booked_units (
+  booking_id BIGINT NOT NULL REFERENCES bookings (id) ON DELETE CASCADE,
+  node_id TEXT NOT NULL,
+  unit TEXT NOT NULL,
+  during INT8RANGE NOT NULL,
+  EXCLUDE USING gist (node_id WITH =, unit WITH =, during WITH &&)
+);
+CREATE INDEX booked_units_by_booking ON booked_units (booking_id);
+CREATE TABLE operation_aliases (id TEXT PRIMARY KEY, reservation_id TEXT NOT NULL);
+CREATE TABLE events (
+  seq BIGSERIAL PRIMARY KEY,
+  tenant_id TEXT NOT NULL,
+  reservation_id TEXT,
+  type TEXT NOT NULL,
+  at BIGINT NOT NULL,
+  data BYTEA NOT NULL
+);
+CREATE INDEX events_by_tenant ON events (tenant_id, seq);
+CREATE TABLE confirmations (
+  id TEXT PRIMARY KEY,
+  tenant_id TEXT NOT NULL,
+  reservation_id TEXT NOT NULL,
+  agent_id TEXT NOT NULL,
+  user_id TEXT NOT NULL,
+  status TEXT NOT NULL,
+  created_at BIGINT NOT NULL,
+  doc BYTEA NOT NULL
+);
+CREATE INDEX confirmations_by_user ON confirmations (tenant_id, user_id, created_at);
+CREATE INDEX confirmations_by_agent ON confirmations (tenant_id, agent_id, created_at);
+CREATE TABLE billing (
+  reservation_id TEXT PRIMARY KEY,
+  tenant_id TEXT NOT NULL,
+  pool_id TEXT NOT NULL,
+  hourly_usd NUMERIC NOT NULL,
+  start_ms BIGINT NOT NULL,
+  end_ms BIGINT
+);
+CREATE INDEX billing_by_tenant ON billing (tenant_id, start_ms);
+CREATE TABLE quotes (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, expires_at BIGINT NOT NULL, doc BYTEA NOT NULL);
+"""),
+)
+LATEST = MIGRATIONS[-1][0]
+
+
+async def migrate(conn: Any) -> int:
+    """Bring the database to LATEST (an asyncpg connection); the version it is at afterwards."""
+    await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK)
+    try:
+        await conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INT PRIMARY KEY, applied_at "
+                           "TIMESTAMPTZ NOT NULL DEFAULT now(), what TEXT NOT NULL)")
+        current = await conn.fetchval("SELECT COALESCE(MAX(version), 0) FROM schema_version")
+        if current > LATEST:
+            raise SchemaTooNew(f"the database's schema is version {current}, and this Berth knows versions up to "
+                               f"{LATEST}: run the Berth that migrated it (or a newer one); nothing was changed")
+        for version, what, sql in MIGRATIONS:
+            if version <= current:
+                continue
+            async with conn.transaction():
+                await conn.execute(sql)
+                await conn.execute("INSERT INTO schema_version (version, what) VALUES ($1, $2)", version, what)
+            current = version
+        return current
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK)

@@ -1,0 +1,98 @@
+"""The PostgreSQL store's schema on a real throwaway cluster: migrations applied once under the advisory lock even
+when two replicas start together, a newer schema refused untouched, and the database itself refusing two bookings
+of one device in overlapping windows (the exclusion constraint), whatever the replicas' memory says."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import asyncpg
+import pytest
+
+from controlplane.store import pg_schema
+from tests.pgcluster import pg_cluster  # noqa: F401 (fixture)
+
+
+@pytest.fixture
+def database(pg_cluster):  # noqa: F811
+    name = f"berth_{uuid.uuid4().hex[:10]}"
+    pg_cluster.createdb(name)
+    yield pg_cluster, name
+    pg_cluster.psql(f'DROP DATABASE "{name}" WITH (FORCE)')
+
+
+async def connect(cluster, name: str) -> asyncpg.Connection:
+    return await asyncpg.connect(host=str(cluster.socket_dir), user=cluster.user, database=name)
+
+
+async def test_two_replicas_starting_together_apply_each_migration_once(database):
+    cluster, name = database
+    a, b = await connect(cluster, name), await connect(cluster, name)
+    try:
+        assert [pg_schema.LATEST] * 2 == await asyncio.gather(pg_schema.migrate(a), pg_schema.migrate(b))
+        rows = await a.fetch("SELECT version FROM schema_version ORDER BY version")
+        assert [m[0] for m in pg_schema.MIGRATIONS] == [r["version"] for r in rows]
+        assert pg_schema.LATEST == await pg_schema.migrate(a)  # again: nothing to do
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_schema_newer_than_this_berth_is_refused_and_left_alone(database):
+    cluster, name = database
+    conn = await connect(cluster, name)
+    try:
+        await pg_schema.migrate(conn)
+        await conn.execute("INSERT INTO schema_version (version, what) VALUES ($1, 'from the future')",
+                           pg_schema.LATEST + 1)
+        with pytest.raises(pg_schema.SchemaTooNew, match=f"version {pg_schema.LATEST + 1}.*nothing was changed"):
+            await pg_schema.migrate(conn)
+        assert pg_schema.LATEST + 1 == await conn.fetchval("SELECT MAX(version) FROM schema_version")
+        assert await conn.fetchval("SELECT pg_try_advisory_lock($1)", pg_schema.MIGRATION_LOCK)  # released
+    finally:
+        await conn.close()
+
+
+async def book(conn, rid: str, node: str, units: list[str], start: int, end: int) -> None:
+    async with conn.transaction():
+        bid = await conn.fetchval(
+            "INSERT INTO bookings (reservation_id, pool_id, node_id, start_ms, end_ms, vcpu_milli, memory_mib, "
+            "hugepages_1g) VALUES ($1, 'p', $2, $3, $4, 0, 0, 0) RETURNING id", rid, node, start, end)
+        await conn.executemany("INSERT INTO booked_units (booking_id, node_id, unit, during) "
+                               "VALUES ($1, $2, $3, int8range($4, $5))",
+                               [(bid, node, u, start, end) for u in units])
+
+
+async def test_the_database_refuses_two_bookings_of_one_device_in_overlapping_windows(database):
+    cluster, name = database
+    a, b = await connect(cluster, name), await connect(cluster, name)
+    try:
+        await pg_schema.migrate(a)
+        await book(a, "r1", "n1", ["gpu0", "gpu1"], 0, 100)
+        await book(a, "r2", "n1", ["gpu0"], 100, 200)  # back to back: [0, 100) and [100, 200) do not overlap
+        await book(a, "r3", "n2", ["gpu0"], 0, 100)  # another node's gpu0
+        with pytest.raises(asyncpg.ExclusionViolationError):
+            await book(b, "r4", "n1", ["gpu2", "gpu1"], 50, 150)  # gpu1 overlaps r1: the whole booking is refused
+        assert 0 == await a.fetchval("SELECT count(*) FROM bookings WHERE reservation_id = 'r4'")
+        await a.execute("UPDATE booked_units SET during = int8range(lower(during), lower(during)) WHERE booking_id IN "
+                        "(SELECT id FROM bookings WHERE reservation_id = 'r1')")  # cut to nothing, kept for history
+        await book(b, "r4", "n1", ["gpu2", "gpu1"], 50, 150)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_racing_replicas_cannot_both_book_the_last_device(database):
+    cluster, name = database
+    conns = [await connect(cluster, name) for _ in range(8)]
+    try:
+        await pg_schema.migrate(conns[0])
+        results = await asyncio.gather(*(book(c, f"race{i}", "n1", ["gpu7"], 1000, 2000)
+                                         for i, c in enumerate(conns)), return_exceptions=True)
+        won = [r for r in results if r is None]
+        lost = [r for r in results if isinstance(r, asyncpg.ExclusionViolationError)]
+        assert (1, 7) == (len(won), len(lost)), results
+        assert 1 == await conns[0].fetchval("SELECT count(*) FROM booked_units WHERE unit = 'gpu7'")
+    finally:
+        for c in conns:
+            await c.close()

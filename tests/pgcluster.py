@@ -1,0 +1,78 @@
+"""A throwaway PostgreSQL cluster for tests: initdb in a temporary directory as an unprivileged OS user (initdb
+refuses root), listening only on a unix socket in that directory, trust authentication for that user; stopped
+and removed after. The binaries come from the distribution's packages (.ci/run installs `postgresql`)."""
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+USER = "nobody"  # an unprivileged account every Debian system has
+
+
+def binaries() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+    return Path(found[-1]).parent if found else None
+
+
+@dataclass
+class Cluster:
+    bin: Path
+    data: Path
+    socket_dir: Path
+    user: str = USER
+
+    def dsn(self, database: str = "postgres") -> str:
+        """A unix-socket DSN, as `--db postgresql://...` takes it."""
+        return f"postgresql://{self.user}@/{database}?host={self.socket_dir}"
+
+    def psql(self, sql: str, database: str = "postgres") -> str:
+        out = subprocess.run([str(self.bin / "psql"), "-h", str(self.socket_dir), "-U", self.user, "-d", database,
+                              "-Atc", sql], capture_output=True, text=True, timeout=30, user=self.user)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    def createdb(self, name: str) -> str:
+        self.psql(f'CREATE DATABASE "{name}"')
+        return self.dsn(name)
+
+
+def _as_user(argv: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, user=USER, **kw)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    bin_dir = binaries()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
+    if os.geteuid() != 0:
+        pytest.skip("the throwaway cluster runs as an unprivileged user: needs root to become it")
+    root = Path(tempfile.mkdtemp(prefix="berth-pg-"))
+    uid = pwd.getpwnam(USER).pw_uid
+    os.chmod(root, 0o755)
+    data, sock = root / "data", root / "sock"
+    for d in (data, sock):
+        d.mkdir()
+        os.chown(d, uid, -1)
+        os.chmod(d, 0o700)
+    try:
+        init = _as_user([str(bin_dir / "initdb"), "-D", str(data), "-U", USER, "--auth=trust", "-E", "UTF8",
+                         "--no-sync"], cwd=str(root))
+        assert init.returncode == 0, init.stderr
+        opts = f"-c listen_addresses='' -c unix_socket_directories={sock} -c fsync=off -c max_connections=200"
+        start = _as_user([str(bin_dir / "pg_ctl"), "-D", str(data), "-o", opts, "-l", str(data / "log"), "-w",
+                          "start"], cwd=str(root))
+        assert start.returncode == 0, start.stderr + start.stdout
+        yield Cluster(bin_dir, data, sock)
+    finally:
+        if (data / "postmaster.pid").exists():
+            _as_user([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"], cwd=str(root))
+        shutil.rmtree(root, ignore_errors=True)
