@@ -318,7 +318,10 @@ def render_offered_pool(p: OfferedPool) -> str:
                    ("yours", "owned" if p.owned else "offered to your tenant"), ("shape", _pool_shape(p)),
                    ("bindings", ", ".join(p.bindings)), ("price", money_rate(p.price_per_gpu_hour_usd) + " per GPU"),
                    ("nodes", ", ".join(f"{s.nodes} of {s.gpus} GPUs" for s in p.node_sizes) or "none"),
-                   ("free now", _free(p)), ("free over the window", steps)])
+                   ("free now", _free(p)), ("free over the window", steps),
+                   ("tenant root", f"log in as {p.tenant_root.user}; cleaned {p.tenant_root.cleaning} within "
+                                   f"{p.tenant_root.turnaround_minutes} min after each booking"
+                    if p.tenant_root else None)])
 
 
 def render_whoami(w: Whoami) -> str:

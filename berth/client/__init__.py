@@ -12,7 +12,7 @@ from berth.client.answers import (TERMINAL, AdminNode, AdminPool, AdminTenant, A
                                   MigProfileCount, NodeAction, NodeBooking, NodeInventory, NodeSize, OfferedPool,
                                   Operation, OperationWait,
                                   Placement, Quote, Reservation, ReservationPage, ReservationTotal, Resources, Usage,
-                                  UsageLine, Whoami, decode)
+                                  TenantRoot, UsageLine, Whoami, decode)
 from berth.client.config import ConfigError, Settings, default_config_path, read_config_file, resolve_settings
 from berth.client.errors import (ERRORS, AccessDenied, BadAnswer, BerthError, ComputeAccessRequired, Conflict,
                                  ConfirmationRequired, InsufficientFunds, InvalidInput, InvalidState, NoCapacity,
@@ -25,7 +25,7 @@ from berth.client.sync import Client
 __all__ = [
     "WAIT_STEP_MS", "AsyncClient", "TERMINAL", "AdminNode", "AdminPool", "AdminTenant", "DeviceCount", "FreeStep",
     "MigProfileCount", "MovedReservation", "NodeAction", "NodeBooking", "NodeInventory", "NodeSize", "OfferedPool",
-    "Whoami", "Alternative", "Bound", "Condition", "Confirmation", "Event", "EventPage",
+    "TenantRoot", "Whoami", "Alternative", "Bound", "Condition", "Confirmation", "Event", "EventPage",
     "ExtendResult", "Failure", "Operation", "OperationWait", "Placement", "Quote", "Reservation", "ReservationPage",
     "ReservationTotal", "Resources", "Usage", "UsageLine", "decode", "ConfigError", "Settings",
     "default_config_path", "read_config_file", "resolve_settings", "ERRORS", "AccessDenied", "BadAnswer",

@@ -326,6 +326,13 @@ class OfferedPool(Struct, rename="camel", kw_only=True, frozen=True):
     free_now: int = 0
     next_change: FreeStep | None = None
     free: list[FreeStep] = []
+    tenant_root: TenantRoot | None = None  # node bindings: the login account, the cleaning, the turnaround
+
+
+class TenantRoot(Struct, rename="camel", kw_only=True, frozen=True):
+    user: str = "root"
+    cleaning: str = "inband"
+    turnaround_minutes: int = 30
 
 
 class MigProfileCount(Struct, kw_only=True, frozen=True):

@@ -38,7 +38,10 @@ def offered_to_wire(o: OfferedPool) -> dict:
             "nodes": sum(n for _, n in o.node_shapes),
             "nodeSizes": [{"gpus": gpus, "nodes": n} for gpus, n in o.node_shapes],
             "units": o.units, "freeNow": free[0]["units"], "nextChange": free[1] if len(free) > 1 else None,
-            "free": free}
+            "free": free,
+            # node bindings: the account to log in to, how the node is cleaned after, how long that keeps it
+            "tenantRoot": {"user": p.policy.root_user, "cleaning": p.policy.cleaning,
+                           "turnaroundMinutes": p.policy.turnaround_ms // 60_000} if p.policy.tenant_root else None}
 
 
 async def _offered(request: web.Request, body: PoolsBody | PoolGetBody) -> tuple[list[OfferedPool], int]:

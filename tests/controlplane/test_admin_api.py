@@ -182,6 +182,8 @@ async def test_a_tenant_reads_its_pools_with_the_free_devices_over_a_window(api)
         h100["owned"], h100["bindings"], h100["sharing"], h100["migProfiles"], h100["slotsPerGpu"], h100["nodes"],
         h100["nodeSizes"], h100["freeNow"], h100["nextChange"])
     assert {"vcpu", "memoryGiB", "hugepages1Gi"} == set(h100["perGpu"]) and h100["perGpu"]["vcpu"] > 0
+    assert {"user": "root", "cleaning": "inband", "turnaroundMinutes": 30} == h100["tenantRoot"]
+    assert None is pools["mig"]["tenantRoot"]
     assert [{"profile": "1g.10gb", "units": 12}, {"profile": "2g.20gb", "units": 1}] == pools["mig"]["migProfiles"]
     assert (2, None) == (pools["slots"]["slotsPerGpu"], pools["slots"]["perGpu"])
     assert ["hold", "kubernetes"] == pools["k8s"]["bindings"]
