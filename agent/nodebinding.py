@@ -139,6 +139,8 @@ class NodeBindings:
             handed = self.records.get(b.reservationId)
             if handed is not None and b.ending and handed.warned != b.end:
                 self._warn(b, handed)
+        for rid in [r for r in self.states if r not in by_id and r not in self.records]:
+            del self.states[rid]  # a refused hand-over the control plane no longer wants: forget it
         return reports
 
     def _warn(self, b: Binding, handed: Handed) -> None:

@@ -127,6 +127,8 @@ def test_a_hand_over_that_cannot_install_the_keys_fails_once_and_records_nothing
     assert ("failed", True) == (failed.status, "no user 'no-such-user-xyz'" in failed.message)
     assert [] == handover.reconcile([node_binding("rsv-n4", tenant_key[1], "no-such-user-xyz", end)])
     assert "rsv-n4" not in handover.records
+    handover.reconcile([])  # no longer wanted: the refusal is forgotten
+    assert "rsv-n4" not in handover.states
     [over] = handover.reconcile([node_binding("rsv-n5", tenant_key[1], sshd_server.user, int(time.time() * 1000) - 1)])
     assert "failed" == over.status and "keys could not be installed" in over.message
 
