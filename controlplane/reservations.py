@@ -505,6 +505,11 @@ class ReservationService:
                 if fut in waiting:
                     waiting.remove(fut)
 
+    async def last_event(self, principal: Principal) -> int | None:
+        """The cursor after the tenant's newest event (decided as reading the tenant, like events)."""
+        await self.authorize_tenant_read(principal)
+        return self.store.last_event(principal.tenant_id)
+
     def close(self) -> None:
         """Shutting down: every long poll answers now."""
         self.closing = True

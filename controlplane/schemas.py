@@ -122,6 +122,7 @@ class EventsPage(Struct, forbid_unknown_fields=True):
 
 class EventsBody(EventsPage, forbid_unknown_fields=True):
     waitMs: Annotated[int, Meta(ge=0, le=EVENTS_WAIT_MAX_MS)] = 0  # a long poll: answer once there is an event
+    fromEnd: bool = False  # no events, only the cursor after the newest: where a watch starts
 
 
 _AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")

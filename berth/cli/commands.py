@@ -84,13 +84,8 @@ async def cmd_list(ctx: Context, argv: Sequence[str]) -> int:
 
 
 async def _end_of_events(ctx: Context) -> int | None:
-    """The cursor after the tenant's last event so far."""
-    cursor = None
-    while True:
-        page = await ctx.client.list_events(after=cursor, limit=500)
-        if not page.events:
-            return cursor
-        cursor = page.next_cursor
+    """The cursor after the tenant's last event so far (one call, however long the history)."""
+    return await ctx.client.last_event_cursor()
 
 
 class _View:

@@ -258,6 +258,10 @@ class AsyncClient:
         body = _drop_none(after=after, limit=limit, waitMs=wait_ms or None)
         return decode(await self.call("compute/events/list", body, wait_s=wait_ms / 1000), EventPage)
 
+    async def last_event_cursor(self) -> int | None:
+        """The cursor after the tenant's newest event (None: none yet): where a watch of what comes next starts."""
+        return decode(await self.call("compute/events/list", {"fromEnd": True}), EventPage).next_cursor
+
     # confirmations
     async def list_confirmations(self, *, status: str | None = None,
                                  limit: int | None = None) -> builtins.list[Confirmation]:

@@ -83,6 +83,7 @@ class Client:
     wait_until_done = _blocking(AsyncClient.wait_until_done)
     list_usage = _blocking(AsyncClient.list_usage)
     list_events = _blocking(AsyncClient.list_events)
+    last_event_cursor = _blocking(AsyncClient.last_event_cursor)
     list_confirmations = _blocking(AsyncClient.list_confirmations)
     get_confirmation = _blocking(AsyncClient.get_confirmation)
     approve_confirmation = _blocking(AsyncClient.approve_confirmation)

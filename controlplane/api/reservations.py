@@ -14,7 +14,7 @@ from aiohttp import web
 from controlplane import schemas
 from controlplane.api.body import read_json
 from controlplane.api.errors import json_response
-from controlplane.domain.errors import DomainError
+from controlplane.domain.errors import DomainError, invalid
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.reservations import Answer, ReservationService
 
@@ -84,6 +84,11 @@ async def renew(request: web.Request) -> web.Response:
 
 async def events(request: web.Request) -> web.Response:
     body = await read_json(request, schemas.EventsBody)
+    if body.fromEnd:
+        if body.after is not None or body.waitMs:
+            raise invalid("fromEnd", "asks only for the cursor after the newest event: give it without after or "
+                          "waitMs, then list with after set to that cursor")
+        return json_response({"events": [], "nextCursor": await request.app[SERVICE].last_event(request["principal"])})
     rows = await request.app[SERVICE].events(request["principal"], body.after, body.limit, body.waitMs)
     return json_response({"events": rows, "nextCursor": rows[-1]["seq"] if rows else body.after})
 

@@ -123,6 +123,9 @@ class Store(Reads, Protocol):
 
     def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]: ...
 
+    def last_event(self, tenant_id: str) -> int | None:
+        """The seq of the tenant's newest event (None: it has none)."""
+
     def confirmations(self, tenant_id: str, user_id: str | None, agent_id: str | None, status: str | None,
                       limit: int) -> list[Confirmation]: ...
 

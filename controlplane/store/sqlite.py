@@ -638,6 +638,9 @@ class SqliteStore(Reads):
         args.append(limit)
         return [_reservation(doc, seq) for doc, seq in self.conn.execute(" ".join(sql), args)]
 
+    def last_event(self, tenant_id: str) -> int | None:
+        return self.conn.execute("SELECT MAX(seq) FROM events WHERE tenant_id = ?", (tenant_id,)).fetchone()[0]
+
     def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]:
         rows = self.conn.execute(
             "SELECT seq, reservation_id, type, at, data FROM events WHERE tenant_id = ? AND seq > ? ORDER BY seq LIMIT ?",

@@ -199,6 +199,11 @@ async def test_events_long_poll_answers_when_an_event_is_committed_and_empty_whe
     assert (200, [], cursor) == (status, doc["events"], doc["nextCursor"])
     status, doc = await api.post("/api/compute/events/list", "alice", {"waitMs": 30_001})
     assert (400, "waitMs") == (status, doc["error"]["details"]["field"])
+    # fromEnd: the cursor after the newest event, in one call
+    status, doc = await api.post("/api/compute/events/list", "alice", {"fromEnd": True})
+    assert (200, [], cursor) == (status, doc["events"], doc["nextCursor"])
+    status, doc = await api.post("/api/compute/events/list", "alice", {"fromEnd": True, "after": 1})
+    assert (400, "fromEnd") == (status, doc["error"]["details"]["field"])
 
 
 async def test_whoami_says_who_the_token_speaks_for_and_nothing_for_an_operator(api):
