@@ -46,7 +46,7 @@ from agent.tenantroot import notice
 from agent.tenantroot.authorized_keys import KeysDir, KeysDirError
 from agent.tenantroot.hostkeys import DEFAULT_HOST_KEYS, HostKeysError, ssh_endpoint
 from agent.tenantroot.sessions import SessionsError, baseline, end_sessions
-from common.inventory import Inventory, diff
+from common.inventory import Inventory, differences
 from common.nodewire import Binding, CleanCheck, Report, SshAccess
 from common.sshkeys import SshKeyError, parse_public_key
 from common.times import iso
@@ -56,8 +56,6 @@ log = structlog.get_logger("berth.agent.node")
 RECORDS_FILE = "node-bindings.json"
 DEFAULT_KEYS_DIR = "/var/lib/berth/ssh-keys"
 HUGEPAGES_1G = "kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages"
-# Parts of the inventory that change without the tenant having changed the node.
-_NOT_COMPARED = ("bootId", "hostname", ".sinceMs")
 
 
 class Handed(msgspec.Struct):
@@ -290,10 +288,4 @@ def wipe(path: Path) -> list[str]:
             problems.append(f"scratch path {path}: {entry.name} not removed: {exc.strerror}")
     return problems
 
-
-def differences(before: Inventory, after: Inventory) -> list[str]:
-    """How the node differs from the hand-over: GPUs (by UUID), MIG layout, health, hugepages, CPUs, memory. The
-    boot id, the hostname and health timestamps are not compared."""
-    return [c.describe() for c in diff(before, after).changes
-            if not any(c.path == p or c.path.endswith(p) for p in _NOT_COMPARED)]
 

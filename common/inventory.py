@@ -293,3 +293,17 @@ def diff(old: Inventory | None, new: Inventory) -> InventoryDiff:
     out: list[Change] = []
     _walk(old.to_wire(), new.to_wire(), "", None, out)
     return InventoryDiff(changes=tuple(out))
+
+
+# What changes without anyone having changed the host: the boot id (a reboot), the hostname, health timestamps.
+_NOT_COMPARED = ("bootId", "hostname")
+_NOT_COMPARED_LEAVES = (".sinceMs",)
+
+
+def differences(before: Inventory, after: Inventory) -> list[str]:
+    """How a host differs from an earlier inventory of it, said plainly (a node binding's clean check, in band by
+    the agent or after a BMC reset by the control plane): GPUs by UUID, MIG mode and layout, health, hugepages,
+    CPUs, memory; not what changes by itself."""
+    return [c.describe() for c in diff(before, after).changes
+            if c.path not in _NOT_COMPARED and not c.path.endswith(_NOT_COMPARED_LEAVES)]
+

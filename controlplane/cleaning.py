@@ -24,7 +24,8 @@ from dataclasses import replace
 
 import structlog
 
-from common.inventory import Inventory, diff
+from common.inventory import Inventory
+from common.inventory import differences as inventory_differences
 from common.nodewire import CleanCheck
 from controlplane.domain import node_states
 from controlplane.domain.clock import Clock
@@ -38,9 +39,6 @@ log = structlog.get_logger("berth.cleaning")
 
 RETURNS = (node_states.READY, node_states.CORDONED, node_states.DRAINING)  # states a cleaning starts from
 MAX_SHOWN = 20  # differences named in a maintenance reason
-# What changes across a reboot without anyone having changed the node (as the agent's in-band check has it).
-NOT_COMPARED = ("bootId", "hostname")
-NOT_COMPARED_LEAVES = (".sinceMs",)
 
 
 def differences(recorded: Inventory | None, now: Inventory) -> list[str]:
@@ -48,8 +46,7 @@ def differences(recorded: Inventory | None, now: Inventory) -> list[str]:
     expected, and not a difference)."""
     if recorded is None:
         return ["no inventory was recorded at the hand-over, so the node cannot be checked against it"]
-    return [c.describe() for c in diff(recorded, now).changes
-            if c.path not in NOT_COMPARED and not c.path.endswith(NOT_COMPARED_LEAVES)]
+    return inventory_differences(recorded, now)
 
 
 class Cleaner:
@@ -126,8 +123,9 @@ class Cleaner:
             result = await Bmc(node.bmc.redfish_url, node.bmc.system_id, node.bmc.credentials_file).reset_async(
                 override)
         except BmcError as exc:
-            log.error("node reset failed", node_id=node_id, reservation_id=reservation_id, error=str(exc))
-            await self.store.call(lambda tx: self._reset_failed(tx, node_id, reservation_id, str(exc)))
+            error = str(exc)
+            log.error("node reset failed", node_id=node_id, reservation_id=reservation_id, error=error)
+            await self.store.call(lambda tx: self._reset_failed(tx, node_id, reservation_id, error))
             return
         await self.store.call(lambda tx: self._reset_done(tx, node_id, reservation_id, result))
 

@@ -14,12 +14,12 @@ import pytest
 
 from agent.discovery import Discovery
 from agent.host import KernelHost
-from agent.nodebinding import RECORDS_FILE, NodeBindings, TenantRootConfig, differences, wipe
+from agent.nodebinding import RECORDS_FILE, NodeBindings, TenantRootConfig, wipe
 from agent.simulate import SimulatedGpus, SimulatedHost
-from common.inventory import Inventory, MigMode
+from common.inventory import Inventory, MigMode, differences
 from common.nodewire import Binding
 from tests.agent.test_tenantroot import keygen_fingerprint, login, make_key
-from tests.e2e.sshd import gone, read_line, sshd_server, starttime_of, tenant_user, wait_until  # noqa: F401
+from tests.e2e.sshd import gone, read_line, sshd_server, starttime_of, tenant_user  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 HOUR_MS = 3_600_000
