@@ -7,8 +7,10 @@ what several replicas on one database need from the database itself
 - **No double booking.** Each device of a booking is a row of
   `booked_units`, under an exclusion constraint (btree_gist): one node's unit
   `=`, the time range `&&`. Two replicas racing for one device in
-  overlapping windows cannot both commit. A booking cut to an empty window
-  (`[t, t)`, kept for history) overlaps nothing.
+  overlapping windows cannot both commit: the loser gets an exclusion
+  violation, or a deadlock error when losers wait on each other's check
+  (both a lost race, to retry). A booking cut to an empty window (`[t, t)`,
+  kept for history) overlaps nothing.
 - **Idempotency.** A reservation's id is derived from (tenant, principal,
   key) and is unique: the same key sent to two replicas yields one row.
 - **Commit-order events.** `events.seq` is a sequence; readers page by it.
