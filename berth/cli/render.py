@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from berth.cli.context import Context, request_command, same_command, without
 from berth.client import (AdminNode, AdminPool, AdminTenant, Condition, Confirmation, Event, NodeAction, NodeBooking,
                           OfferedPool, Operation, Quote, Reservation, ReservationPage, Resources, Usage, Whoami, now_ms)
+from common.times import iso
 
 # ---- money and times, as people read them -------------------------------------------------------------------------
 
@@ -47,15 +48,11 @@ def relative(ms: int, now: int | None = None) -> str:
     return f"in {_span(seconds)}" if seconds > 0 else f"{_span(-seconds)} ago"
 
 
-def iso(ms: int) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms // 1000))
-
-
 def when(ms: int | None) -> str:
     """A moment for people: ISO 8601 UTC and how far it is from now, `2027-01-31T09:00:00Z (in 3 h)`; never epoch ms."""
     if ms is None:
         return "-"
-    return f"{iso(ms)} ({relative(ms)})"
+    return f"{iso(ms, 'never')} ({relative(ms)})"
 
 
 def ago(seconds: float | None) -> str:
@@ -345,7 +342,7 @@ def render_events(events: Sequence[Event], header: bool = True, width: int | Non
 
 def _detail(key: str, value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and key in ("end", "start", "until", "at", "expiresAt"):
-        return iso(value)  # no relative form here: a word of its own, key=value
+        return iso(value, "never")  # no relative form here: a word of its own, key=value
     return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 

@@ -15,6 +15,8 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from common.times import iso
+
 
 def new_idempotency_key(prefix: str = "py") -> str:
     """A fresh key for one intent: keep it across the retries of that intent, never across intents."""
@@ -81,9 +83,7 @@ def parse_time(value: str | int | datetime, now: int | None = None) -> int:
 
 def iso_ms(ms: int) -> str:
     """Epoch ms as ISO 8601 UTC, with milliseconds only when there are any (parse_time reads it back exactly)."""
-    moment = _EPOCH + ms * _MS
-    text = moment.strftime("%Y-%m-%dT%H:%M:%S")
-    return text + (f".{ms % 1000:03d}Z" if ms % 1000 else "Z")
+    return iso(ms, "when-any")
 
 
 def price_text(value: Decimal | str | int) -> str:
