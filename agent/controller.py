@@ -78,9 +78,11 @@ class BindingController:
         async with self.lock:
             first = self.wanted is None
             self.wanted = list(bindings)
-            pods = [b for b in bindings if b.kind == "kubernetes" and self.kubernetes is not None]
-            metal = [b for b in bindings if b.kind == "node" and self.nodes is not None]
-            others = [b for b in bindings if b not in pods and b not in metal]
+            # kubernetes and node bindings go to their own managers where this agent makes them; the rest are cgroups
+            managed = {"kubernetes": self.kubernetes is not None, "node": self.nodes is not None}
+            pods = [b for b in bindings if b.kind == "kubernetes" and managed["kubernetes"]]
+            metal = [b for b in bindings if b.kind == "node" and managed["node"]]
+            others = [b for b in bindings if not managed.get(b.kind, False)]
             if self.nodes is not None:
                 for report in await asyncio.to_thread(self.nodes.reconcile, metal):
                     self.checkpoint.queue_report(report)

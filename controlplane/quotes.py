@@ -24,7 +24,7 @@ from controlplane.domain.admission import MAX_LEAD_MS, CreateRequest, Plan, admi
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import NO_CAPACITY, PRICE_CHANGED, QUOTE_EXPIRED, DomainError
 from controlplane.domain.model import Principal, Tenant
-from controlplane.domain.placement import earliest_start
+from controlplane.domain.placement import earliest_start, place
 from controlplane.domain.preemption import would_preempt
 from controlplane.domain.pricing import exposure, money
 from controlplane.state import WriterState
@@ -145,14 +145,17 @@ class Quotes:
         (preempting spot work when the request is not spot, unless a pool-lease queue is ahead of it), else the
         earliest start at which it fits."""
         s, e = plan.window_for(now)
-        queued = plan.pool.policy.placer == "pool-lease" and bool(self.state.queue(plan.pool.id))
-        if not queued and not plan.spot:
-            catalog = self.catalog.current
-            victims = would_preempt(self.state.calendar, plan.pool.id, catalog.nodes, plan.ask(s, e),
+        if plan.pool.policy.placer == "pool-lease" and self.state.queue(plan.pool.id):
+            return None, 0
+        nodes, ask = self.catalog.current.nodes, plan.ask(s, e)
+        if place(self.state.calendar.pool(plan.pool.id), nodes, ask) is not None:
+            return s, 0  # fits as asked: nothing to preempt, no search for a later start
+        if not plan.spot:  # as try_place: preemption only when the request does not fit as it is
+            victims = would_preempt(self.state.calendar, plan.pool.id, nodes, ask,
                                     list(self.state.spot.get(plan.pool.id, ())))
             if victims:
                 return s, len(victims)
-        return (None if queued else self.earliest(plan, now)), 0
+        return self.earliest(plan, now), 0
 
     async def quote(self, principal: Principal, req: CreateRequest, plan: Plan, tenant: Tenant,
                     confirmation: dict) -> dict:
