@@ -47,6 +47,11 @@ def add_secrets(tokens: Iterable[str]) -> None:
                 _whole.append(token)
 
 
+def redact_url(url: str) -> str:
+    """A database URL as it may be shown: a password in its user part replaced (postgresql://u:[REDACTED]@h/db)."""
+    return re.sub(r"^([a-z][a-z0-9+.-]*://[^/@:]*):[^/@]*@", r"\1:" + REDACTED + "@", url)
+
+
 def redact(text: str) -> str:
     """text with every secret it shows replaced by [REDACTED] (a token from its known prefix to the run's end)."""
     low = text.lower()

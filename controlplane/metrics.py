@@ -88,6 +88,13 @@ class _Snapshot:
                                   value=self.cp.store.groups)
         yield CounterMetricFamily("berth_store_jobs", "Store jobs run (creates, reports, reconciler passes...).",
                                   value=self.cp.store.jobs)
+        writer = getattr(self.cp.store, "writer", None)
+        yield CounterMetricFamily("berth_store_race_retries", "Store groups run again after losing a race with "
+                                  "another replica (PostgreSQL).", value=getattr(writer, "retries", 0))
+        yield CounterMetricFamily("berth_store_reloads", "Times this replica rebuilt its memory because another "
+                                  "replica wrote (PostgreSQL).", value=getattr(writer, "reloads", 0))
+        yield GaugeMetricFamily("berth_replica_leader", "1 while this replica leads: drives the timers and "
+                                "watches for lost nodes (always 1 on SQLite).", value=int(self.cp.replicas.leads()))
         yield CounterMetricFamily("berth_reconciler_passes", "Reconciler passes run.",
                                   value=self.cp.reconciler.passes)
         yield CounterMetricFamily("berth_reconciler_transitions", "Reservations the reconciler moved (a window "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
@@ -132,15 +132,25 @@ class NodeService:
         self.heartbeat_s = min(HEARTBEAT_S, max(0.2, grace_s / 3))  # three heartbeats fit in the grace
         self.closing = False
         self._rv = clock.compute_now() * 1000  # grows across restarts too
+        # Several replicas (controlplane/replicas.py): only the leader declares nodes lost; a heartbeat heard here
+        # is shared with it, and heartbeats heard by the others are merged in before each check.
+        self.leads: Callable[[], bool] = lambda: True
+        self.heard: Callable[[str, int], None] = lambda node_id, at_ms: None
+        self.heard_elsewhere: Callable[[], dict[str, int]] = dict
         moves.listeners.append(self._reservation_changed)
 
     # ---- desired bindings -----------------------------------------------------------
-    def load(self) -> None:
-        """The bindings wanted now, from the store (at start)."""
-        live = self.store.call_sync(lambda tx: tx.live_reservations(self.clock.compute_now()))
+    def resync(self, live: list[Reservation]) -> None:
+        """The bindings wanted now, from the live reservations as the database has them (at start, and when the
+        writer's memory was rebuilt, as after another replica's writes): only the nodes whose set changed move."""
+        ids = {res.id for res in live}
         for res in live:
-            if res.state in (states.BINDING, states.ACTIVE) or res.hold is not None:
-                self._reservation_changed(res)
+            self._reservation_changed(res)
+        for rid in [rid for rid in self.wanted_on if rid not in ids]:  # ended, or no longer live
+            for node_id in self.wanted_on.pop(rid):
+                node = self.live.get(node_id)
+                if node is not None and node.bindings.pop(rid, None) is not None:
+                    self._bump(node)
 
     def _node(self, node_id: str) -> NodeLive:
         live = self.live.get(node_id)
@@ -228,7 +238,7 @@ class NodeService:
         live = self._node(node.id)
         live.last_seen = self.clock.monotonic()
         live.agent_version = agent_version
-        if live.lost:
+        if self._is_lost(node.id):
             await self._found(node.id)
         log.info("node registered", node_id=node.id, pool_id=pool.id, units=len(node.units), agent_version=agent_version)
         return RegisterAnswer(node.id, token, pool.id, self.heartbeat_s, self.grace_s, live.rv)
@@ -330,15 +340,43 @@ class NodeService:
     async def heartbeat(self, node: Node, inventory: Inventory | None) -> HeartbeatAnswer:
         live = self._node(node.id)
         live.last_seen = self.clock.monotonic()
+        self.heard(node.id, self.clock.compute_now())
         if inventory is not None:
             await self.update_inventory(node, inventory)
-        if live.lost:
+        if self._is_lost(node.id):
             await self._found(node.id)
         return HeartbeatAnswer(live.rv, self.grace_s)
 
+    def _is_lost(self, node_id: str) -> bool:
+        """Lost here, or by another replica (the catalog, as the database has it, says so)."""
+        node = self.catalog.current.nodes.get(node_id)
+        return self._node(node_id).lost or (node is not None and not node.schedulable)
+
+    def _merge_heard_elsewhere(self) -> None:
+        """Heartbeats other replicas heard (epoch ms), as this replica's monotonic seconds."""
+        seen = self.heard_elsewhere()
+        if not seen:
+            return
+        wall, mono = self.clock.compute_now(), self.clock.monotonic()
+        for node_id, at_ms in seen.items():
+            if node_id not in self.catalog.current.nodes:
+                continue
+            live = self._node(node_id)
+            at = mono - max(0, wall - at_ms) / 1000
+            if live.last_seen is None or at > live.last_seen:
+                live.last_seen = at
+
     async def check_lost(self) -> list[str]:
-        """Mark nodes silent for longer than the grace as lost; the ids newly lost."""
+        """Mark nodes silent for longer than the grace as lost; the ids newly lost (none unless this replica
+        leads: the others hear heartbeats and share them)."""
+        if not self.leads():
+            return []
+        self._merge_heard_elsewhere()
         now = self.clock.monotonic()
+        nodes = self.catalog.current.nodes
+        for nid, live in self.live.items():  # lost or found by another replica meanwhile
+            node = nodes.get(nid)
+            live.lost = node is not None and not node.schedulable
         lost = [nid for nid, live in self.live.items()
                 if live.last_seen is not None and not live.lost and now - live.last_seen > self.grace_s]
         for node_id in lost:

@@ -52,6 +52,7 @@ class Reconciler:
         self.pass_took: Callable[[float], None] = lambda seconds: None  # each pass's duration, for /metrics
         # a node's cleaning past its time (controlplane/cleaning.py): True when that moved the node
         self.cleaning_overdue: Callable[[Tx, str, int], bool] = lambda tx, node_id, now: False
+        self.leads: Callable[[], bool] = lambda: True  # of several replicas only the leader passes (replicas.py)
 
     def wake(self) -> None:
         """Something is due now (a window that already started): pass at once, not at the next tick."""
@@ -103,7 +104,8 @@ class Reconciler:
         while True:
             self._wake.clear()  # before the pass: a wake during it is kept for the next
             try:
-                await self.run_once()
+                if self.leads():
+                    await self.run_once()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the loop must outlive one bad pass

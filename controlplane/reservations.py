@@ -169,6 +169,19 @@ class ReservationService:
             if not fut.done():
                 fut.set_result(None)
 
+    def wake_all(self, live: list[Reservation]) -> None:
+        """The writer's memory was rebuilt from the database (another replica wrote): every events long poll looks
+        again, and every create held while pending whose reservation is no longer pending answers."""
+        pending = {res.id for res in live if res.state == states.PENDING}
+        for waiting in self._event_waiters.values():
+            for fut in waiting:
+                if not fut.done():
+                    fut.set_result(None)
+        for rid in [rid for rid in self._waiters if rid not in pending]:
+            for fut in self._waiters.pop(rid):
+                if not fut.done():
+                    fut.set_result(None)
+
     async def _wait_while_pending(self, answer: Answer, timeout_ms: int) -> Answer:
         """Hold the create's answer while its reservation waits for capacity, at most timeout_ms."""
         if answer.reservation.state != states.PENDING or timeout_ms <= 0:

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", type=parse_listen, default=("127.0.0.1", 8080), metavar="HOST:PORT",
                        help="address to listen on (default 127.0.0.1:8080; port 0 picks a free one)")
     serve.add_argument("--db", default=None, metavar="URL",
-                       help=f"sqlite:///PATH (default {default_db_url()})")
+                       help=f"sqlite:///PATH, or postgresql://USER[:PASSWORD]@HOST[:PORT]/DB (several replicas may share one; ?host=/run/postgresql for a unix socket) (default {default_db_url()})")
     serve.add_argument("--bootstrap", default=None, metavar="FILE", help="JSON file applied idempotently at start")
     serve.add_argument("--authzen", default=None, metavar="URL",
                        help="decide with a remote OpenID AuthZEN service at URL instead of the embedded Cedar policies")
@@ -131,7 +131,7 @@ async def serve(config: Config, host: str, port: int, limits: guard.Limits = gua
         extra = {"metrics": f"{sites[1].url}/metrics"} if metrics_listen else {}
         if ssl_context is not None:
             extra["mutual_tls"] = ssl_context.verify_mode == ssl.CERT_REQUIRED
-        log.info("listening", address=sites[0].url, db=config.db, max_connections=conns.cap, **extra)
+        log.info("listening", address=sites[0].url, db=logs.redact_url(config.db), max_connections=conns.cap, **extra)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

@@ -1,6 +1,7 @@
 """The control plane assembled: store, catalog, IAM, writer state and services, opened and closed together."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -50,10 +51,12 @@ def default_db_url() -> str:
     return f"sqlite:///{base / 'berth' / 'controlplane.db'}"
 
 
+def is_postgresql(url: str) -> bool:
+    return url.startswith(("postgresql://", "postgres://"))
+
+
 def sqlite_path(url: str) -> str:
     """The file of a `sqlite:///PATH` URL (PATH as written: `sqlite:////abs` and `sqlite:///rel` both work)."""
-    if url.startswith("postgresql://") or url.startswith("postgres://"):
-        raise ConfigError("--db: the PostgreSQL engine is not built yet; use sqlite:///PATH")
     if not url.startswith("sqlite:///"):
         raise ConfigError(f"--db: {url!r} is not sqlite:///PATH or postgresql://...")
     path = url[len("sqlite:///"):]
@@ -79,10 +82,26 @@ class Config:
 
 
 def open_store(config: Config) -> Store:
+    """The engine the URL names: PostgreSQL (several replicas may share it) or a SQLite file."""
+    if is_postgresql(config.db):
+        from controlplane.store.postgres import PgStore, StoreError as PgStoreError
+
+        try:
+            return PgStore(config.db)
+        except PgStoreError as exc:
+            raise ConfigError(f"--db {logs.redact_url(config.db)}: {exc}") from None
     try:
         return SqliteStore(sqlite_path(config.db), config.synchronous)
     except StoreError as exc:
         raise ConfigError(f"--db {config.db}: {exc}") from None
+
+
+def replicas_of(store: Store):
+    """How this control plane shares its database: with other replicas (PostgreSQL), or not at all."""
+    from controlplane.replicas import Shared, Solo
+    from controlplane.store.postgres import PgStore
+
+    return Shared(store) if isinstance(store, PgStore) else Solo()
 
 
 class ControlPlane:
@@ -112,14 +131,19 @@ class ControlPlane:
         self.metrics = ControlPlaneMetrics()
         self.reconciler.pass_took = self.metrics.passed
         self.metrics.watch(self)
+        self.replicas = replicas_of(self.store)
+        self.reconciler.leads = self.nodes.leads = self.replicas.leads
+        self.nodes.heard = self.replicas.heard
+        self.nodes.heard_elsewhere = self.replicas.heard_elsewhere
+        self._refreshing: asyncio.Future | None = None
+        self._refresh_again = False
 
     def open(self) -> "ControlPlane":
-        self.store.start(self._rebuild, self.metrics.group_committed)
+        self.store.start(self._load, self.metrics.group_committed)
         self.store.call_sync(self._load)
         if self.config.bootstrap:
             self.apply_bootstrap(self.config.bootstrap)
         self._load_policies()
-        self.nodes.load()
         if hasattr(self.clock, "on_advance"):
             self.clock.on_advance(lambda _now: self.reconciler.wake())
         return self
@@ -127,17 +151,47 @@ class ControlPlane:
     def close(self) -> None:
         self.store.close()
 
+    async def start_replica(self) -> None:
+        """Join the other replicas on the database (nothing to join on SQLite): lead when nobody does, and hear
+        their writes."""
+        await self.replicas.start(self.refresh, self.reconciler.wake)
+
+    async def stop_replica(self) -> None:
+        await self.replicas.stop()
+
+    def refresh(self) -> None:
+        """Another replica wrote: bring the memory up to the database now (one empty store job, which rebuilds
+        what moved before it runs), at most one at a time, and once more if told again meanwhile."""
+        if self._refreshing is not None and not self._refreshing.done():
+            self._refresh_again = True
+            return
+        self._refresh_again = False
+        self._refreshing = asyncio.ensure_future(self.store.call(lambda tx: None))
+        self._refreshing.add_done_callback(self._refreshed)
+
+    def _refreshed(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("could not refresh from the database", error=str(fut.exception()))
+        if self._refresh_again:
+            self.refresh()
+
     # ---- catalog and memory ----------------------------------------------------
     def _load(self, tx: Tx) -> None:
+        """The writer's memory from the database: at start, after a failed job or commit, and after another
+        replica's writes. Whatever reads memory (watches, long polls, the timers) hears of the change."""
         docs = {kind: tx.catalog_docs(kind) for kind in catalog_mod.KINDS}
         policies = b"".join(tx.catalog_docs("policies")).decode()
+        before = self.catalog.current.policies
         self.catalog.current = catalog_mod.load(docs, policies)
         self.tokens.rows = tx.tokens()
-        self._rebuild(tx)
-
-    def _rebuild(self, tx: Tx) -> None:
         now = self.clock.compute_now()
-        self.state.rebuild(self.catalog.current, tx.live_reservations(now), tx.live_bookings(now), now)
+        live = tx.live_reservations(now)
+        self.state.rebuild(self.catalog.current, live, tx.live_bookings(now), now)
+        self.nodes.resync(live)
+        self.reservations.wake_all(live)
+        if self.catalog.current.policies != before and self.store.groups:
+            self._load_policies()
+        self.reconciler.wake()
 
     def apply_bootstrap(self, path: str) -> None:
         """Apply the bootstrap file at start (no event loop yet)."""

@@ -19,7 +19,7 @@ LISTENING = re.compile(r'"address":\s*"(https?://[^"]+)"|\baddress=\'(https?://[
 
 
 class ServerProcess:
-    def __init__(self, db: Path, bootstrap: Path, extra: list[str] | None = None, nofile: int | None = None,
+    def __init__(self, db: Path | str, bootstrap: Path, extra: list[str] | None = None, nofile: int | None = None,
                  context: ssl.SSLContext | None = None):
         self.db = db
         self.bootstrap = bootstrap
@@ -30,9 +30,14 @@ class ServerProcess:
         self.lines: list[str] = []
         self.context = context  # what post() verifies an https server with (and shows it, for mutual TLS)
 
+    @property
+    def db_url(self) -> str:
+        """db as --db takes it: a URL as given, a path as a SQLite file."""
+        return str(self.db) if str(self.db).startswith(("postgresql://", "sqlite:///")) else f"sqlite:///{self.db}"
+
     def start(self, timeout: float = 20) -> "ServerProcess":
         cmd = [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
-               "--db", f"sqlite:///{self.db}", "--bootstrap", str(self.bootstrap), "--log-format", "json", *self.extra]
+               "--db", self.db_url, "--bootstrap", str(self.bootstrap), "--log-format", "json", *self.extra]
         nofile = self.nofile
 
         def limit_files() -> None:

@@ -67,7 +67,9 @@ async def api_middleware(request: web.Request, handler):
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    """Alive, for a load balancer; `leads`: this replica drives the timers (always, on SQLite; docs/scale-out.md)."""
+    cp = request.app.get(CONTROL_PLANE)
+    return web.json_response({"status": "ok", "leads": bool(cp is not None and cp.replicas.leads())})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -102,12 +104,14 @@ def create_app(config: Config, control_plane: ControlPlane | None = None,
         app[billing_api.BILLING] = cp.billing
         app[node_api.NODES] = cp.nodes
         app[reservation_api.METRICS] = cp.metrics
+        await cp.start_replica()
         tasks = [asyncio.ensure_future(cp.reconciler.run()), asyncio.ensure_future(cp.nodes.run_monitor())] \
             if config.reconcile else []
         yield
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await cp.stop_replica()
         await cp.reconciler.drain()
         if hasattr(cp.authorizer, "close"):
             await cp.authorizer.close()

@@ -52,7 +52,8 @@ RESERVATION = ("reservation",)
 NODE_ACTED = ("node", "changed", "moved", "pending")
 
 DESCRIBED: dict[tuple[str, str], Described] = {
-    ("GET", "/healthz"): Described("Whether the control plane answers", answer=("status",)),
+    ("GET", "/healthz"): Described("Whether the control plane answers, and whether this replica leads",
+                                   answer=("status", "leads")),
     ("GET", PATH): Described("This document", answer=("openapi", "info", "paths", "components")),
     ("GET", "/metrics"): Described("Prometheus text: reservations, nodes, bindings, the store and the reconciler",
                                    media=("text/plain",)),

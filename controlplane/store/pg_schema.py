@@ -14,6 +14,8 @@ what several replicas on one database need from the database itself
 - **Idempotency.** A reservation's id is derived from (tenant, principal,
   key) and is unique: the same key sent to two replicas yields one row.
 - **Commit-order events.** `events.seq` is a sequence; readers page by it.
+- **One writer at a time.** `replica_state.generation` grows with every
+  committed group of writes (store/postgres.py), under an advisory lock.
 
 `migrate(conn)` takes `pg_advisory_lock(MIGRATION_LOCK)`, so two replicas
 starting together apply each migration once, in order, each in its own
@@ -101,6 +103,12 @@ CREATE TABLE billing (
 );
 CREATE INDEX billing_by_tenant ON billing (tenant_id, start_ms);
 CREATE TABLE quotes (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, expires_at BIGINT NOT NULL, doc BYTEA NOT NULL);
+"""),
+    (2, "what replicas share: the write generation, agents' last heartbeats, a booking's units in order", """
+CREATE TABLE replica_state (id INT PRIMARY KEY CHECK (id = 1), generation BIGINT NOT NULL);
+INSERT INTO replica_state (id, generation) VALUES (1, 0);
+CREATE TABLE node_seen (node_id TEXT PRIMARY KEY, seen_at BIGINT NOT NULL);
+ALTER TABLE bookings ADD COLUMN units TEXT[] NOT NULL DEFAULT '{}';
 """),
 )
 LATEST = MIGRATIONS[-1][0]

@@ -1,9 +1,11 @@
-"""Fixtures for the control plane: a real server on loopback with a real SQLite file and a fake clock."""
+"""Fixtures for the control plane: a real server on loopback on each store engine (a SQLite file, a throwaway
+PostgreSQL database) and a fake clock."""
 from __future__ import annotations
 
 import base64
 import json
 import struct
+import uuid
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ import pytest
 from controlplane.api.app import CONTROL_PLANE, create_app
 from controlplane.domain.clock import FakeClock
 from controlplane.wiring import Config
+from tests import dbrows
+from tests.pgcluster import pg_cluster  # noqa: F401 (fixture)
 
 T0 = 1_800_000_000_000  # the fake clock's start, epoch ms
 K8S_BOOT = "node-token-k8s-0000001"  # the kubernetes pool's node bootstrap token
@@ -113,6 +117,14 @@ class Api:
     def cp(self):
         return self.client.server.app[CONTROL_PLANE]
 
+    @property
+    def engine(self) -> str:
+        return "postgresql" if self.cp.config.db.startswith("postgresql") else "sqlite"
+
+    def rows(self, sql: str, *args) -> list[tuple]:
+        """Rows of one SQL statement on the store's database, whichever the engine (`?` placeholders)."""
+        return dbrows.store_rows(self.cp.store, sql, *args)
+
     async def post(self, path: str, who: str | None, body=None, headers: dict | None = None, raw: bytes | None = None):
         hdrs = dict(headers or {})
         if who is not None:
@@ -169,10 +181,22 @@ def clock() -> FakeClock:
     return FakeClock(T0)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """The store's URL, once per engine: a SQLite file, and a fresh database on the session's throwaway
+    PostgreSQL cluster (dropped after the test)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'cp.db'}"
+        return
+    cluster = request.getfixturevalue("pg_cluster")
+    name = f"berth_{uuid.uuid4().hex[:12]}"
+    yield cluster.createdb(name)
+    cluster.psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
-async def api(aiohttp_client, tmp_path, bootstrap_file, clock) -> Api:
+async def api(db_url, aiohttp_client, bootstrap_file, clock) -> Api:  # db_url first: dropped last
     # The reconciler's loop is off: tests move the fake clock and then settle() it, deterministically.
-    config = Config(db=f"sqlite:///{tmp_path / 'cp.db'}", bootstrap=bootstrap_file(), clock=clock,
-                    synchronous="NORMAL", reconcile=False)
+    config = Config(db=db_url, bootstrap=bootstrap_file(), clock=clock, synchronous="NORMAL", reconcile=False)
     client = await aiohttp_client(create_app(config))
     return Api(client, clock)

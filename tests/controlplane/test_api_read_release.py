@@ -99,7 +99,7 @@ async def test_release_ends_bookings_now_refunds_quota_and_wakes_pending(api):
     woken = await api.ok("get", "alice", {"reservationId": waiting["id"]})
     assert woken["state"] == "placed" and woken["conditions"] == []
     assert api.cp.state.ledger.usage("acme")["gpu:H100_80GB"] == 2
-    rows = api.cp.store.conn.execute("SELECT end_ms FROM bookings WHERE reservation_id = ?", (big["id"],)).fetchall()
+    rows = api.rows("SELECT end_ms FROM bookings WHERE reservation_id = ?", big["id"])
     assert {r[0] for r in rows} == {T0 + 10 * 60_000}
     types = [e["type"] for e in await api.events()]
     assert types == ["reservation.placed", "reservation.pending", "reservation.released", "reservation.placed"]

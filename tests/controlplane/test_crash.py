@@ -1,15 +1,15 @@
-"""kill -9 in the middle of a burst of creates: after a restart and a retry of every create with its key,
-every acknowledged reservation exists exactly once, nothing overlaps and quota adds up."""
+"""kill -9 in the middle of a burst of creates, on each store engine: after a restart and a retry of every create
+with its key, every acknowledged reservation exists exactly once, nothing overlaps and quota adds up."""
 from __future__ import annotations
 
 import json
 import random
-import sqlite3
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+from tests import dbrows
 from tests.controlplane.conftest import TOKENS, bootstrap_doc, h100_node
 from tests.serverproc import ServerProcess
 
@@ -33,12 +33,12 @@ def _bodies() -> list[dict]:
     return out
 
 
-def test_kill_9_mid_burst_loses_and_duplicates_nothing(tmp_path):
+def test_kill_9_mid_burst_loses_and_duplicates_nothing(tmp_path, db_url):
     doc = bootstrap_doc()
     doc["nodes"] += [h100_node(f"x{i}") for i in range(6)]  # 8 nodes of 8 GPUs in pool h100
     doc["tenants"][0]["quota"]["gpu:H100_80GB"] = QUOTA
     (tmp_path / "b.json").write_text(json.dumps(doc))
-    db = tmp_path / "cp.db"
+    db = db_url  # each engine (conftest.db_url)
     bodies = _bodies()
     acked: dict[str, str] = {}
     lock = threading.Lock()
@@ -77,27 +77,25 @@ def test_kill_9_mid_burst_loses_and_duplicates_nothing(tmp_path):
             status, answer = again.post("/api/compute/reservations/create", TOKENS["alice"], body)
             assert answer == answers[body["idempotencyKey"]][1]
 
-    conn = sqlite3.connect(db)
-    ids = [r[0] for r in conn.execute("SELECT id FROM reservations")]
+    ids = [r[0] for r in dbrows.rows(db, "SELECT id FROM reservations")]
     assert len(ids) == len(set(ids))
     assert set(acked.values()) <= set(ids)
-    live = conn.execute("SELECT id, doc FROM reservations WHERE state IN ('pending','placed','binding','active')").fetchall()
+    live = dbrows.rows(db, "SELECT id, doc FROM reservations WHERE state IN ('pending','placed','binding','active')")
     held = Counter()
+    booked = Counter(r[0] for r in dbrows.rows(db, "SELECT reservation_id FROM bookings"))
     for rid, raw in live:
-        res = json.loads(raw)
+        res = json.loads(bytes(raw))
         held.update(res["charge"])
         if res["state"] == "placed":
-            rows = conn.execute("SELECT COUNT(*) FROM bookings WHERE reservation_id = ?", (rid,)).fetchone()[0]
-            assert rows == res["node_count"], rid
+            assert booked[rid] == res["node_count"], rid
     assert held["gpu:H100_80GB"] <= QUOTA
     spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
-    for node, units, start, end in conn.execute(
-        "SELECT b.node_id, b.units, b.start_ms, b.end_ms FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
+    for node, units, start, end in dbrows.rows(
+        db, "SELECT b.node_id, b.units, b.start_ms, b.end_ms FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
         " WHERE r.state = 'placed'"
     ):
-        for unit in units.split(","):
+        for unit in dbrows.units_of(units):
             spans.setdefault((node, unit), []).append((start, end))
     for s in spans.values():
         s.sort()
         assert all(a[1] <= b[0] for a, b in zip(s, s[1:]))
-    conn.close()

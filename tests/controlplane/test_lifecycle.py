@@ -189,7 +189,7 @@ async def test_extend_by_and_until_move_the_end_and_say_so(api):
     assert (again["extended"], again["reservation"]["end"]) == (False, T0 + 3 * HOUR)  # a repeated until is safe
     ends = [e["data"]["end"] for e in await api.events() if e["type"] == "reservation.extended"]
     assert ends == [T0 + 2 * HOUR, T0 + 3 * HOUR]
-    rows = api.cp.store.conn.execute("SELECT end_ms FROM bookings WHERE reservation_id = ?", (res["id"],)).fetchall()
+    rows = api.rows("SELECT end_ms FROM bookings WHERE reservation_id = ?", res["id"])
     assert rows == [(T0 + 3 * HOUR,)]
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections import Counter
 from decimal import Decimal
 from itertools import count
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,9 +24,9 @@ from controlplane.domain.clock import FakeClock
 from controlplane.domain.errors import DomainError
 from controlplane.schemas import CreateBody, ExtendBody, Resources, create_command, extend_command
 from controlplane.state import WriterState
-from controlplane.store import sqlite as sq
 from controlplane.wiring import Config, ControlPlane
 from common.nodewire import Report
+from tests import dbrows
 from tests.controlplane.conftest import HOUR, T0, bootstrap_doc
 
 create_op = st.fixed_dictionaries({
@@ -53,64 +55,61 @@ ops = st.lists(st.one_of(create_op, create_op, end_op, extend_op, tick_op, tick_
 
 
 def check_invariants(cp: ControlPlane) -> None:
-    conn = sq.connect(cp.store.path)
-    try:
-        # No device is booked twice at once, in the database...
-        rows = conn.execute(
-            "SELECT b.node_id, b.units, b.start_ms, b.end_ms, b.reservation_id FROM bookings b"
-            " JOIN reservations r ON r.id = b.reservation_id WHERE r.state IN ('placed','binding','active') AND b.end_ms > b.start_ms"
-        ).fetchall()
-        per_device: dict[tuple[str, str], list[tuple[int, int]]] = {}
-        for node_id, units, start, end, _ in rows:
-            for unit in units.split(","):
-                per_device.setdefault((node_id, unit), []).append((start, end))
-        for spans in per_device.values():
-            spans.sort()
-            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
-        # ...nor in memory.
-        assert cp.state.calendar.overlaps() == []
-        # Quota held equals the charges of the live reservations.
-        expected: dict[str, Counter] = {}
-        # Nothing bills behind a failed create: billed time implies the create succeeded.
-        for tenant in ("acme", "globex", "initech"):
-            for rid, _pool, _hourly, start, end in cp.store.billing(tenant):
-                billed_ms = (end if end is not None else cp.clock.compute_now()) - start
-                create_op = cp.store.reservation(rid).create_operation()
-                assert billed_ms <= 0 or create_op.status == "succeeded", (rid, create_op)
-        # A budget is never overspent, also by admissions that arrived together: what was billed plus what the
-        # live reservations may still bill stays within it (globex's every reservation is budget-checked).
-        now = cp.clock.compute_now()
-        exposure = sum((pricing.exposure(r.hourly_usd, r.duration_ms or 0) if r.state == states.PENDING and r.asap
-                        else pricing.exposure(r.hourly_usd, max(0, (r.end or 0) - max(now, r.start or now)))
-                        for r in sq.SqliteTx(conn).live_reservations(now)
-                        if r.tenant_id == "globex" and r.state in states.CHARGED), Decimal(0))
-        assert cp.billing.spent_usd("globex") + exposure <= Decimal(GLOBEX_BUDGET)
-        for res in sq.SqliteTx(conn).live_reservations(now):
-            if res.state in states.CHARGED:
-                expected.setdefault(res.tenant_id, Counter()).update(res.charge)
-        for tenant in ("acme", "initech"):
-            assert +cp.state.ledger.usage(tenant) == +expected.get(tenant, Counter())
-        # Memory is exactly what a rebuild from the database gives.
-        # Terminal states are never left, and the events of each reservation follow the state machine.
-        path: dict[str, list[str]] = {}
-        for rid, data in conn.execute("SELECT reservation_id, data FROM events WHERE type LIKE 'reservation.%' ORDER BY seq"):
-            state = json.loads(data)["state"]
-            path.setdefault(rid, []).append(state)
-        for rid, seen in path.items():
-            steps = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
-            assert steps[0] in (states.PENDING, states.PLACED, states.AWAITING_CONFIRMATION, states.DRAFT), steps
-            for a, b in zip(steps, steps[1:]):
-                assert a not in states.TERMINAL, (rid, steps)
-                assert states.can_move(a, b) or (a, b) == (states.AWAITING_CONFIRMATION, states.DRAFT), (rid, steps)
-        for rid, state in conn.execute("SELECT id, state FROM reservations WHERE state NOT IN ('draft', 'awaiting-confirmation')"):
-            assert path[rid][-1] == state, (rid, path[rid], state)
-        fresh = WriterState()
-        fresh.rebuild(cp.catalog.current, sq.SqliteTx(conn).live_reservations(now), sq.SqliteTx(conn).live_bookings(now))
-        mine = {k: sorted((b.node_id, b.units, b.start, b.end) for b in v) for k, v in cp.state.calendar.by_reservation.items()}
-        theirs = {k: sorted((b.node_id, b.units, b.start, b.end) for b in v) for k, v in fresh.calendar.by_reservation.items()}
-        assert mine == theirs
-    finally:
-        conn.close()
+    now = cp.clock.compute_now()
+    live, live_bookings = cp.store.call_sync(lambda tx: (tx.live_reservations(now), tx.live_bookings(now)))
+    # No device is booked twice at once, in the database...
+    rows = dbrows.store_rows(cp.store,
+        "SELECT b.node_id, b.units, b.start_ms, b.end_ms, b.reservation_id FROM bookings b"
+        " JOIN reservations r ON r.id = b.reservation_id WHERE r.state IN ('placed','binding','active') AND b.end_ms > b.start_ms"
+    )
+    per_device: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for node_id, units, start, end, _ in rows:
+        for unit in dbrows.units_of(units):
+            per_device.setdefault((node_id, unit), []).append((start, end))
+    for spans in per_device.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    # ...nor in memory.
+    assert cp.state.calendar.overlaps() == []
+    # Quota held equals the charges of the live reservations.
+    expected: dict[str, Counter] = {}
+    # Nothing bills behind a failed create: billed time implies the create succeeded.
+    for tenant in ("acme", "globex", "initech"):
+        for rid, _pool, _hourly, start, end in cp.store.billing(tenant):
+            billed_ms = (end if end is not None else cp.clock.compute_now()) - start
+            create_op = cp.store.reservation(rid).create_operation()
+            assert billed_ms <= 0 or create_op.status == "succeeded", (rid, create_op)
+    # A budget is never overspent, also by admissions that arrived together: what was billed plus what the
+    # live reservations may still bill stays within it (globex's every reservation is budget-checked).
+    exposure = sum((pricing.exposure(r.hourly_usd, r.duration_ms or 0) if r.state == states.PENDING and r.asap
+                    else pricing.exposure(r.hourly_usd, max(0, (r.end or 0) - max(now, r.start or now)))
+                    for r in live
+                    if r.tenant_id == "globex" and r.state in states.CHARGED), Decimal(0))
+    assert cp.billing.spent_usd("globex") + exposure <= Decimal(GLOBEX_BUDGET)
+    for res in live:
+        if res.state in states.CHARGED:
+            expected.setdefault(res.tenant_id, Counter()).update(res.charge)
+    for tenant in ("acme", "initech"):
+        assert +cp.state.ledger.usage(tenant) == +expected.get(tenant, Counter())
+    # Memory is exactly what a rebuild from the database gives.
+    # Terminal states are never left, and the events of each reservation follow the state machine.
+    path: dict[str, list[str]] = {}
+    for rid, data in dbrows.store_rows(cp.store, "SELECT reservation_id, data FROM events WHERE type LIKE 'reservation.%' ORDER BY seq"):
+        state = json.loads(bytes(data))["state"]
+        path.setdefault(rid, []).append(state)
+    for rid, seen in path.items():
+        steps = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
+        assert steps[0] in (states.PENDING, states.PLACED, states.AWAITING_CONFIRMATION, states.DRAFT), steps
+        for a, b in zip(steps, steps[1:]):
+            assert a not in states.TERMINAL, (rid, steps)
+            assert states.can_move(a, b) or (a, b) == (states.AWAITING_CONFIRMATION, states.DRAFT), (rid, steps)
+    for rid, state in dbrows.store_rows(cp.store, "SELECT id, state FROM reservations WHERE state NOT IN ('draft', 'awaiting-confirmation')"):
+        assert path[rid][-1] == state, (rid, path[rid], state)
+    fresh = WriterState()
+    fresh.rebuild(cp.catalog.current, live, live_bookings)
+    mine = {k: sorted((b.node_id, b.units, b.start, b.end) for b in v) for k, v in cp.state.calendar.by_reservation.items()}
+    theirs = {k: sorted((b.node_id, b.units, b.start, b.end) for b in v) for k, v in fresh.calendar.by_reservation.items()}
+    assert mine == theirs
 
 
 async def run(cp: ControlPlane, steps: list[dict]) -> None:
@@ -166,14 +165,20 @@ async def run(cp: ControlPlane, steps: list[dict]) -> None:
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=ops)
-def test_random_sequences_keep_the_calendar_and_quota_consistent(tmp_path_factory, steps):
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql"])
+def test_random_sequences_keep_the_calendar_and_quota_consistent(tmp_path_factory, request, engine, steps):
     path = tmp_path_factory.mktemp("prop")
+    db, name = f"sqlite:///{path / 'cp.db'}", f"berth_{uuid.uuid4().hex[:12]}"
+    if engine == "postgresql":
+        db = request.getfixturevalue("pg_cluster").createdb(name)
     doc = bootstrap_doc()
     next(t for t in doc["tenants"] if t["id"] == "globex")["budgetUsd"] = GLOBEX_BUDGET
     (path / "b.json").write_text(json.dumps(doc))
-    cp = ControlPlane(Config(db=f"sqlite:///{path / 'cp.db'}", bootstrap=str(path / "b.json"),
+    cp = ControlPlane(Config(db=db, bootstrap=str(path / "b.json"),
                              clock=FakeClock(T0), synchronous="OFF")).open()
     try:
         asyncio.run(run(cp, steps))
     finally:
         cp.close()
+        if engine == "postgresql":
+            request.getfixturevalue("pg_cluster").psql(f'DROP DATABASE "{name}" WITH (FORCE)')

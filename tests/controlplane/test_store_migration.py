@@ -80,17 +80,30 @@ async def test_a_group_whose_rows_cannot_be_written_fails_whole_and_memory_follo
     """The group's appended rows are written just before its COMMIT: when that fails (here a trigger stands in for
     a full disk), every job of the group answers PROVIDER_UNAVAILABLE, nothing of it is stored, and the writer's
     memory (calendar, quota) is rebuilt from what is."""
-    conn = sqlite3.connect(api.cp.store.path)
-    conn.execute("CREATE TRIGGER refuse_events BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'disk full'); END")
-    conn.commit()
+    if api.engine == "sqlite":
+        conn = sqlite3.connect(api.cp.store.path)
+        conn.execute("CREATE TRIGGER refuse_events BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'disk full'); END")
+        conn.commit()
+        undo = ["DROP TRIGGER refuse_events"]
+    else:
+        conn = None
+        api.rows("CREATE FUNCTION refuse_events() RETURNS trigger LANGUAGE plpgsql AS "
+                 "$$ BEGIN RAISE EXCEPTION 'disk full'; END $$")
+        api.rows("CREATE TRIGGER refuse_events BEFORE INSERT ON events FOR EACH ROW EXECUTE FUNCTION refuse_events()")
+        undo = ["DROP TRIGGER refuse_events ON events", "DROP FUNCTION refuse_events()"]
     try:
         status, doc = await api.create(key="lost")
         assert (503, "PROVIDER_UNAVAILABLE") == (status, doc["error"]["code"])
         assert api.cp.store.reservation(doc["error"]["details"].get("reservationId") or "none") is None
         assert {} == api.cp.state.calendar.by_reservation and {} == dict(api.cp.state.ledger.usage("acme"))
     finally:
-        conn.execute("DROP TRIGGER refuse_events")
-        conn.commit()
-        conn.close()
+        for sql in undo:
+            if conn is not None:
+                conn.execute(sql)
+                conn.commit()
+            else:
+                api.rows(sql)
+        if conn is not None:
+            conn.close()
     status, doc = await api.create(key="lost")  # the same key, now it can be written
     assert (202, "placed") == (status, doc["reservation"]["state"])

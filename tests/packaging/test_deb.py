@@ -183,7 +183,7 @@ def test_the_installed_control_plane_started_as_its_unit_answers_healthz(install
         threading.Thread(target=pump, daemon=True).start()
         assert found.wait(30), "no listening line:\n" + "".join(lines)
         with urllib.request.urlopen(address[0] + "/healthz", timeout=10) as resp:
-            assert (200, {"status": "ok"}) == (resp.status, json.loads(resp.read()))
+            assert (200, {"status": "ok", "leads": True}) == (resp.status, json.loads(resp.read()))
         db = Path("/var/lib/berth/controlplane/controlplane.db")
         assert db.exists() and db.stat().st_uid == int(run(["id", "-u", user]).stdout)
         proc.send_signal(signal.SIGTERM)

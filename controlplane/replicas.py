@@ -1,0 +1,184 @@
+"""Replicas: what several control planes on one database coordinate beside the store (docs/scale-out.md).
+
+- **One leader** drives the timers (the reconciler) and declares silent
+  nodes lost: the replica holding the session advisory lock LEADER_LOCK on
+  a connection of its own. The others try for it every tick; when the
+  leader dies (even by kill -9) its session ends, PostgreSQL frees the
+  lock, and another replica leads within a tick or two. Every transition
+  stays conditional on the state it leaves, so a short overlap of two
+  leaders (a partition) moves nothing twice.
+- **Hearing each other.** A replica that commits writes sends
+  `NOTIFY berth_changes` (store/postgres.py); the others LISTEN and refresh
+  their memory at once (an empty store job, which rebuilds what moved), so
+  an agent's watch on replica A wakes within milliseconds of a create on
+  replica B. After a lost listening connection a replica refreshes anyway.
+- **Heartbeats heard anywhere.** An agent behind a load balancer beats on
+  any replica; each records what it heard in `node_seen` about once a
+  second, and the leader merges those before each check for lost nodes.
+
+`Solo` is the one-replica case (SQLite): it always leads and shares nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+import asyncpg
+import structlog
+
+from controlplane.store.postgres import UNREACHABLE, PgStore
+
+log = structlog.get_logger("berth.replicas")
+
+LEADER_LOCK = 0x62657274_0003  # "bert" and 3: held for the session by the replica that leads
+CHANNEL = "berth_changes"
+
+
+class Solo:
+    """One control plane on its own database: it leads, and there is nobody to hear or tell."""
+
+    leading = True
+
+    def leads(self) -> bool:
+        return True
+
+    def heard(self, node_id: str, at_ms: int) -> None:
+        pass
+
+    def heard_elsewhere(self) -> dict[str, int]:
+        return {}
+
+    async def start(self, refresh: Callable[[], None], became_leader: Callable[[], None]) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+class Shared:
+    """A replica among others on one PostgreSQL database. Its connections live on the store's database thread."""
+
+    def __init__(self, store: PgStore, tick_s: float = 1.0):
+        self.store = store
+        self.connector = store.connector
+        self.tick_s = tick_s
+        self.leading = False
+        self._seen: dict[str, int] = {}
+        self._tasks: list = []
+        self._stopping = False
+        self._main: asyncio.AbstractEventLoop | None = None
+        self._refresh: Callable[[], None] = lambda: None
+        self._became_leader: Callable[[], None] = lambda: None
+        self.notices = 0  # NOTIFYs heard from other replicas' commits (metrics, tests)
+
+    def leads(self) -> bool:
+        return self.leading
+
+    def heard(self, node_id: str, at_ms: int) -> None:
+        if at_ms > self._seen.get(node_id, 0):
+            self._seen[node_id] = at_ms
+
+    def heard_elsewhere(self) -> dict[str, int]:
+        try:
+            return self.store.last_seen()
+        except Exception:  # noqa: BLE001 - the database away: judge on what this replica heard itself
+            return {}
+
+    async def start(self, refresh: Callable[[], None], became_leader: Callable[[], None]) -> None:
+        self._main = asyncio.get_running_loop()
+        self._refresh, self._became_leader = refresh, became_leader
+        self._tasks = [self.connector.submit(self._lead()), self.connector.submit(self._listen()),
+                       asyncio.ensure_future(self._share_heartbeats())]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*(asyncio.wrap_future(t) if not isinstance(t, asyncio.Future) else t
+                               for t in self._tasks), return_exceptions=True)
+        self.leading = False
+
+    def _to_main(self, fn: Callable[[], None]) -> None:
+        if self._main is not None and not self._main.is_closed():
+            self._main.call_soon_threadsafe(fn)
+
+    # ---- on the database's thread -------------------------------------------------------------------
+    async def _lead(self) -> None:
+        conn: asyncpg.Connection | None = None
+        while not self._stopping:
+            try:
+                if conn is None or conn.is_closed():
+                    self.leading = False
+                    conn = await self.connector.connect("leader")
+                if not self.leading:
+                    if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK):
+                        self.leading = True
+                        log.info("this replica leads: it drives the timers and watches for lost nodes")
+                        self._to_main(self._became_leader)
+                else:
+                    await conn.fetchval("SELECT 1", timeout=self.tick_s * 3)  # still ours while the session lives
+            except asyncio.CancelledError:
+                break
+            except (UNREACHABLE + (asyncpg.PostgresError,)) as exc:
+                if self.leading:
+                    log.warning("lost the leader's connection; another replica may lead now", error=str(exc))
+                self.leading = False
+                if conn is not None:
+                    conn.terminate()
+                conn = None
+            await asyncio.sleep(self.tick_s)
+        self.leading = False
+        if conn is not None and not conn.is_closed():
+            await conn.close()
+
+    async def _listen(self) -> None:
+        conn: asyncpg.Connection | None = None
+        lost = asyncio.Event()
+
+        def notice(_conn, _pid, _channel, payload: str) -> None:
+            self.notices += 1
+            generation = int(payload) if payload.isdigit() else None
+            self._to_main(lambda: self._heard(generation))
+
+        while not self._stopping:
+            try:
+                if conn is None or conn.is_closed():
+                    lost.clear()
+                    conn = await self.connector.connect("listen")
+                    conn.add_termination_listener(lambda _c: lost.set())
+                    await conn.add_listener(CHANNEL, notice)
+                    self._to_main(lambda: self._heard(None))  # what was committed while nobody listened
+                try:
+                    await asyncio.wait_for(lost.wait(), self.tick_s * 5)
+                except asyncio.TimeoutError:
+                    await conn.fetchval("SELECT 1", timeout=self.tick_s * 3)
+            except asyncio.CancelledError:
+                break
+            except (UNREACHABLE + (asyncpg.PostgresError,)) as exc:
+                log.warning("lost the listening connection; reconnecting", error=str(exc))
+                if conn is not None:
+                    conn.terminate()
+                conn = None
+                await asyncio.sleep(self.tick_s)
+        if conn is not None and not conn.is_closed():
+            await conn.close()
+
+    # ---- on the API's loop ----------------------------------------------------------------------------
+    def _heard(self, generation: int | None) -> None:
+        known = self.store.generation
+        if generation is not None and known is not None and generation <= known:
+            return  # our own commit, or one the memory already has
+        self._refresh()
+
+    async def _share_heartbeats(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.tick_s)
+            seen, self._seen = self._seen, {}
+            if not seen:
+                continue
+            try:
+                await self.store.record_seen(seen)
+            except Exception as exc:  # noqa: BLE001 - kept for the next try
+                for node_id, at in seen.items():
+                    self.heard(node_id, at)
+                log.warning("could not share heartbeats; trying again", error=str(exc))

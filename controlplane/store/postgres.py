@@ -1,0 +1,789 @@
+"""The PostgreSQL engine of the store port (store/port.py): several replicas on one database, on asyncpg.
+
+Each replica keeps the writer's memory (calendar, quota ledger, queues) as the
+SQLite engine does, and the database keeps the replicas honest:
+
+- **One writer at a time, across replicas.** A group of jobs runs in one
+  transaction that first takes `pg_advisory_xact_lock(WRITE_LOCK)` and reads
+  `replica_state.generation`. When the generation is not the one this replica
+  last committed or read, another replica wrote meanwhile, and the memory is
+  rebuilt from the database (inside the same locked transaction) before any
+  job runs; so placement, quota and budgets are decided on exactly what is
+  committed, by every replica. A group that wrote bumps the generation and
+  sends `NOTIFY berth_changes` in its transaction; the other replicas hear it
+  (store/replicas.py) and refresh at once, so their watches answer within
+  milliseconds.
+- **The database refuses what the memory should never allow** (pg_schema.py):
+  the exclusion constraint on booked devices, the unique reservation id of
+  (tenant, principal, key). A group that meets one of those, a deadlock or a
+  serialization failure (a lost race) is rolled back, the memory rebuilt and
+  the group run again (`retries` counts them); only after RETRIES attempts do
+  its callers get PROVIDER_UNAVAILABLE.
+- **Commit order is cursor order.** Events are inserted under the write lock,
+  and the lock is released only after the commit is visible, so a later
+  `seq` is never visible before an earlier one: listing after a cursor skips
+  nothing.
+
+asyncpg is asynchronous and the port is synchronous (jobs are plain code over
+the writer's memory), so asyncpg runs on its own thread and event loop
+(`Connector`); a statement waits there, while the lock wait and the COMMIT are
+awaited without blocking the API's loop. A lost connection (a replica's
+database failing over) answers PROVIDER_UNAVAILABLE with `actor: platform`
+and is reconnected with backoff.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from decimal import Decimal
+from typing import Any, Awaitable, Callable, Iterable
+
+import asyncpg
+import structlog
+
+from common.share import Share
+from controlplane.domain.calendar import Booking
+from controlplane.domain.errors import PROVIDER_UNAVAILABLE, DomainError
+from controlplane.domain.ids import operation_parts
+from controlplane.domain.model import Confirmation, Operation, Reservation
+from controlplane.domain.states import TERMINAL
+from controlplane.store import codec, pg_schema
+
+log = structlog.get_logger("berth.store")
+
+WRITE_LOCK = 0x62657274_0002  # "bert" and 2: the advisory lock every replica's writer takes per group
+GROUP_MAX = 256
+RETRIES = 3  # attempts of a group that lost a race before its callers hear PROVIDER_UNAVAILABLE
+STATEMENT_TIMEOUT_S = 30.0
+RACES = (asyncpg.ExclusionViolationError, asyncpg.UniqueViolationError, asyncpg.DeadlockDetectedError,
+         asyncpg.SerializationError)
+UNREACHABLE = (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.CannotConnectNowError,
+               asyncpg.AdminShutdownError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
+SERVER_SETTINGS = {"jit": "off", "idle_in_transaction_session_timeout": "60000",
+                   # a replica killed with -9 on another host: its session (and its leader lock) ends within ~20 s
+                   "tcp_keepalives_idle": "10", "tcp_keepalives_interval": "3", "tcp_keepalives_count": "3"}
+
+
+class StoreError(Exception):
+    """The database cannot be used as it is; the message says what to do."""
+
+
+def _reference() -> str:
+    return f"ref-{time.time_ns():x}"
+
+
+def unavailable(message: str) -> DomainError:
+    return DomainError(PROVIDER_UNAVAILABLE, message, {"actor": "platform", "reference": _reference()})
+
+
+class Connector:
+    """asyncpg's own thread and event loop; the store's synchronous calls wait on it, its async ones do not."""
+
+    def __init__(self, dsn: str, application: str):
+        self.dsn = dsn
+        self.application = application
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="berth-store-pg", daemon=True)
+        self._thread.start()
+        self._backoff = 0.0
+        self._next_try = 0.0
+        self.closed = False
+
+    def submit(self, coro: Awaitable[Any]) -> "concurrent.futures.Future[Any]":
+        if self.closed:
+            coro.close()  # type: ignore[attr-defined]
+            failed: concurrent.futures.Future = concurrent.futures.Future()
+            failed.set_exception(ConnectionError("the store is closed"))
+            return failed
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+
+    def run(self, coro: Awaitable[Any], timeout: float = STATEMENT_TIMEOUT_S) -> Any:
+        """Wait for coro on the database's thread: at most timeout, and not at all once the store is closed."""
+        fut = self.submit(coro)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return fut.result(min(0.5, max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if not self._thread.is_alive():
+                    fut.cancel()
+                    raise ConnectionError("the store is closed") from None
+                if time.monotonic() >= deadline:
+                    fut.cancel()
+                    raise
+
+    async def connect(self, role: str) -> asyncpg.Connection:
+        """A new connection, or UNREACHABLE at once while the backoff after a failure lasts (0.1 s doubling to 5 s)."""
+        now = time.monotonic()
+        if now < self._next_try:
+            raise ConnectionError(f"the database is unreachable; next attempt in {self._next_try - now:.1f} s")
+        try:
+            conn = await asyncpg.connect(self.dsn, timeout=5, statement_cache_size=256, server_settings={
+                **SERVER_SETTINGS, "application_name": f"{self.application} {role}"})
+        except UNREACHABLE:
+            self._backoff = min(5.0, max(0.1, self._backoff * 2))
+            self._next_try = time.monotonic() + self._backoff
+            raise
+        self._backoff = 0.0
+        return conn
+
+    def close(self) -> None:
+        self.closed = True
+
+        async def shut() -> None:  # whatever still waits on the database answers now (cancelled), then stop
+            for _ in range(3):  # a cancelled query starts asyncpg's own cancel request: let that finish too
+                tasks = asyncio.all_tasks(self.loop) - {asyncio.current_task()}
+                if not tasks:
+                    break
+                for task in tasks:
+                    task.cancel()
+                await asyncio.wait(tasks, timeout=2)
+            self.loop.stop()
+
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(shut()))
+        self._thread.join(5)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+def _reservation(doc: bytes, seq: int) -> Reservation:
+    res = codec.decode_reservation(doc)
+    res.seq = seq
+    return res
+
+
+def _booking(r) -> Booking:
+    return Booking(r[0], r[1], r[2], tuple(r[3]), r[4], r[5], Share(r[6], r[7], r[8]))
+
+
+class Reads:
+    """Reads by key, shared by the writer's transaction (sees its own writes) and the store (committed data).
+    `_fetchrow` runs one statement where each side runs it."""
+
+    def _fetchrow(self, sql: str, *args) -> Any: ...
+
+    def reservation(self, reservation_id: str) -> Reservation | None:
+        row = self._fetchrow("SELECT doc, seq FROM reservations WHERE id = $1", reservation_id)
+        return _reservation(row[0], row[1]) if row else None
+
+    def operation(self, op_id: str) -> Operation | None:
+        """An operation lives in its reservation's document; its id names the reservation (ids.operation_parts)."""
+        parts = operation_parts(op_id)
+        rid = parts[0] if parts else None
+        if rid is None or self.reservation(rid) is None:  # an id from SQLite's schema 1, kept by the migration
+            row = self._fetchrow("SELECT reservation_id FROM operation_aliases WHERE id = $1", op_id)
+            rid = row[0] if row else None
+        res = self.reservation(rid) if rid else None
+        return res.operation(op_id) if res else None
+
+    def confirmation(self, conf_id: str) -> Confirmation | None:
+        row = self._fetchrow("SELECT doc FROM confirmations WHERE id = $1", conf_id)
+        return codec.decode_confirmation(row[0]) if row else None
+
+    def quote(self, quote_id: str) -> tuple[str, int, bytes] | None:
+        row = self._fetchrow("SELECT tenant_id, expires_at, doc FROM quotes WHERE id = $1", quote_id)
+        return (row[0], row[1], row[2]) if row else None
+
+
+INSERT_BOOKING = (
+    "WITH b AS (INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
+    " memory_mib, hugepages_1g) VALUES ($1, $2, $3, $4::text[], $5, $6, $7, $8, $9) RETURNING id)"
+    " INSERT INTO booked_units (booking_id, node_id, unit, during)"
+    " SELECT b.id, $3, u, int8range($5, $6) FROM b, unnest($4::text[]) AS u")
+INSERT_EVENT = "INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES ($1, $2, $3, $4, $5)"
+# A booking's end moves with its devices' ranges, in one statement (the exclusion constraint checks the new ranges).
+MOVE_END = (
+    "WITH b AS (UPDATE bookings SET end_ms = {end} WHERE reservation_id = $1 RETURNING id, start_ms, end_ms)"
+    " UPDATE booked_units u SET during = int8range(b.start_ms, b.end_ms) FROM b WHERE u.booking_id = b.id")
+
+
+class Appends:
+    """Rows only ever appended and never read back inside a group (bookings, events): one executemany per
+    statement, at the group's end or before a statement that must see them."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, tuple]] = []
+
+    def add(self, sql: str, row: tuple) -> None:
+        self.rows.append((sql, row))
+
+    def extend(self, other: "Appends") -> None:
+        self.rows.extend(other.rows)
+
+    def take(self) -> "Appends":
+        taken = Appends()
+        taken.rows, self.rows = self.rows, taken.rows
+        return taken
+
+    async def write(self, conn: asyncpg.Connection) -> None:
+        by_statement: dict[str, list[tuple]] = {}
+        for sql, row in self.rows:
+            by_statement.setdefault(sql, []).append(row)
+        for sql, rows in by_statement.items():
+            await conn.executemany(sql, rows)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+
+class PgTx(Reads):
+    """The writer's view of the open transaction (port.Tx), each statement on the writer's connection."""
+
+    def __init__(self, writer: "Writer", group: Appends):
+        self.w = writer
+        self.dirty = False
+        self.committed: list[Callable[[], None]] = []
+        self.refused: DomainError | None = None
+        self.appends = Appends()
+        self.group = group
+        self.flushed = Appends()
+        self.saved = False
+        self.wrote = False
+
+    # statements
+    def _run(self, coro) -> Any:
+        return self.w.connector.run(coro)
+
+    def _fetchrow(self, sql: str, *args) -> Any:
+        return self._run(self.w.conn.fetchrow(sql, *args))
+
+    def _fetch(self, sql: str, *args) -> list:
+        return self._run(self.w.conn.fetch(sql, *args))
+
+    def _execute(self, sql: str, *args) -> str:
+        """A write, inside this job's savepoint (opened with the first: a job that only reads costs none)."""
+        self.wrote = True
+        if not self.saved:
+            self.saved = True
+            return self._run(self._savepoint_then(sql, args))
+        return self._run(self.w.conn.execute(sql, *args))
+
+    async def _savepoint_then(self, sql: str, args: tuple) -> str:
+        await self.w.conn.execute("SAVEPOINT job")
+        return await self.w.conn.execute(sql, *args)
+
+    def flush(self) -> None:
+        if not self.group and not self.appends:
+            return
+        if not self.saved:
+            self._execute("SELECT 1")
+        earlier = self.group.take()
+        mine = self.appends.take()
+        both = Appends()
+        both.extend(earlier)
+        both.extend(mine)
+        self._run(both.write(self.w.conn))
+        self.flushed.extend(earlier)
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        self.committed.append(fn)
+
+    def touch(self) -> None:
+        self.dirty = True
+
+    def refuse(self, error: DomainError) -> None:
+        self.refused = error
+
+    # reservations
+    def save_reservation(self, res: Reservation) -> None:
+        if res.seq == 0:
+            self.wrote = True
+            if not self.saved:
+                self._execute("SELECT 1")
+            res.seq = self._run(self.w.conn.fetchval(
+                "INSERT INTO reservations (id, tenant_id, principal_id, pool_id, state, doc)"
+                " VALUES ($1, $2, $3, $4, $5, $6) RETURNING seq",
+                res.id, res.tenant_id, res.principal_id, res.pool_id, res.state, codec.encode(res)))
+        else:
+            self._execute("UPDATE reservations SET state = $1, doc = $2 WHERE id = $3",
+                          res.state, codec.encode(res), res.id)
+
+    def move_if(self, res: Reservation, expected_state: str) -> bool:
+        status = self._execute("UPDATE reservations SET state = $1, doc = $2 WHERE id = $3 AND state = $4",
+                               res.state, codec.encode(res), res.id, expected_state)
+        return status == "UPDATE 1"
+
+    # bookings
+    def insert_bookings(self, bookings: Iterable[Booking]) -> None:
+        for b in bookings:
+            self.appends.add(INSERT_BOOKING, (b.reservation_id, b.pool_id, b.node_id, list(b.units), b.start, b.end,
+                                              b.share.vcpu_milli, b.share.memory_mib, b.share.hugepages_1g))
+
+    def end_bookings(self, reservation_id: str, at: int) -> None:
+        self.flush()
+        self._execute(MOVE_END.format(end="GREATEST(start_ms, LEAST(end_ms, $2::bigint))"), reservation_id, at)
+
+    def set_bookings_end(self, reservation_id: str, end: int) -> None:
+        self.flush()
+        self._execute(MOVE_END.format(end="$2::bigint"), reservation_id, end)
+
+    # events, confirmations
+    def event(self, tenant_id: str, reservation_id: str | None, type_: str, at: int, data: dict[str, Any]) -> None:
+        self.appends.add(INSERT_EVENT, (tenant_id, reservation_id, type_, at, codec.encode(data)))
+
+    def put_confirmation(self, conf) -> None:
+        self._execute(
+            "INSERT INTO confirmations (id, tenant_id, reservation_id, agent_id, user_id, status, created_at, doc)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+            " ON CONFLICT (id) DO UPDATE SET status = excluded.status, doc = excluded.doc",
+            conf.id, conf.tenant_id, conf.reservation_id, conf.agent_id, conf.user_id, conf.status, conf.created_at,
+            codec.encode(conf))
+
+    # billing and quotes
+    def bill_from(self, res: Reservation, start: int) -> None:
+        self._execute(
+            "INSERT INTO billing (reservation_id, tenant_id, pool_id, hourly_usd, start_ms, end_ms)"
+            " VALUES ($1, $2, $3, $4, $5, NULL) ON CONFLICT (reservation_id) DO NOTHING",
+            res.id, res.tenant_id, res.pool_id, Decimal(str(res.hourly_usd)), start)
+
+    def bill_until(self, reservation_id: str, end: int) -> None:
+        self._execute("UPDATE billing SET end_ms = $1 WHERE reservation_id = $2 AND end_ms IS NULL", end,
+                      reservation_id)
+
+    def put_quote(self, quote_id: str, tenant_id: str, expires_at: int, doc: bytes) -> None:
+        self._execute("INSERT INTO quotes (id, tenant_id, expires_at, doc) VALUES ($1, $2, $3, $4)",
+                      quote_id, tenant_id, expires_at, doc)
+        self._execute("DELETE FROM quotes WHERE expires_at < $1", expires_at - 86_400_000)
+
+    # catalog and tokens
+    def put_catalog(self, kind: str, ident: str, doc: bytes) -> None:
+        self._execute("INSERT INTO catalog (kind, id, doc) VALUES ($1, $2, $3)"
+                      " ON CONFLICT (kind, id) DO UPDATE SET doc = excluded.doc", kind, ident, doc)
+
+    def put_token(self, token_hash: str, kind: str, subject: str) -> None:
+        self._execute("INSERT INTO tokens (hash, kind, subject) VALUES ($1, $2, $3) ON CONFLICT (hash)"
+                      " DO UPDATE SET kind = excluded.kind, subject = excluded.subject", token_hash, kind, subject)
+
+    def delete_tokens(self, kind: str, subject: str) -> None:
+        self._execute("DELETE FROM tokens WHERE kind = $1 AND subject = $2", kind, subject)
+
+    # what the writer's memory is built from
+    def live_reservations(self, now: int) -> list[Reservation]:
+        self.flush()
+        rows = self._fetch(
+            "SELECT doc, seq FROM reservations WHERE state NOT IN ('released', 'cancelled') ORDER BY seq")
+        live = [res for res in (_reservation(doc, seq) for doc, seq in rows) if res.state not in TERMINAL]
+        held = self._fetch(
+            "SELECT r.doc, r.seq FROM reservations r WHERE r.state = 'released' AND EXISTS (SELECT 1 FROM bookings b"
+            " WHERE b.reservation_id = r.id AND b.end_ms > $1) ORDER BY r.seq", now)
+        return live + [res for res in (_reservation(doc, seq) for doc, seq in held) if res.hold is not None]
+
+    def live_bookings(self, now: int) -> list[Booking]:
+        self.flush()
+        rows = self._fetch(
+            "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli,"
+            " b.memory_mib, b.hugepages_1g FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
+            " WHERE (r.state IN ('placed', 'binding', 'active') OR (r.state = 'released' AND b.end_ms > $1))"
+            " AND b.end_ms > b.start_ms ORDER BY b.id", now)
+        return [_booking(r) for r in rows]
+
+    def catalog_docs(self, kind: str) -> list[bytes]:
+        return [r[0] for r in self._fetch("SELECT doc FROM catalog WHERE kind = $1 ORDER BY id", kind)]
+
+    def tokens(self) -> dict[str, tuple[str, str]]:
+        return {r[0]: (r[1], r[2]) for r in self._fetch("SELECT hash, kind, subject FROM tokens")}
+
+
+class Writer:
+    """One replica's writer: groups of jobs, each group one transaction under the write lock, answered after its
+    COMMIT. While a group waits for the lock or commits, the API's loop goes on and new jobs queue."""
+
+    def __init__(self, connector: Connector, on_reset: Callable[[PgTx], None]):
+        self.connector = connector
+        self._on_reset = on_reset
+        self.conn: asyncpg.Connection | None = None
+        self.generation: int | None = None  # the database's generation the memory equals (None: rebuild first)
+        self._pending: list[tuple[Callable[[PgTx], Any], asyncio.Future | None]] = []
+        self._busy = False
+        self._sync = threading.Lock()
+        self._hooks: list[Callable[[], None]] = []
+        self._appends = Appends()
+        self.groups = 0
+        self.jobs = 0
+        self.retries = 0  # groups run again after a lost race
+        self.reloads = 0  # memory rebuilt because another replica wrote
+        self.group_committed: Callable[[int], None] = lambda jobs: None
+        self.reloaded: Callable[[], None] = lambda: None  # after a rebuild (the wiring wakes what reads memory)
+
+    # ---- on the database's thread -----------------------------------------------------------------
+    async def _begin(self) -> int:
+        if self.conn is None or self.conn.is_closed():
+            self.conn = None
+            self.conn = await self.connector.connect("writer")
+        await self.conn.execute("BEGIN")
+        await self.conn.execute("SELECT pg_advisory_xact_lock($1)", WRITE_LOCK)
+        return await self.conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
+
+    async def _begin_read(self) -> int:
+        """A snapshot to rebuild the memory from, with the generation it shows (no lock: it writes nothing)."""
+        if self.conn is None or self.conn.is_closed():
+            self.conn = None
+            self.conn = await self.connector.connect("writer")
+        await self.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        return await self.conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
+
+    async def _commit(self, appends: Appends, wrote: bool) -> int:
+        conn = self.conn
+        assert conn is not None
+        await appends.write(conn)
+        generation = None
+        if wrote or appends:
+            generation = await conn.fetchval(
+                "UPDATE replica_state SET generation = generation + 1 WHERE id = 1 RETURNING generation")
+            await conn.execute("SELECT pg_notify('berth_changes', $1)", str(generation))
+        else:
+            generation = await conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
+        await conn.execute("COMMIT")
+        return generation
+
+    async def _rollback(self) -> None:
+        if self.conn is not None and not self.conn.is_closed():
+            try:
+                await self.conn.execute("ROLLBACK")
+            except Exception:  # noqa: BLE001 - a broken connection is replaced at the next group
+                self.conn.terminate()
+                self.conn = None
+
+    # ---- on the API's loop ------------------------------------------------------------------------
+    def call(self, fn: Callable[[PgTx], Any]) -> "asyncio.Future[Any]":
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending.append((fn, fut))
+        if not self._busy:
+            self._busy = True
+            loop.call_soon(self._start_group, loop)
+        return fut
+
+    def _start_group(self, loop: asyncio.AbstractEventLoop, group=None, attempt: int = 1) -> None:
+        if group is None:
+            group, self._pending = self._pending[:GROUP_MAX], self._pending[GROUP_MAX:]
+        if not group:
+            self._busy = False
+            return
+        self._sync.acquire()
+        begun = asyncio.wrap_future(self.connector.submit(self._begin()), loop=loop)
+        begun.add_done_callback(lambda f: self._run_group(loop, group, f, attempt))
+
+    def _run_group(self, loop, group, begun, attempt: int) -> None:
+        exc = begun.exception()
+        if exc is not None:
+            self._sync.release()
+            self._give_up(loop, group, exc)
+            return
+        try:
+            self._fresh(begun.result())
+            answers, wrote = self._run_jobs(group)
+        except BaseException as exc:  # noqa: BLE001 - the database went away mid-group
+            self.connector.run(self._rollback())
+            self.generation = None
+            self._sync.release()
+            self._give_up(loop, group, exc)
+            return
+        commit = asyncio.wrap_future(self.connector.submit(self._commit(self._appends.take(), wrote)), loop=loop)
+        commit.add_done_callback(lambda f: self._finish_group(loop, group, answers, f, attempt))
+
+    def _finish_group(self, loop, group, answers, commit, attempt: int) -> None:
+        hooks, self._hooks = self._hooks, []
+        exc = commit.exception()
+        if exc is None:
+            self.generation = commit.result()
+            self._sync.release()
+            self._answered(len(answers))
+            _run_hooks(hooks)
+            _resolve(answers)
+            self._next(loop)
+            return
+        self.connector.run(self._rollback())
+        self.generation = None
+        self._sync.release()
+        if isinstance(exc, RACES) and attempt < RETRIES:
+            self.retries += 1
+            log.info("lost a race with another replica; running the group again", error=type(exc).__name__,
+                     attempt=attempt)
+            self._start_group(loop, group, attempt + 1)
+            return
+        self._give_up(loop, group, exc)
+
+    def _give_up(self, loop, group, exc: BaseException) -> None:
+        """The group could not be committed: its callers hear PROVIDER_UNAVAILABLE, and the memory is rebuilt
+        from what the database holds (at the next group, if the database cannot be read now)."""
+        log.error("store group failed", error=f"{type(exc).__name__}: {exc}")
+        self._appends = Appends()
+        self._hooks = []
+        if not self.connector.closed:
+            self._reset_now()
+        err = unavailable(f"the database is unavailable ({type(exc).__name__}); retry with the same idempotency "
+                          "key")
+        self._answered(len(group))
+        _resolve([(fut, None, err) for _, fut in group])
+        self._next(loop)
+
+    def _reset_now(self) -> None:
+        self.generation = None
+        try:
+            with self._sync:
+                generation = self.connector.run(self._begin_read())
+                try:
+                    self._on_reset(PgTx(self, Appends()))
+                finally:
+                    self.connector.run(self._rollback())
+                self.generation = generation
+        except Exception as exc:  # noqa: BLE001 - the next group rebuilds it (the generation is unknown)
+            log.warning("could not rebuild the writer's memory now; the next group will", error=str(exc))
+
+    def _answered(self, jobs: int) -> None:
+        self.groups += 1
+        self.jobs += jobs
+        self.group_committed(jobs)
+
+    def _next(self, loop) -> None:
+        if self._pending:
+            loop.call_soon(self._start_group, loop)
+        else:
+            self._busy = False
+
+    def _fresh(self, generation: int) -> None:
+        """Inside the locked transaction: rebuild the memory if the database moved since this replica last saw it."""
+        if generation == self.generation:
+            return
+        self._on_reset(PgTx(self, self._appends))
+        self.generation = generation
+        self.reloads += 1
+        self.reloaded()
+
+    def _run_jobs(self, group) -> tuple[list, bool]:
+        answers: list[tuple[Any, Any, BaseException | None]] = []
+        wrote = False
+        for fn, fut in group:
+            tx = PgTx(self, self._appends)
+            try:
+                value = fn(tx)
+            except BaseException as exc:  # noqa: BLE001 - every job gets an answer
+                if tx.saved:
+                    self.connector.run(self.conn.execute("ROLLBACK TO SAVEPOINT job; RELEASE SAVEPOINT job"))
+                self._appends.extend(tx.flushed)
+                if isinstance(exc, UNREACHABLE):
+                    raise
+                if not isinstance(exc, DomainError):
+                    log.exception("store job failed", job=getattr(fn, "__qualname__", repr(fn)))
+                    exc = unavailable("the control plane could not complete this request")
+                if tx.dirty:
+                    self._on_reset(PgTx(self, self._appends))
+                answers.append((fut, None, exc))
+                continue
+            if tx.saved:
+                self.connector.run(self.conn.execute("RELEASE SAVEPOINT job"))
+            wrote = wrote or tx.wrote
+            self._appends.extend(tx.appends)
+            self._hooks.extend(tx.committed)
+            answers.append((fut, None, tx.refused) if tx.refused is not None else (fut, value, None))
+        return answers, wrote
+
+    def call_sync(self, fn: Callable[[PgTx], Any]) -> Any:
+        """One job outside any event loop (start-up, tools), under the same lock; returns once committed."""
+        for attempt in range(1, RETRIES + 1):
+            with self._sync:
+                try:
+                    self._fresh(self.connector.run(self._begin()))
+                    answers, wrote = self._run_jobs([(fn, None)])
+                    hooks, self._hooks = self._hooks, []
+                    self.generation = self.connector.run(self._commit(self._appends.take(), wrote))
+                except RACES:
+                    self.connector.run(self._rollback())
+                    self.generation = None
+                    self._appends, self._hooks = Appends(), []
+                    if attempt == RETRIES:
+                        raise
+                    self.retries += 1
+                    continue
+                except BaseException:
+                    self.connector.run(self._rollback())
+                    self.generation = None
+                    self._appends, self._hooks = Appends(), []
+                    raise
+            _run_hooks(hooks)
+            _, value, error = answers[0]
+            if error is not None:
+                raise error
+            return value
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            try:
+                self.connector.run(self.conn.close(timeout=5), timeout=10)
+            except Exception:  # noqa: BLE001 - closing a dead connection
+                pass
+
+
+def _run_hooks(hooks: list[Callable[[], None]]) -> None:
+    for hook in hooks:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - a listener's failure is not the store's
+            log.exception("on-commit hook failed")
+
+
+def _resolve(items) -> None:
+    for fut, value, error in items:
+        if fut is None or fut.done():
+            continue
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+
+
+class PgStore(Reads):
+    """The store port on a PostgreSQL database: committed reads on a small pool, and this replica's writer."""
+
+    def __init__(self, dsn: str, application: str = "berth-controlplane"):
+        self.dsn = dsn
+        self.connector = Connector(dsn, application)
+        try:
+            self.connector.run(self._open(), timeout=60)
+        except pg_schema.SchemaTooNew as exc:
+            self.connector.close()
+            raise StoreError(str(exc)) from None
+        except (UNREACHABLE + (asyncpg.PostgresError,)) as exc:
+            self.connector.close()
+            raise StoreError(f"cannot open the database: {type(exc).__name__}: {exc}; check the URL, that "
+                             "PostgreSQL is running, and that the user may connect") from None
+        self.writer: Writer | None = None
+
+    async def _open(self) -> None:
+        conn = await self.connector.connect("migrate")
+        try:
+            await pg_schema.migrate(conn)
+        finally:
+            await conn.close()
+        self.pool = await asyncpg.create_pool(
+            self.dsn, min_size=1, max_size=4, statement_cache_size=256,
+            server_settings={**SERVER_SETTINGS, "application_name": f"{self.connector.application} reads"})
+
+    def start(self, on_reset: Callable[[PgTx], None], on_group: Callable[[int], None] | None = None) -> None:
+        self.writer = Writer(self.connector, on_reset)
+        if on_group is not None:
+            self.writer.group_committed = on_group
+
+    def call(self, job: Callable[[PgTx], Any]) -> "asyncio.Future[Any]":
+        assert self.writer is not None, "start() the store first"
+        return self.writer.call(job)
+
+    def call_sync(self, job: Callable[[PgTx], Any]) -> Any:
+        assert self.writer is not None, "start() the store first"
+        return self.writer.call_sync(job)
+
+    @property
+    def groups(self) -> int:
+        return self.writer.groups if self.writer else 0
+
+    @property
+    def jobs(self) -> int:
+        return self.writer.jobs if self.writer else 0
+
+    @property
+    def generation(self) -> int | None:
+        return self.writer.generation if self.writer else None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        try:
+            self.connector.run(asyncio.wait_for(self.pool.close(), 10), timeout=15)
+        except Exception:  # noqa: BLE001 - closing what is already gone
+            pass
+        self.connector.close()
+
+    # ---- committed reads ------------------------------------------------------------------------------
+    def read(self, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
+        """fn(conn) on a pooled connection; the database unreachable -> PROVIDER_UNAVAILABLE (actor platform)."""
+        async def on_pool():
+            async with self.pool.acquire() as conn:
+                return await fn(conn)
+        try:
+            return self.connector.run(on_pool())
+        except UNREACHABLE as exc:
+            raise unavailable(f"the database is unavailable ({type(exc).__name__}); retry shortly") from None
+
+    async def read_async(self, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
+        """As read(), awaited: the API's loop goes on meanwhile."""
+        async def on_pool():
+            async with self.pool.acquire() as conn:
+                return await fn(conn)
+        try:
+            return await asyncio.wrap_future(self.connector.submit(on_pool()))
+        except UNREACHABLE as exc:
+            raise unavailable(f"the database is unavailable ({type(exc).__name__}); retry shortly") from None
+
+    def _fetchrow(self, sql: str, *args) -> Any:
+        return self.read(lambda c: c.fetchrow(sql, *args))
+
+    def _fetch(self, sql: str, *args) -> list:
+        return self.read(lambda c: c.fetch(sql, *args))
+
+    def reservations_page(self, tenant_id: str, principal_id: str | None, state: str | None, pool_id: str | None,
+                          before_seq: int | None, limit: int) -> list[Reservation]:
+        sql = ["SELECT doc, seq FROM reservations WHERE tenant_id = $1"
+               " AND state NOT IN ('draft', 'awaiting-confirmation')"]
+        args: list[Any] = [tenant_id]
+        for column, value in (("principal_id", principal_id), ("state", state), ("pool_id", pool_id)):
+            if value is not None:
+                args.append(value)
+                sql.append(f"AND {column} = ${len(args)}")
+        if before_seq is not None:
+            args.append(before_seq)
+            sql.append(f"AND seq < ${len(args)}")
+        args.append(limit)
+        sql.append(f"ORDER BY seq DESC LIMIT ${len(args)}")
+        return [_reservation(doc, seq) for doc, seq in self._fetch(" ".join(sql), *args)]
+
+    def last_event(self, tenant_id: str) -> int | None:
+        return self._fetchrow("SELECT MAX(seq) FROM events WHERE tenant_id = $1", tenant_id)[0]
+
+    def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]:
+        rows = self._fetch("SELECT seq, reservation_id, type, at, data FROM events WHERE tenant_id = $1 AND seq > $2"
+                           " ORDER BY seq LIMIT $3", tenant_id, after or 0, limit)
+        return [{"seq": seq, "reservationId": rid, "type": type_, "at": at, "data": codec.decode_as(data, dict)}
+                for seq, rid, type_, at, data in rows]
+
+    def confirmations(self, tenant_id: str, user_id: str | None, agent_id: str | None, status: str | None,
+                      limit: int) -> list[Confirmation]:
+        sql = "SELECT doc FROM confirmations WHERE tenant_id = $1"
+        args: list[Any] = [tenant_id]
+        if user_id is not None and agent_id is not None:
+            sql += " AND (user_id = $2 OR agent_id = $3)"
+            args += [user_id, agent_id]
+        if status is not None:
+            args.append(status)
+            sql += f" AND status = ${len(args)}"
+        args.append(limit)
+        sql += f" ORDER BY created_at DESC LIMIT ${len(args)}"
+        return [codec.decode_confirmation(r[0]) for r in self._fetch(sql, *args)]
+
+    def billing(self, tenant_id: str, reservation_id: str | None = None) -> list[tuple[str, str, str, int, int | None]]:
+        sql = "SELECT reservation_id, pool_id, hourly_usd, start_ms, end_ms FROM billing WHERE tenant_id = $1"
+        args: list[Any] = [tenant_id]
+        if reservation_id is not None:
+            sql += " AND reservation_id = $2"
+            args.append(reservation_id)
+        rows = self._fetch(sql + " ORDER BY start_ms, reservation_id", *args)
+        return [(r[0], r[1], str(r[2]), r[3], r[4]) for r in rows]
+
+    def state_counts(self) -> list[tuple[str, str, int]]:
+        return [tuple(r) for r in self._fetch(
+            "SELECT pool_id, state, COUNT(*) FROM reservations GROUP BY pool_id, state ORDER BY pool_id, state")]
+
+    # ---- what replicas share beside the store (store/replicas.py) --------------------------------------
+    async def record_seen(self, seen: dict[str, int]) -> None:
+        """Record agents' last heartbeats (epoch ms), never moving one back."""
+        await self.read_async(lambda c: c.executemany(
+            "INSERT INTO node_seen (node_id, seen_at) VALUES ($1, $2) ON CONFLICT (node_id)"
+            " DO UPDATE SET seen_at = GREATEST(node_seen.seen_at, excluded.seen_at)", list(seen.items())))
+
+    def last_seen(self) -> dict[str, int]:
+        return {r[0]: r[1] for r in self._fetch("SELECT node_id, seen_at FROM node_seen")}
