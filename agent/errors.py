@@ -30,6 +30,10 @@ class NvmlError(AgentError):
         self.call = call
 
 
+class InvalidArgument(NvmlError):
+    code = 2
+
+
 class NotSupported(NvmlError):
     code = 3
 
@@ -55,5 +59,5 @@ class GpuLost(NvmlError):
 
 
 NVML_ERRORS_BY_CODE: dict[int, type[NvmlError]] = {
-    cls.code: cls for cls in (NotSupported, NotFound, DriverNotLoaded, Timeout, LibraryNotFound, GpuLost)
+    cls.code: cls for cls in (InvalidArgument, NotSupported, NotFound, DriverNotLoaded, Timeout, LibraryNotFound, GpuLost)
 }

@@ -20,10 +20,14 @@ to send:
   them is ended (agent/tenantroot/sessions.py), and `unbound` is reported.
   With `cleaning: inband` the agent then cleans: it empties each scratch path
   the node declares (`--scratch-path`), puts the 1 GiB hugepage count back to
-  what it was at the hand-over, puts each GPU's clocks and power limit back
-  to their defaults (NVML), discovers the node again, and reports
-  `cleaned` with the differences from the recorded inventory (none: the node
-  is as it was). With `cleaning: redfish` the control plane resets the node
+  what it was at the hand-over, puts each GPU back as the recorded inventory
+  has it (NVML, agent/nvml.clean_gpus: a GPU still held by compute processes
+  is left and named; the MIG mode and layout, instances the tenant made
+  destroyed and recorded ones it destroyed recreated at their placement; the
+  clocks and power limit to their defaults), discovers the node again, and
+  reports `cleaned` with the differences from the recorded inventory (none:
+  the node is as it was; MIG devices are compared by position, since a
+  recreated one has a new UUID). With `cleaning: redfish` the control plane resets the node
   through its BMC, so the agent cleans nothing.
 
 Nothing here limits the host: a node binding has no cgroup share and no
@@ -91,7 +95,8 @@ class NodeBindings:
     rediscover: Callable[[], Inventory]  # discover the node now (after a clean)
     sys_root: str = "/sys"
     simulated_hugepages: bool = False  # --simulate: hugepages are the topology's, never written
-    reset_gpus: Callable[[], list[str]] | None = None  # clocks and power limits back to defaults (agent/nvml.py)
+    # every GPU back as the recorded inventory has it: MIG mode and layout, clocks, power limits (nvml.clean_gpus)
+    reset_gpus: Callable[[Inventory], list[str]] | None = None
     protect: set[int] = field(default_factory=lambda: {os.getpid()})
     states: dict[str, dict] = field(default_factory=dict)
 
@@ -234,9 +239,10 @@ class NodeBindings:
         for path in self.config.scratch:
             problems += wipe(Path(path))
         problems += self._restore_hugepages(handed.hugepages1G)
+        recorded = Inventory.from_wire(handed.inventory)
         if self.reset_gpus is not None:
             try:
-                problems += self.reset_gpus()
+                problems += self.reset_gpus(recorded)
             except Exception as exc:  # noqa: BLE001 - NVML unreachable: the node is not proven clean
                 problems.append(f"GPU settings not reset: {exc}")
         try:
@@ -244,7 +250,7 @@ class NodeBindings:
         except Exception as exc:  # noqa: BLE001 - a failed discovery is an unclean node, said so
             problems.append(f"discovery after cleaning failed: {exc}")
             return CleanCheck(ok=False, differences=tuple(problems[:64]))
-        problems += differences(Inventory.from_wire(handed.inventory), after)
+        problems += differences(recorded, after)
         check = CleanCheck(ok=not problems, differences=tuple(p[:2000] for p in problems[:64]))
         (log.info if check.ok else log.warning)("node cleaned" if check.ok else "node not clean",
                                                 reservation_id=rid, differences=list(check.differences) or None)

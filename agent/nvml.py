@@ -5,8 +5,11 @@ name, or from an explicit path: `--nvml-library` / BERTH_NVML_LIBRARY),
 reads every GPU and, on a MIG GPU, every MIG device slot up to the maximum
 (slots are sparse), and says plainly when there is no driver.
 `NvmlEvents` is the EventSource the XID watcher waits on (critical XID and
-double-bit ECC events, a bounded wait). Every pynvml.NVMLError becomes one
-of `agent.errors`' NVML errors in `_nvml()`, by return code.
+double-bit ECC events, a bounded wait). `clean_gpus` puts every GPU back as a
+node binding's hand-over found it (its MIG mode and layout through the GPU
+and compute instance calls, its clocks and power limit) and names what it
+could not. Every pynvml.NVMLError becomes one of `agent.errors`' NVML errors
+in `_nvml()`, by return code.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import ctypes
 import os
 import re
 import threading
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, TypeVar
 
 import msgspec
@@ -23,10 +27,13 @@ import structlog
 
 from agent import mig_minors, numa
 from agent.errors import (
-    NVML_ERRORS_BY_CODE, DriverNotLoaded, LibraryNotFound, NotFound, NotSupported, NvmlError, Timeout,
+    NVML_ERRORS_BY_CODE, DriverNotLoaded, InvalidArgument, LibraryNotFound, NotFound, NotSupported, NvmlError,
+    Timeout,
 )
 from agent.health import XidEvent
-from common.inventory import CapMinors, Driver, Gpu, GpuInventory, LostGpu, MigDevice, MigMode
+from common.inventory import (
+    CapMinors, Driver, Gpu, GpuInventory, Inventory, LostGpu, MigDevice, MigMode, MigPlacement,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -179,6 +186,7 @@ class NvmlGpus:
 
     def _mig_devices(self, handle, gpu_minor: int, caps: mig_minors.MigMinors) -> tuple[MigDevice, ...]:
         devices = []
+        placements = _placements(handle)
         for slot in range(_nvml(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)):
             try:
                 mh = _nvml(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
@@ -192,6 +200,7 @@ class NvmlGpus:
                 uuid=_text(_nvml(pynvml.nvmlDeviceGetUUID, mh)), name=name,
                 memoryMiB=_nvml(pynvml.nvmlDeviceGetMemoryInfo, mh).total // MIB,
                 capMinors=CapMinors(gi=caps.gi(gpu_minor, gi), ci=caps.ci(gpu_minor, gi, ci)),
+                placement=placements.get(gi),
             ))
         return tuple(devices)
 
@@ -271,6 +280,192 @@ class NvmlEvents:
         self.close()
 
 
+# ---- the MIG layout through NVML's GPU and compute instance calls -----------------------------------------
+
+
+@dataclass
+class _ComputeInstance:
+    handle: object
+    id: int
+    slices: int
+
+
+@dataclass
+class _GpuInstance:
+    handle: object
+    id: int
+    profile_id: int  # what nvmlDeviceCreateGpuInstanceWithPlacement takes
+    name: str  # the profile, e.g. "3g.40gb"
+    slices: int
+    start: int
+    size: int
+    cis: list[_ComputeInstance] = field(default_factory=list)
+
+    def profile_of(self, ci: _ComputeInstance) -> str:
+        """The MIG device's profile as NVML names it: the GPU instance's, or "1c.3g.40gb" for a smaller CI."""
+        return self.name if ci.slices == self.slices else f"{ci.slices}c.{self.name}"
+
+
+def _gi_profiles(handle) -> dict[int, object]:
+    """The GPU instance profiles this GPU offers: NVML_GPU_INSTANCE_PROFILE_* index -> its info (v2, named)."""
+    out = {}
+    for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+        try:
+            out[index] = _nvml(pynvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, index)
+        except (NotSupported, InvalidArgument):  # a profile this GPU does not have
+            continue
+    return out
+
+
+def _profile_name(info) -> str:
+    return _text(info.name).removeprefix("MIG ").strip()
+
+
+def _ci_profiles(gi_handle) -> dict[int, object]:
+    """The compute instance profiles a GPU instance offers: NVML_COMPUTE_INSTANCE_PROFILE_* index -> its info."""
+    out = {}
+    for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+        try:
+            out[index] = _nvml(pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo, gi_handle, index,
+                               pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+        except (NotSupported, InvalidArgument):
+            continue
+    return out
+
+
+def _instances(handle, ref_type, count: int, lister, *args) -> list:
+    """The handles an NVML list call writes into an array it is given (nvmlDeviceGetGpuInstances and kin)."""
+    array = (ref_type * max(count, 1))()
+    found = ctypes.c_uint(0)
+    _nvml(lister, handle, *args, array, ctypes.byref(found))
+    return [array[i] for i in range(found.value)]
+
+
+def mig_layout(handle) -> list[_GpuInstance]:
+    """The GPU instances of a GPU in MIG mode, each with its compute instances, as NVML lists them."""
+    layout = []
+    for profile_index, info in _gi_profiles(handle).items():
+        for gi in _instances(handle, pynvml.c_nvmlGpuInstance_t, info.instanceCount,
+                             pynvml.nvmlDeviceGetGpuInstances, info.id):
+            gi_info = _nvml(pynvml.nvmlGpuInstanceGetInfo, gi)
+            inst = _GpuInstance(gi, gi_info.id, info.id, _profile_name(info), info.sliceCount,
+                                gi_info.placement.start, gi_info.placement.size)
+            for ci_info in _ci_profiles(gi).values():
+                for ci in _instances(gi, pynvml.c_nvmlComputeInstance_t, ci_info.instanceCount,
+                                     pynvml.nvmlGpuInstanceGetComputeInstances, ci_info.id):
+                    inst.cis.append(_ComputeInstance(ci, _nvml(pynvml.nvmlComputeInstanceGetInfo, ci).id,
+                                                     ci_info.sliceCount))
+            layout.append(inst)
+    return layout
+
+
+def _placements(handle) -> dict[int, MigPlacement]:
+    """GPU instance id -> its placement, for the inventory; empty where NVML will not say (an older driver, no
+    permission to list instances): the clean check then falls back to the MIG device's slot."""
+    try:
+        return {gi.id: MigPlacement(start=gi.start, size=gi.size) for gi in mig_layout(handle)}
+    except NvmlError as exc:
+        log.debug("MIG placements not read", error=str(exc), code=exc.code)
+        return {}
+
+
+def _gi_profile_of(profile: str) -> tuple[str, int | None]:
+    """A MIG device profile's GPU instance profile and compute instance slices ("1c.3g.40gb" -> ("3g.40gb", 1);
+    "3g.40gb" -> ("3g.40gb", None): the whole GPU instance)."""
+    if "c." in profile:
+        head, rest = profile.split("c.", 1)
+        if head.isdigit():
+            return rest, int(head)
+    return profile, None
+
+
+def _restore_mig(index: int, handle, want: Gpu) -> list[str]:
+    """Give one GPU the MIG mode and layout it had at the hand-over: destroy the compute and GPU instances that
+    were not there, set the MIG mode back if it differs, recreate the instances that are missing at their
+    recorded placement. What could not be done, said plainly."""
+    if want.migMode is None:
+        return []
+    where = f"GPU {index}"
+    wanted = {(m.gpuInstanceId, m.computeInstanceId): m for m in want.migDevices} if want.migMode.current else {}
+    wanted_gis: dict[int, MigDevice] = {}
+    for m in wanted.values():
+        wanted_gis.setdefault(m.gpuInstanceId, m)
+
+    def gi_wanted(gi: _GpuInstance) -> bool:
+        m = wanted_gis.get(gi.id)
+        return m is not None and _gi_profile_of(m.profile or "")[0] == gi.name and (
+            m.placement is None or m.placement.start == gi.start)
+
+    current, pending = _nvml(pynvml.nvmlDeviceGetMigMode, handle)
+    if current == pynvml.NVML_DEVICE_MIG_ENABLE:
+        for gi in mig_layout(handle):
+            keep = gi_wanted(gi)
+            for ci in gi.cis:
+                m = wanted.get((gi.id, ci.id))
+                if not keep or m is None or m.profile != gi.profile_of(ci):
+                    _nvml(pynvml.nvmlComputeInstanceDestroy, ci.handle)
+                    log.info("MIG compute instance destroyed", gpu=index, gi=gi.id, ci=ci.id, profile=gi.profile_of(ci))
+            if not keep:
+                _nvml(pynvml.nvmlGpuInstanceDestroy, gi.handle)
+                log.info("MIG GPU instance destroyed", gpu=index, gi=gi.id, profile=gi.name, start=gi.start)
+    mode = (want.migMode.current, want.migMode.pending)
+    if (current == pynvml.NVML_DEVICE_MIG_ENABLE, pending == pynvml.NVML_DEVICE_MIG_ENABLE) != mode:
+        target = pynvml.NVML_DEVICE_MIG_ENABLE if want.migMode.pending else pynvml.NVML_DEVICE_MIG_DISABLE
+        _nvml(pynvml.nvmlDeviceSetMigMode, handle, target)
+        log.info("MIG mode set back", gpu=index, mode=target)
+        current, _ = _nvml(pynvml.nvmlDeviceGetMigMode, handle)
+        if (current == pynvml.NVML_DEVICE_MIG_ENABLE) != want.migMode.current:
+            return [f"{where}: MIG mode set back to {'on' if want.migMode.pending else 'off'}, pending a GPU reset "
+                    "(the agent does not reset GPUs)"]
+    if not wanted:
+        return []
+    problems: list[str] = []
+    profiles = {_profile_name(info): info for info in _gi_profiles(handle).values()}
+    live = {gi.id: gi for gi in mig_layout(handle)}
+    for gi_id, m in sorted(wanted_gis.items()):
+        gi_name = _gi_profile_of(m.profile or "")[0]
+        gi = live.get(gi_id)
+        if gi is None:
+            info = profiles.get(gi_name)
+            if info is None or m.placement is None:
+                why = "no placement was recorded" if info is not None else f"the GPU offers no profile {gi_name}"
+                problems.append(f"{where}: MIG GPU instance {gi_id} ({m.profile}) not recreated: {why}")
+                continue
+            placement = pynvml.c_nvmlGpuInstancePlacement_t(m.placement.start, m.placement.size)
+            handle_gi = _nvml(pynvml.nvmlDeviceCreateGpuInstanceWithPlacement, handle, info.id,
+                              ctypes.byref(placement))
+            gi_info = _nvml(pynvml.nvmlGpuInstanceGetInfo, handle_gi)
+            gi = _GpuInstance(handle_gi, gi_info.id, info.id, gi_name, info.sliceCount, gi_info.placement.start,
+                              gi_info.placement.size)
+            log.info("MIG GPU instance recreated", gpu=index, gi=gi.id, profile=gi_name, start=gi.start)
+            if gi.id != gi_id:  # the driver chose the id: the clean check reports the difference
+                problems.append(f"{where}: MIG GPU instance {gi_id} ({gi_name}) recreated as GPU instance {gi.id}")
+        have = {ci.id for ci in gi.cis}
+        ci_profiles = None
+        for (w_gi, w_ci), dev in sorted(wanted.items()):
+            if w_gi != gi_id or w_ci in have:
+                continue
+            slices = _gi_profile_of(dev.profile or "")[1] or gi.slices
+            ci_profiles = ci_profiles or _ci_profiles(gi.handle)
+            ci_info = next((i for i in ci_profiles.values() if i.sliceCount == slices), None)
+            if ci_info is None:
+                problems.append(f"{where}: MIG compute instance {w_gi}/{w_ci} ({dev.profile}) not recreated: GPU "
+                                f"instance {gi.id} offers no compute instance of {slices} slices")
+                continue
+            ci = _nvml(pynvml.nvmlGpuInstanceCreateComputeInstance, gi.handle, ci_info.id)
+            log.info("MIG compute instance recreated", gpu=index, gi=gi.id,
+                     ci=_nvml(pynvml.nvmlComputeInstanceGetInfo, ci).id, profile=dev.profile)
+    return problems
+
+
+def _holders(handle) -> list[int]:
+    """The pids of the compute processes holding a GPU (none where the driver cannot say)."""
+    try:
+        return sorted(p.pid for p in _nvml(pynvml.nvmlDeviceGetComputeRunningProcesses, handle))
+    except NotSupported:
+        return []
+
+
 # ---- settings a tenant with root may have changed (node bindings' in-band clean) ----------------------------
 
 _RESETS = (("application clocks", "nvmlDeviceResetApplicationsClocks"),
@@ -279,31 +474,54 @@ _RESETS = (("application clocks", "nvmlDeviceResetApplicationsClocks"),
 _UNSUPPORTED = (3, 13)  # NOT_SUPPORTED, FUNCTION_NOT_FOUND (an older driver): nothing to put back
 
 
-def reset_settings(library: str | None = None) -> list[str]:
-    """Put every GPU's application and locked clocks and its power limit back to their defaults, after a tenant
-    had root on the node; each setting that could not be put back, said plainly (an empty list: all done).
-    MIG layouts are not rebuilt here: the clean check compares them with the hand-over's and a changed layout
-    sends the node to maintenance."""
+def clean_gpus(library: str | None = None, recorded: Inventory | None = None) -> list[str]:
+    """Put every GPU back the way a node binding's hand-over found it, after a tenant had root on the node; each
+    thing that could not be put back, said plainly (an empty list: all done). Per GPU, in order:
+
+    1. a GPU that compute processes still hold is not touched: the driver resets only a GPU that no process
+       holds (`nvidia-smi -r`), and the agent resets none itself, so the holders are the refusal reported;
+    2. its MIG mode and layout, as `recorded` (the hand-over's inventory) has them, by its UUID (`_restore_mig`);
+    3. its application and locked clocks and its power limit, to their defaults.
+    """
+    want = {g.uuid: g for g in recorded.gpus} if recorded is not None else {}
     problems: list[str] = []
     with session(library):
         for index in range(_nvml(pynvml.nvmlDeviceGetCount)):
             try:
                 handle = _nvml(pynvml.nvmlDeviceGetHandleByIndex, index)
+                holders = _holders(handle)
             except NvmlError as exc:
                 problems.append(f"GPU {index}: not reachable to reset: {exc}")
                 continue
-            for what, name in _RESETS:
-                try:
-                    _nvml(getattr(pynvml, name), handle)
-                except NvmlError as exc:
-                    if exc.code not in _UNSUPPORTED:
-                        problems.append(f"GPU {index}: {what} not reset: {exc}")
+            if holders:
+                problems.append(f"GPU {index}: not reset: held by compute process(es) "
+                                f"{', '.join(map(str, holders[:16]))}; the driver resets only a GPU no process holds")
+                continue
             try:
-                default = _nvml(pynvml.nvmlDeviceGetPowerManagementDefaultLimit, handle)
-                if _nvml(pynvml.nvmlDeviceGetPowerManagementLimit, handle) != default:
-                    _nvml(pynvml.nvmlDeviceSetPowerManagementLimit, handle, default)
-                    log.info("GPU power limit reset", gpu=index, limit_mw=default)
+                gpu = want.get(_text(_nvml(pynvml.nvmlDeviceGetUUID, handle)))
+                if gpu is not None:
+                    problems += _restore_mig(index, handle, gpu)
             except NvmlError as exc:
-                if exc.code not in _UNSUPPORTED:
-                    problems.append(f"GPU {index}: power limit not reset: {exc}")
+                problems.append(f"GPU {index}: MIG layout not restored: {exc}")
+            problems += _reset_settings(index, handle)
+    return problems
+
+
+def _reset_settings(index: int, handle) -> list[str]:
+    """One GPU's application and locked clocks and its power limit back to their defaults."""
+    problems = []
+    for what, name in _RESETS:
+        try:
+            _nvml(getattr(pynvml, name), handle)
+        except NvmlError as exc:
+            if exc.code not in _UNSUPPORTED:
+                problems.append(f"GPU {index}: {what} not reset: {exc}")
+    try:
+        default = _nvml(pynvml.nvmlDeviceGetPowerManagementDefaultLimit, handle)
+        if _nvml(pynvml.nvmlDeviceGetPowerManagementLimit, handle) != default:
+            _nvml(pynvml.nvmlDeviceSetPowerManagementLimit, handle, default)
+            log.info("GPU power limit reset", gpu=index, limit_mw=default)
+    except NvmlError as exc:
+        if exc.code not in _UNSUPPORTED:
+            problems.append(f"GPU {index}: power limit not reset: {exc}")
     return problems

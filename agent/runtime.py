@@ -169,11 +169,11 @@ class Agent:
                                              node_name=cfg.kubernetes_node_name)
         nodes = None
         if cfg.tenant_root is not None:
-            reset: Callable[[], list[str]] | None = None
-            if cfg.simulate is None:  # simulated GPUs have no clocks or power limits to put back
+            reset: Callable[[Inventory], list[str]] | None = None
+            if cfg.simulate is None:  # simulated GPUs have no MIG calls, clocks or power limits to put back
                 from agent import nvml
 
-                reset = partial(nvml.reset_settings, cfg.nvml_library)
+                reset = partial(nvml.clean_gpus, cfg.nvml_library)
             nodes = NodeBindings(cfg.state_dir, cfg.tenant_root, inventory=lambda: self.inventory,
                                  rediscover=self._discover_now, sys_root=str(cfg.sys),
                                  simulated_hugepages=cfg.simulate is not None, reset_gpus=reset)

@@ -26,7 +26,7 @@ from agent.cpus import CpuTopology
 from agent.errors import TopologyError
 from agent.host import HostFacts, HostSource, KernelHost
 from agent.hugepages import HugepagePool, NodePool
-from common.inventory import CapMinors, Driver, Gpu, GpuInventory, LostGpu, MigDevice, MigMode
+from common.inventory import CapMinors, Driver, Gpu, GpuInventory, LostGpu, MigDevice, MigMode, MigPlacement
 from common.hostfacts import SIZE_1G_KIB, SIZE_2M_KIB, Meminfo, NodeMemory, parse_cpulist
 
 MAX_MIG_SLOTS = 7
@@ -94,6 +94,8 @@ class SimMig:
     uuid: str
     name: str
     memory_mib: int
+    placement_start: int  # its GPU instance's first slice
+    placement_size: int  # the slices the GPU instance spans
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +137,17 @@ def _mig_specs(spec: GpuSpec) -> list[MigSpec]:
     return [spec.mig] if isinstance(spec.mig, MigSpec) else list(spec.mig)
 
 
+def _placements(spec: GpuSpec) -> list[tuple[int, int]]:
+    """(start, size) of each MIG instance's GPU instance, in the topology's order: at its slot when migSlots is
+    given, else packed one after the other. A simulated MIG device's slot is its placement start, as the stand-in
+    NVML gives the instances it creates, so a layout rebuilt in place comes back in the same slots."""
+    sizes = [profile_slices(m.profile) for m in _mig_specs(spec) for _ in range(m.count)]
+    if spec.migSlots is not None:
+        return list(zip(spec.migSlots, sizes))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return list(zip(starts, sizes))
+
+
 def validate(top: Topology) -> None:
     """Cross-field rules msgspec cannot state; TopologyError names the field."""
     nodes = top.host.numaNodes if top.host else None
@@ -164,6 +177,13 @@ def validate(top: Topology) -> None:
         if spec.migSlots is not None:
             if len(spec.migSlots) != instances or len(set(spec.migSlots)) != instances:
                 raise TopologyError(f"{where}.migSlots: needs {instances} distinct slots, one per MIG instance")
+            taken: set[int] = set()
+            for start, size in _placements(spec):
+                span = set(range(start, start + size))
+                if start + size > MAX_MIG_SLOTS or span & taken:
+                    raise TopologyError(f"{where}.migSlots: the instance at slot {start} spans {size} slices, past "
+                                        f"the GPU's {MAX_MIG_SLOTS} or over another instance")
+                taken |= span
         total += spec.count
     for i, lost in enumerate(top.lostGpus):
         if lost >= total:
@@ -228,16 +248,17 @@ def expand(top: Topology) -> list[SimGpu]:
         for k in range(spec.count):
             index = len(gpus)
             devices: list[SimMig] = []
-            slots = spec.migSlots or list(range(MAX_MIG_SLOTS))
+            placements = _placements(spec)
             position = 0
             for m in migs:
                 for _ in range(m.count):
-                    slot = slots[position]
+                    start, size = placements[position]
                     gi = position + 1
                     devices.append(SimMig(
-                        slot=slot, gpu_instance_id=gi, compute_instance_id=0, profile=m.profile,
+                        slot=start, gpu_instance_id=gi, compute_instance_id=0, profile=m.profile,
                         uuid=_uuid("MIG", host, index, gi, 0, m.profile), name=f"{spec.name} MIG {m.profile}",
                         memory_mib=m.memoryMiB or profile_memory_mib(m.profile),
+                        placement_start=start, placement_size=size,
                     ))
                     position += 1
             devices.sort(key=lambda d: d.slot)
@@ -270,6 +291,7 @@ def gpu_inventory(top: Topology) -> GpuInventory:
             migDevices=tuple(
                 MigDevice(index=m.slot, gpuInstanceId=m.gpu_instance_id, computeInstanceId=m.compute_instance_id,
                           profile=m.profile, uuid=m.uuid, name=m.name, memoryMiB=m.memory_mib,
+                          placement=MigPlacement(start=m.placement_start, size=m.placement_size),
                           capMinors=CapMinors(  # the driver's layout, as mig_minors.render writes it
                               gi=mig_minors.driver_minor(g.minor, m.gpu_instance_id),
                               ci=mig_minors.driver_minor(g.minor, m.gpu_instance_id, m.compute_instance_id)))

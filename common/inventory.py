@@ -9,7 +9,7 @@ between two discoveries. docs/inventory.md describes every field and bound.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import msgspec
 from msgspec import Meta, Struct, field
@@ -55,6 +55,13 @@ class CapMinors(_Doc):
     ci: Minor | None = None
 
 
+class MigPlacement(_Doc):
+    """Where a GPU instance sits on its GPU, in memory slices (NVML's nvmlGpuInstancePlacement_t)."""
+
+    start: Index
+    size: Annotated[int, Meta(ge=1, le=64)]
+
+
 class MigDevice(_Doc):
     index: Index  # NVML's MIG device slot on the parent GPU (slots can be sparse)
     gpuInstanceId: Index
@@ -65,6 +72,7 @@ class MigDevice(_Doc):
     memoryMiB: MiB
     capMinors: CapMinors = CapMinors()
     health: Health = HEALTHY
+    placement: MigPlacement | None = None  # its GPU instance's placement (None: NVML did not say)
 
 
 class Gpu(_Doc):
@@ -207,8 +215,25 @@ class Inventory(_Doc):
 
 # -- diff ----------------------------------------------------------------------
 
+
+def _field(name: str) -> Callable[[dict], Any]:
+    return lambda item: item.get(name)
+
+
+def mig_position(item: dict) -> str:
+    """Where a MIG device sits on its GPU, whatever its UUID: its GPU instance's placement start (the slot when NVML
+    gave no placement), its profile, GPU instance id and compute instance id. A MIG device the driver recreated in
+    the same place has a new UUID and the same position."""
+    placement = item.get("placement")
+    at = f"placement {placement['start']}" if placement else f"slot {item.get('index')}"
+    return f"{item.get('profile')} gi {item.get('gpuInstanceId')} ci {item.get('computeInstanceId')} at {at}"
+
+
 # Lists whose items have an identity: compared item by item, keyed so.
-_LIST_KEYS = {"gpus": "uuid", "migDevices": "uuid", "lostGpus": "index", "numaNodes": "node"}
+_LIST_KEYS: dict[str, Callable[[dict], Any]] = {
+    "gpus": _field("uuid"), "migDevices": _field("uuid"), "lostGpus": _field("index"), "numaNodes": _field("node")}
+# The clean check's keys: MIG devices by position, since a restored layout's devices get new UUIDs.
+_CLEAN_KEYS = {**_LIST_KEYS, "migDevices": mig_position}
 # Values that change without the host changing.
 _VOLATILE = frozenset({"discoveredAtMs", "free"})
 
@@ -252,7 +277,8 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _walk(old: Any, new: Any, path: str, list_key: str | None, out: list[Change]) -> None:
+def _walk(old: Any, new: Any, path: str, list_key: str | None, out: list[Change],
+          keys: dict[str, Callable[[dict], Any]]) -> None:
     if isinstance(old, dict) and isinstance(new, dict):
         for key in list(old) + [k for k in new if k not in old]:
             if key in _VOLATILE:
@@ -263,12 +289,12 @@ def _walk(old: Any, new: Any, path: str, list_key: str | None, out: list[Change]
             elif key not in old:
                 out.append(Change(op="added", path=sub, new=new[key]))
             else:
-                _walk(old[key], new[key], sub, key, out)
+                _walk(old[key], new[key], sub, key, out, keys)
         return
-    id_key = _LIST_KEYS.get(list_key or "")
-    if id_key and isinstance(old, list) and isinstance(new, list):
-        before = {item.get(id_key): item for item in old if isinstance(item, dict)}
-        after = {item.get(id_key): item for item in new if isinstance(item, dict)}
+    ident_of = keys.get(list_key or "")
+    if ident_of and isinstance(old, list) and isinstance(new, list):
+        before = {ident_of(item): item for item in old if isinstance(item, dict)}
+        after = {ident_of(item): item for item in new if isinstance(item, dict)}
         for ident in list(before) + [i for i in after if i not in before]:
             sub = f"{path}[{ident}]"
             if ident not in after:
@@ -276,7 +302,7 @@ def _walk(old: Any, new: Any, path: str, list_key: str | None, out: list[Change]
             elif ident not in before:
                 out.append(Change(op="added", path=sub, new=after[ident]))
             else:
-                _walk(before[ident], after[ident], sub, None, out)
+                _walk(before[ident], after[ident], sub, None, out, keys)
         return
     if old != new:
         out.append(Change(op="changed", path=path, old=old, new=new))
@@ -291,7 +317,7 @@ def diff(old: Inventory | None, new: Inventory) -> InventoryDiff:
     if old is None:
         return InventoryDiff(changes=(Change(op="added", path="", new=new.to_wire()),))
     out: list[Change] = []
-    _walk(old.to_wire(), new.to_wire(), "", None, out)
+    _walk(old.to_wire(), new.to_wire(), "", None, out, _LIST_KEYS)
     return InventoryDiff(changes=tuple(out))
 
 
@@ -302,8 +328,12 @@ _NOT_COMPARED_LEAVES = (".sinceMs",)
 
 def differences(before: Inventory, after: Inventory) -> list[str]:
     """How a host differs from an earlier inventory of it, said plainly (a node binding's clean check, in band by
-    the agent or after a BMC reset by the control plane): GPUs by UUID, MIG mode and layout, health, hugepages,
-    CPUs, memory; not what changes by itself."""
-    return [c.describe() for c in diff(before, after).changes
-            if c.path not in _NOT_COMPARED and not c.path.endswith(_NOT_COMPARED_LEAVES)]
+    the agent or after a BMC reset by the control plane): GPUs by UUID, MIG mode, the MIG layout by position
+    (`mig_position`: a recreated MIG device's new UUID is no difference, its slot, memory or cap minors are),
+    health, hugepages, CPUs, memory; not what changes by itself."""
+    out: list[Change] = []
+    _walk(before.to_wire(), after.to_wire(), "", None, out, _CLEAN_KEYS)
+    return [c.describe() for c in out
+            if c.path not in _NOT_COMPARED and not c.path.endswith(_NOT_COMPARED_LEAVES)
+            and not (c.path.endswith("].uuid") and ".migDevices[" in c.path)]
 

@@ -105,7 +105,7 @@ def test_an_extension_moves_the_keys_expiry_and_reports_the_new_end(handover, ss
 
 def test_a_node_left_changed_is_not_clean_and_says_how(handover, sshd_server, tenant_key):
     end = int(time.time() * 1000) + HOUR_MS
-    handover.reset_gpus = lambda: ["GPU 3: power limit not reset: no permission"]
+    handover.reset_gpus = lambda recorded: ["GPU 3: power limit not reset: no permission"]
     handover.reconcile([node_binding("rsv-n3", tenant_key[1], sshd_server.user, end)])
     before = handover.inventory()
     # the tenant left a GPU off the bus, and another in MIG mode
