@@ -284,7 +284,7 @@ class AgentProc:
     def __init__(self, name: str, *, url: str, token: str, topology: Path, base: Path, state_dir: Path,
                  enable_from: Path | None = None, netns: str | None = None, extra: list[str] = (),
                  log_dir: Path, env: dict | None = None, layout: str = "scope",
-                 machine_id: str | None = None) -> None:
+                 machine_id: str | None = None, nvml_library: Path | None = None) -> None:
         self.name = name
         self.machine_id = machine_id or uuid.uuid4().hex  # each test agent is a host of its own
         self.url = url
@@ -303,6 +303,14 @@ class AgentProc:
         self.netns = netns
         self.extra = list(extra)
         self.env = dict(env or {})
+        # with a stand-in NVML (tests/agent/fake_nvml) instead of --simulate: `topology` is the stand-in's file,
+        # the host's CPUs, memory and hugepages are this machine's, and the calls that change a GPU land in `calls`
+        self.nvml_library = nvml_library
+        self.calls = state_dir.parent / f"{state_dir.name}.nvml-calls"
+        if nvml_library is not None:
+            from tests.agent import fake_nvml
+
+            self.env.update({fake_nvml.TOPOLOGY_ENV: str(topology), fake_nvml.CALLS_ENV: str(self.calls)})
         self.log_path = log_dir / f"agent-{name}.log"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -313,8 +321,10 @@ class AgentProc:
         os.chmod(token_file, 0o600)
         machine_id_file = self.state_dir.parent / f"{self.state_dir.name}.machine-id"
         machine_id_file.write_text(self.machine_id + "\n")
+        gpus = (["--nvml-library", str(self.nvml_library)] if self.nvml_library is not None else
+                ["--simulate", str(self.topology)])
         cmd = [sys.executable, "-m", "berth", "agent", "--control-plane", self.url,
-               "--bootstrap-token-file", str(token_file), "--simulate", str(self.topology), "--cgroup-root", str(self.root),
+               "--bootstrap-token-file", str(token_file), *gpus, "--cgroup-root", str(self.root),
                "--state-dir", str(self.state_dir), "--log-format", "json", "--backoff-max-seconds", "0.5",
                "--exec-tenant-user", f"acme={WORKLOAD_UID}", "--machine-id-file", str(machine_id_file), *self.extra]
         if self.enable_from is not None:
@@ -402,12 +412,19 @@ def agents(own_cgroup2, workdir):
     def make(name: str, url: str, token: str, kind: str = "h100", *, netns: str | None = None,
              extra: list[str] = (), start: bool = True, env: dict | None = None,
              state_dir: Path | None = None, layout: str = "scope", hostname: str | None = None,
-             machine_id: str | None = None) -> AgentProc:
+             machine_id: str | None = None, nvml: tuple[Path, dict] | None = None) -> AgentProc:
+        """nvml: (the stand-in library, a topology dict) to run the agent over NVML instead of --simulate."""
         host = hostname or f"{name}-{uuid.uuid4().hex[:4]}"
-        a = AgentProc(name, url=url, token=token, topology=topology(kind, host, workdir),
+        if nvml is None:
+            path, library = topology(kind, host, workdir), None
+        else:
+            from tests.agent import fake_nvml
+
+            library, path = nvml[0], fake_nvml.write(workdir / f"{host}.nvml", nvml[1])
+        a = AgentProc(name, url=url, token=token, topology=path,
                       base=own_cgroup2 / name, state_dir=state_dir or workdir / f"state-{name}",
                       enable_from=own_cgroup2, netns=netns, extra=list(extra), log_dir=workdir, env=env,
-                      layout=layout, machine_id=machine_id)
+                      layout=layout, machine_id=machine_id, nvml_library=library)
         made.append(a)
         return a.start() if start else a
 
