@@ -83,3 +83,30 @@ def test_mig_enabled_on_a_gpu_is_a_change_of_mode_and_added_devices(tmp_path):
     assert ("changed", f"gpus[{uuid}].migMode.current") in ops
     assert ("changed", f"gpus[{uuid}].bookable") in ops
     assert 7 == sum(1 for c in change.changes if c.op == "added" and ".migDevices[" in c.path)
+
+
+def _mig_changed(inv: Inventory, **fields) -> Inventory:
+    """inv with its first MIG device changed (the fields given), as a clean might have left it."""
+    wire = inv.to_wire()
+    gpu = next(g for g in wire["gpus"] if g["migDevices"])
+    gpu["migDevices"][0].update(fields)
+    return Inventory.from_wire(wire)
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"uuid": "MIG-recreated"}, []),  # recreated in place: a new UUID is no difference
+    ({"uuid": "MIG-recreated", "gpuInstanceId": 9},  # another GPU instance id
+     ["[3g.40gb gi 1 ci 0 at placement 0] removed (index 0, profile 3g.40gb)",
+      "[3g.40gb gi 9 ci 0 at placement 0] added (index 0, profile 3g.40gb)"]),
+    ({"placement": {"start": 4, "size": 3}},  # another placement
+     ["[3g.40gb gi 1 ci 0 at placement 0] removed (index 0, profile 3g.40gb)",
+      "[3g.40gb gi 1 ci 0 at placement 4] added (index 0, profile 3g.40gb)"]),
+    ({"index": 6}, ["[3g.40gb gi 1 ci 0 at placement 0].index: 0 -> 6"]),  # another slot: the unit would move
+])
+def test_the_clean_check_compares_mig_devices_by_position_not_uuid(fields, expected):
+    from common.inventory import differences
+
+    before = _inventory(EXAMPLES / "mixed.json")
+    gpu = next(g for g in before.gpus if g.migDevices)
+    assert [f"gpus[{gpu.uuid}].migDevices{e}" for e in expected] == differences(before, _mig_changed(before, **fields))
+    assert diff(before, _mig_changed(before, uuid="MIG-recreated")).changes  # diff() still keys them by UUID

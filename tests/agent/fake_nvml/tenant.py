@@ -49,6 +49,19 @@ def destroy_gi(gpu: int, gi_id: int) -> None:
     pynvml.nvmlGpuInstanceDestroy(gi)
 
 
+def create_ci(gpu: int, gi_id: int, slices: int) -> int:
+    """A compute instance of `slices` slices in a GPU instance; its id."""
+    gi = _gpu_instance(_gpu(gpu), gi_id)
+    for profile in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+        try:
+            info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, profile, 0)
+        except pynvml.NVMLError:
+            continue
+        if info.sliceCount == slices:
+            return pynvml.nvmlComputeInstanceGetInfo(pynvml.nvmlGpuInstanceCreateComputeInstance(gi, info.id)).id
+    raise LookupError(f"no compute instance profile of {slices} slices")
+
+
 def create_gi(gpu: int, profile_name: str, start: int) -> int:
     """A GPU instance of the named profile at a placement start, with one compute instance spanning it; its id."""
     handle = _gpu(gpu)
