@@ -58,6 +58,9 @@ def h100_node(node_id: str, pool: str = "h100", vcpu: int = 64, memory: int = 51
     }
 
 
+MIG_BOOT = "node-token-mig-0000001"
+
+
 def bootstrap_doc() -> dict:
     return {
         "adminToken": "admin-token-for-tests-0001",
@@ -100,7 +103,7 @@ def bootstrap_doc() -> dict:
             h100_node("g1", pool="globex-own"),
         ],
         "nodeTokens": [{"pool": "h100", "token": "node-token-h100-000001"},
-                       {"pool": "k8s", "token": K8S_BOOT}],
+                       {"pool": "k8s", "token": K8S_BOOT}, {"pool": "mig", "token": MIG_BOOT}],
         "policies": POLICIES,
     }
 

@@ -5,12 +5,13 @@ import asyncio
 import copy
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from agent.discovery import Discovery
 from agent.host import KernelHost
 from agent.simulate import SimulatedGpus, SimulatedHost
-from tests.controlplane.conftest import HOUR, T0
+from tests.controlplane.conftest import HOUR, MIG_BOOT, T0
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOT = "node-token-h100-000001"
@@ -271,3 +272,45 @@ async def test_metrics_are_prometheus_text(api):
     text = await resp.text()
     assert 'berth_reservations{pool="h100",state="placed"} 1.0' in text
     assert 'berth_nodes{pool="h100",state="ready"} 2.0' in text
+
+
+async def test_mig_devices_recreated_in_place_update_the_units_uuids_and_a_later_hold_booking_names_them(api):
+    """A node binding's in-band clean recreates MIG devices the tenant destroyed: same slots, new UUIDs. The
+    agent's next inventory carries them; the node's units (keyed by slot) take the new UUIDs, so the next hold
+    booking on them names devices that exist and the agent can bind it."""
+    import uuid as uuidlib
+
+    from agent.bindspec import BindError, devices_of
+    from common.inventory import Inventory
+    from common.nodewire import Binding
+
+    inv = inventory("m1.test", "a100-mig.json")  # takes over the declared m1, the mig pool's only node
+    status, doc = await node_call(api, "register", MIG_BOOT, {"hostname": "m1.test", "inventory": inv})
+    assert 200 == status, doc
+    token = doc["nodeToken"]
+
+    async def hold_booking(key: str) -> dict:
+        res = (await api.create(key=key, poolId="mig", gpuModel="A100_80GB", migProfile="1g.10gb", gpuCount=7))[1]
+        await api.settle()
+        status, watched = await node_call(api, "watch", token, {"timeoutMs": 0})
+        return next(b for b in watched["bindings"] if b["reservationId"] == res["reservation"]["id"])
+
+    first = await hold_booking("before")
+    old = [m["uuid"] for m in inv["gpus"][0]["migDevices"]]
+    assert sorted(old) == sorted(u["uuid"] for u in first["units"])
+    status, _ = await api.call("release", "alice", {"reservationId": first["reservationId"]})
+    assert status == 202
+    renewed = copy.deepcopy(inv)
+    for m in renewed["gpus"][0]["migDevices"]:
+        m["uuid"] = f"MIG-{uuidlib.uuid4()}"
+    status, _ = await node_call(api, "heartbeat", token, {"inventory": renewed})
+    assert status == 200
+    new = [m["uuid"] for m in renewed["gpus"][0]["migDevices"]]
+    units = api.cp.catalog.current.nodes["m1"].units
+    assert ([f"gpu0/mig{i}" for i in range(7)], new) == ([u.id for u in units], [u.uuid for u in units])
+    later = await hold_booking("after")
+    assert sorted(new) == sorted(u["uuid"] for u in later["units"])
+    live = Inventory.from_wire(renewed)
+    assert 14 == len(devices_of(msgspec.convert(later, Binding), live)[1])  # the agent finds each device's caps
+    with pytest.raises(BindError):  # what a binding naming the old UUIDs would have met
+        devices_of(msgspec.convert(first, Binding), live)
