@@ -192,10 +192,12 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
     raise RuntimeError("server did not start")
 
 
-def serve_berth(db: Path, boot: Path, port: int) -> subprocess.Popen:
+def serve_berth(db: Path | str, boot: Path, port: int) -> subprocess.Popen:
+    """`berth controlplane serve` on db: a SQLite file's path, or a database URL."""
+    url = db if isinstance(db, str) else f"sqlite:///{db}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", f"127.0.0.1:{port}",
-         "--db", f"sqlite:///{db}", "--bootstrap", str(boot), "--log-level", "warning"],
+         "--db", url, "--bootstrap", str(boot), "--log-level", "warning"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     wait_port(port, proc)

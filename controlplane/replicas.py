@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import Callable
 
 import asyncpg
@@ -69,6 +70,7 @@ class Shared:
         self._main: asyncio.AbstractEventLoop | None = None
         self._refresh: Callable[[], None] = lambda: None
         self._became_leader: Callable[[], None] = lambda: None
+        self._tried: concurrent.futures.Future = concurrent.futures.Future()
         self.notices = 0  # NOTIFYs heard from other replicas' commits (metrics, tests)
 
     def leads(self) -> bool:
@@ -87,8 +89,13 @@ class Shared:
     async def start(self, refresh: Callable[[], None], became_leader: Callable[[], None]) -> None:
         self._main = asyncio.get_running_loop()
         self._refresh, self._became_leader = refresh, became_leader
+        self._tried = concurrent.futures.Future()  # the first try for the lead: a lone replica leads at once
         self._tasks = [self.connector.submit(self._lead()), self.connector.submit(self._listen()),
                        asyncio.ensure_future(self._share_heartbeats())]
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self._tried), self.tick_s * 5)
+        except asyncio.TimeoutError:
+            log.warning("no answer yet to the first try for the lead; serving, and trying on")
 
     async def stop(self) -> None:
         self._stopping = True
@@ -126,6 +133,8 @@ class Shared:
                 if conn is not None:
                     conn.terminate()
                 conn = None
+            if not self._tried.done():
+                self._tried.set_result(self.leading)
             await asyncio.sleep(self.tick_s)
         self.leading = False
         if conn is not None and not conn.is_closed():

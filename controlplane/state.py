@@ -2,7 +2,8 @@
 
 Changed only by store jobs (on the event loop), so it always equals what the
 database holds; rebuilt from the database at start and whenever a job or a
-commit fails.
+commit fails, and brought up to date reservation by reservation with what
+other replicas wrote (apply).
 """
 from __future__ import annotations
 
@@ -51,6 +52,22 @@ class WriterState:
         for pool_id, queue in self.pending.items():
             if queue:
                 self.timers.retry_pool(pool_id, now + RETRY_MS)
+
+    def apply(self, res: Reservation, bookings: Iterable[Booking], now: int) -> None:
+        """One reservation as another replica left it (docs/scale-out.md): its bookings, charge and indexes
+        replaced by what the database holds."""
+        self.calendar.remove(res.id)
+        for booking in bookings:
+            self.calendar.add_node(booking.pool_id, booking.node_id, booking.units)
+            self.calendar.book(booking)
+        old = self.charged.get(res.tenant_id, {}).get(res.id)
+        if old is not None:
+            self.ledger.refund(old.tenant_id, old.charge)
+        if res.state in states.CHARGED:
+            self.ledger.hold(res.tenant_id, res.charge)
+        self.track(res)
+        if res.state == states.PENDING:
+            self.timers.retry_pool(res.pool_id, now + RETRY_MS)
 
     def track(self, res: Reservation) -> None:
         """Keep the indexes (pending queue, spot set, timers) in step with the reservation's state."""

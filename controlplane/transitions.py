@@ -81,10 +81,11 @@ class Transitions:
         if self.listeners:
             # The object itself, not a copy: a job's reservation is its own (every job reads fresh from the
             # store), so after the commit it stands as the job left it.
-            tx.on_commit(lambda: self._notify(res))
+            tx.on_commit(lambda: self.notify(res))
         return True
 
-    def _notify(self, res: Reservation) -> None:
+    def notify(self, res: Reservation) -> None:
+        """Tell the listeners (watches, long polls) that res stands as it is now."""
         for listener in list(self.listeners):
             listener(res)
 

@@ -139,7 +139,7 @@ class ControlPlane:
         self._refresh_again = False
 
     def open(self) -> "ControlPlane":
-        self.store.start(self._load, self.metrics.group_committed)
+        self.store.start(self._load, self.metrics.group_committed, self._changed)
         self.store.call_sync(self._load)
         if self.config.bootstrap:
             self.apply_bootstrap(self.config.bootstrap)
@@ -191,6 +191,19 @@ class ControlPlane:
         self.reservations.wake_all(live)
         if self.catalog.current.policies != before and self.store.groups:
             self._load_policies()
+        self.reconciler.wake()
+
+    def _changed(self, tx, changed: list) -> None:
+        """Other replicas changed these reservations (and nothing of the catalog): each replaces its old self in
+        memory, and whatever reads memory hears of it, as after this replica's own commits."""
+        now = self.clock.compute_now()
+        bookings: dict[str, list] = {}
+        for booking in tx.live_bookings_of([res.id for res in changed], now):
+            bookings.setdefault(booking.reservation_id, []).append(booking)
+        for res in changed:
+            self.state.apply(res, bookings.get(res.id, ()), now)
+        for res in changed:
+            self.moves.notify(res)  # watches of the nodes it is on, long polls on its tenant's events and on it
         self.reconciler.wake()
 
     def apply_bootstrap(self, path: str) -> None:

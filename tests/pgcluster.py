@@ -9,8 +9,10 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -48,13 +50,19 @@ def _as_user(argv: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, user=USER, **kw)
 
 
-@pytest.fixture(scope="session")
-def pg_cluster():
+class ClusterError(Exception):
+    """A throwaway cluster cannot be made here; the message says why."""
+
+
+@contextmanager
+def throwaway_cluster(fsync: bool = False) -> Iterator[Cluster]:
+    """A cluster for the duration of the block. fsync off for tests (speed); on where durability is measured
+    (bench/replicas.py compares commits with commits)."""
     bin_dir = binaries()
     if bin_dir is None:
-        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
+        raise ClusterError("PostgreSQL is not installed (apt-get install postgresql)")
     if os.geteuid() != 0:
-        pytest.skip("the throwaway cluster runs as an unprivileged user: needs root to become it")
+        raise ClusterError("the throwaway cluster runs as an unprivileged user: needs root to become it")
     root = Path(tempfile.mkdtemp(prefix="berth-pg-"))
     uid = pwd.getpwnam(USER).pw_uid
     os.chmod(root, 0o755)
@@ -66,13 +74,25 @@ def pg_cluster():
     try:
         init = _as_user([str(bin_dir / "initdb"), "-D", str(data), "-U", USER, "--auth=trust", "-E", "UTF8",
                          "--no-sync"], cwd=str(root))
-        assert init.returncode == 0, init.stderr
-        opts = f"-c listen_addresses='' -c unix_socket_directories={sock} -c fsync=off -c max_connections=200"
+        if init.returncode != 0:
+            raise ClusterError(f"initdb failed: {init.stderr}")
+        opts = (f"-c listen_addresses='' -c unix_socket_directories={sock} -c max_connections=200"
+                f" -c fsync={'on' if fsync else 'off'}")
         start = _as_user([str(bin_dir / "pg_ctl"), "-D", str(data), "-o", opts, "-l", str(data / "log"), "-w",
                           "start"], cwd=str(root))
-        assert start.returncode == 0, start.stderr + start.stdout
+        if start.returncode != 0:
+            raise ClusterError(f"pg_ctl start failed: {start.stderr}{start.stdout}")
         yield Cluster(bin_dir, data, sock)
     finally:
         if (data / "postmaster.pid").exists():
             _as_user([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"], cwd=str(root))
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    try:
+        with throwaway_cluster() as cluster:
+            yield cluster
+    except ClusterError as exc:
+        pytest.skip(str(exc))

@@ -15,7 +15,9 @@ what several replicas on one database need from the database itself
   key) and is unique: the same key sent to two replicas yields one row.
 - **Commit-order events.** `events.seq` is a sequence; readers page by it.
 - **One writer at a time.** `replica_state.generation` grows with every
-  committed group of writes (store/postgres.py), under an advisory lock.
+  committed group of writes (store/postgres.py), under an advisory lock;
+  each reservation row carries the generation that last changed it (`gen`),
+  so a replica catches up on what others changed without reading the rest.
 
 `migrate(conn)` takes `pg_advisory_lock(MIGRATION_LOCK)`, so two replicas
 starting together apply each migration once, in order, each in its own
@@ -105,8 +107,14 @@ CREATE INDEX billing_by_tenant ON billing (tenant_id, start_ms);
 CREATE TABLE quotes (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, expires_at BIGINT NOT NULL, doc BYTEA NOT NULL);
 """),
     (2, "what replicas share: the write generation, agents' last heartbeats, a booking's units in order", """
-CREATE TABLE replica_state (id INT PRIMARY KEY CHECK (id = 1), generation BIGINT NOT NULL);
-INSERT INTO replica_state (id, generation) VALUES (1, 0);
+CREATE TABLE replica_state (
+  id INT PRIMARY KEY CHECK (id = 1),
+  generation BIGINT NOT NULL,  -- grows with every committed group of writes
+  catalog_generation BIGINT NOT NULL  -- the last group that changed the catalog or the tokens
+);
+INSERT INTO replica_state (id, generation, catalog_generation) VALUES (1, 0, 0);
+ALTER TABLE reservations ADD COLUMN gen BIGINT NOT NULL DEFAULT 0;  -- the group that last changed it
+CREATE INDEX reservations_by_gen ON reservations (gen);
 CREATE TABLE node_seen (node_id TEXT PRIMARY KEY, seen_at BIGINT NOT NULL);
 ALTER TABLE bookings ADD COLUMN units TEXT[] NOT NULL DEFAULT '{}';
 """),

@@ -11,7 +11,8 @@ A job answers with a plain value, or raises DomainError to roll back its own
 writes. `tx.refuse(error)` keeps the job's writes and still answers the
 caller with the refusal (a draft that stays so the same key can be retried).
 An unexpected exception in a job rolls back that job only and answers
-PROVIDER_UNAVAILABLE. Engines: store/sqlite.py (embedded, the default).
+PROVIDER_UNAVAILABLE. Engines: store/sqlite.py (embedded, the default) and store/postgres.py (several
+replicas on one database, docs/scale-out.md).
 """
 from __future__ import annotations
 
@@ -104,12 +105,16 @@ class Store(Reads, Protocol):
     groups: int  # writer groups committed (metrics)
     jobs: int  # jobs run
 
-    def start(self, on_reset: Callable[[Tx], None], on_group: Callable[[int], None] | None = None) -> None:
+    def start(self, on_reset: Callable[[Tx], None], on_group: Callable[[int], None] | None = None,
+              on_changed: Callable[[Any, list[Reservation]], None] | None = None) -> None:
         """Start the writer; on_reset(tx) rebuilds the writer's memory from the database; on_group(jobs) hears
-        each committed group's size."""
+        each committed group's size; on_changed(tx, reservations) brings the memory up to date with what other
+        writers (replicas on one database) changed, when only reservations changed (tx.live_bookings_of gives
+        their bookings); an engine with one writer never calls it."""
 
-    def call(self, job: Callable[[Tx], T]) -> Awaitable[T]:
-        """Run job(tx) in the writer's next group; the answer comes after the group's commit."""
+    def call(self, job: Callable[[Tx], T], reads: Iterable[str] = ()) -> Awaitable[T]:
+        """Run job(tx) in the writer's next group; the answer comes after the group's commit. reads: the
+        reservations the job reads first (an engine across a network fetches a group's together)."""
 
     def call_sync(self, job: Callable[[Tx], T]) -> T:
         """Run one job now, outside any event loop (start-up, tools); returns once committed."""

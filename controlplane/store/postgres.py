@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 import threading
 import time
 from decimal import Decimal
@@ -84,6 +85,9 @@ class Connector:
     def __init__(self, dsn: str, application: str):
         self.dsn = dsn
         self.application = application
+        # Each reply from the database wakes this thread, which must then take the GIL from the API's thread:
+        # at CPython's default switch interval (5 ms) every round trip of a busy replica would wait that long.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="berth-store-pg", daemon=True)
         self._thread.start()
@@ -165,8 +169,14 @@ class Reads:
     def _fetchrow(self, sql: str, *args) -> Any: ...
 
     def reservation(self, reservation_id: str) -> Reservation | None:
-        row = self._fetchrow("SELECT doc, seq FROM reservations WHERE id = $1", reservation_id)
+        row = self._prefetched(reservation_id)
+        if row is ...:
+            row = self._fetchrow("SELECT doc, seq FROM reservations WHERE id = $1", reservation_id)
         return _reservation(row[0], row[1]) if row else None
+
+    def _prefetched(self, reservation_id: str) -> Any:
+        """(doc, seq), None (no such reservation) or ... (not known: ask the database)."""
+        return ...
 
     def operation(self, op_id: str) -> Operation | None:
         """An operation lives in its reservation's document; its id names the reservation (ids.operation_parts)."""
@@ -192,6 +202,15 @@ INSERT_BOOKING = (
     " memory_mib, hugepages_1g) VALUES ($1, $2, $3, $4::text[], $5, $6, $7, $8, $9) RETURNING id)"
     " INSERT INTO booked_units (booking_id, node_id, unit, during)"
     " SELECT b.id, $3, u, int8range($5, $6) FROM b, unnest($4::text[]) AS u")
+# The group's generation, the reservations it changed stamped with it, and the NOTIFY: one round trip.
+BUMP = (
+    "WITH g AS (UPDATE replica_state SET generation = generation + 1, catalog_generation = CASE WHEN $1"
+    " THEN generation + 1 ELSE catalog_generation END WHERE id = 1 RETURNING generation),"
+    " r AS (UPDATE reservations SET gen = (SELECT generation FROM g) WHERE id = ANY($2::text[]) RETURNING 1),"
+    " n AS (SELECT pg_notify('berth_changes', generation::text) FROM g)"
+    " SELECT g.generation FROM g, (SELECT count(*) FROM n) AS notified, (SELECT count(*) FROM r) AS stamped")
+INSERT_RESERVATION = ("INSERT INTO reservations (seq, id, tenant_id, principal_id, pool_id, state, doc)"
+                      " VALUES ($1, $2, $3, $4, $5, $6, $7)")
 INSERT_EVENT = "INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES ($1, $2, $3, $4, $5)"
 # A booking's end moves with its devices' ranges, in one statement (the exclusion constraint checks the new ranges).
 MOVE_END = (
@@ -238,46 +257,57 @@ class PgTx(Reads):
         self.dirty = False
         self.committed: list[Callable[[], None]] = []
         self.refused: DomainError | None = None
-        self.appends = Appends()
-        self.group = group
-        self.flushed = Appends()
-        self.saved = False
+        self.appends = Appends()  # this job's rows not yet written (dropped, unwritten, if it fails)
+        self.group = group  # earlier jobs' rows not yet written
+        self.saved = False  # this job's savepoint is open (at its first write that is not an append)
         self.wrote = False
+        self.touched: set[str] = set()  # reservations this job changed (their rows get the group's generation)
+        self.catalog_touched = False  # the catalog or the tokens: other replicas then reload them whole
 
-    # statements
-    def _run(self, coro) -> Any:
-        return self.w.connector.run(coro)
+    # statements: each one hop to the database's thread, which first writes the rows appended so far (earlier
+    # jobs' before this job's savepoint, this job's inside it), so a job that only appends (a create) costs the
+    # one read it makes, and the rest goes in the group's executemany at its end.
+    def _hop(self, statement: Callable[[asyncpg.Connection], Awaitable[Any]], writes: bool) -> Any:
+        return self.w.connector.run(self._flushing(statement, writes))
+
+    async def _flushing(self, statement, writes: bool) -> Any:
+        conn = self.w.conn
+        earlier = self.group.take()
+        if earlier:
+            await earlier.write(conn)
+        mine = self.appends.take()
+        if (mine or writes) and not self.saved:
+            await conn.execute("SAVEPOINT job")
+            self.saved = True
+        if mine:
+            await mine.write(conn)
+        return await statement(conn)
 
     def _fetchrow(self, sql: str, *args) -> Any:
-        return self._run(self.w.conn.fetchrow(sql, *args))
+        return self._hop(lambda c: c.fetchrow(sql, *args), writes=False)
+
+    def _prefetched(self, reservation_id: str) -> Any:
+        return self.w.prefetched.get(reservation_id, ...)
+
+    def _touch(self, reservation_id: str) -> None:
+        self.touched.add(reservation_id)
+        self.w.prefetched.pop(reservation_id, None)  # read back from the database from now on (own writes)
 
     def _fetch(self, sql: str, *args) -> list:
-        return self._run(self.w.conn.fetch(sql, *args))
+        return self._hop(lambda c: c.fetch(sql, *args), writes=False)
 
     def _execute(self, sql: str, *args) -> str:
-        """A write, inside this job's savepoint (opened with the first: a job that only reads costs none)."""
         self.wrote = True
-        if not self.saved:
-            self.saved = True
-            return self._run(self._savepoint_then(sql, args))
-        return self._run(self.w.conn.execute(sql, *args))
+        return self._hop(lambda c: c.execute(sql, *args), writes=True)
 
-    async def _savepoint_then(self, sql: str, args: tuple) -> str:
-        await self.w.conn.execute("SAVEPOINT job")
-        return await self.w.conn.execute(sql, *args)
+    def _append(self, sql: str, row: tuple) -> None:
+        self.wrote = True
+        self.appends.add(sql, row)
 
     def flush(self) -> None:
-        if not self.group and not self.appends:
-            return
-        if not self.saved:
-            self._execute("SELECT 1")
-        earlier = self.group.take()
-        mine = self.appends.take()
-        both = Appends()
-        both.extend(earlier)
-        both.extend(mine)
-        self._run(both.write(self.w.conn))
-        self.flushed.extend(earlier)
+        """Write every appended row now."""
+        if self.group or self.appends:
+            self._hop(lambda c: asyncio.sleep(0), writes=False)
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         self.committed.append(fn)
@@ -290,14 +320,12 @@ class PgTx(Reads):
 
     # reservations
     def save_reservation(self, res: Reservation) -> None:
-        if res.seq == 0:
-            self.wrote = True
-            if not self.saved:
-                self._execute("SELECT 1")
-            res.seq = self._run(self.w.conn.fetchval(
-                "INSERT INTO reservations (id, tenant_id, principal_id, pool_id, state, doc)"
-                " VALUES ($1, $2, $3, $4, $5, $6) RETURNING seq",
-                res.id, res.tenant_id, res.principal_id, res.pool_id, res.state, codec.encode(res)))
+        self._touch(res.id)
+        if res.seq == 0:  # seqs are handed out under the write lock: list order is commit order
+            res.seq = self.w.next_seq
+            self.w.next_seq += 1
+            self._append(INSERT_RESERVATION, (res.seq, res.id, res.tenant_id, res.principal_id, res.pool_id,
+                                              res.state, codec.encode(res)))
         else:
             self._execute("UPDATE reservations SET state = $1, doc = $2 WHERE id = $3",
                           res.state, codec.encode(res), res.id)
@@ -305,25 +333,31 @@ class PgTx(Reads):
     def move_if(self, res: Reservation, expected_state: str) -> bool:
         status = self._execute("UPDATE reservations SET state = $1, doc = $2 WHERE id = $3 AND state = $4",
                                res.state, codec.encode(res), res.id, expected_state)
-        return status == "UPDATE 1"
+        moved = status == "UPDATE 1"
+        if moved:
+            self._touch(res.id)
+        return moved
 
     # bookings
     def insert_bookings(self, bookings: Iterable[Booking]) -> None:
         for b in bookings:
-            self.appends.add(INSERT_BOOKING, (b.reservation_id, b.pool_id, b.node_id, list(b.units), b.start, b.end,
+            self._touch(b.reservation_id)
+            self._append(INSERT_BOOKING, (b.reservation_id, b.pool_id, b.node_id, list(b.units), b.start, b.end,
                                               b.share.vcpu_milli, b.share.memory_mib, b.share.hugepages_1g))
 
     def end_bookings(self, reservation_id: str, at: int) -> None:
+        self._touch(reservation_id)
         self.flush()
         self._execute(MOVE_END.format(end="GREATEST(start_ms, LEAST(end_ms, $2::bigint))"), reservation_id, at)
 
     def set_bookings_end(self, reservation_id: str, end: int) -> None:
+        self._touch(reservation_id)
         self.flush()
         self._execute(MOVE_END.format(end="$2::bigint"), reservation_id, end)
 
     # events, confirmations
     def event(self, tenant_id: str, reservation_id: str | None, type_: str, at: int, data: dict[str, Any]) -> None:
-        self.appends.add(INSERT_EVENT, (tenant_id, reservation_id, type_, at, codec.encode(data)))
+        self._append(INSERT_EVENT, (tenant_id, reservation_id, type_, at, codec.encode(data)))
 
     def put_confirmation(self, conf) -> None:
         self._execute(
@@ -351,14 +385,17 @@ class PgTx(Reads):
 
     # catalog and tokens
     def put_catalog(self, kind: str, ident: str, doc: bytes) -> None:
+        self.catalog_touched = True
         self._execute("INSERT INTO catalog (kind, id, doc) VALUES ($1, $2, $3)"
                       " ON CONFLICT (kind, id) DO UPDATE SET doc = excluded.doc", kind, ident, doc)
 
     def put_token(self, token_hash: str, kind: str, subject: str) -> None:
+        self.catalog_touched = True
         self._execute("INSERT INTO tokens (hash, kind, subject) VALUES ($1, $2, $3) ON CONFLICT (hash)"
                       " DO UPDATE SET kind = excluded.kind, subject = excluded.subject", token_hash, kind, subject)
 
     def delete_tokens(self, kind: str, subject: str) -> None:
+        self.catalog_touched = True
         self._execute("DELETE FROM tokens WHERE kind = $1 AND subject = $2", kind, subject)
 
     # what the writer's memory is built from
@@ -381,6 +418,21 @@ class PgTx(Reads):
             " AND b.end_ms > b.start_ms ORDER BY b.id", now)
         return [_booking(r) for r in rows]
 
+    def changed_since(self, generation: int) -> list[Reservation]:
+        """Reservations other replicas' groups changed after `generation`, oldest first."""
+        rows = self._fetch("SELECT doc, seq FROM reservations WHERE gen > $1 ORDER BY seq", generation)
+        return [_reservation(doc, seq) for doc, seq in rows]
+
+    def live_bookings_of(self, reservation_ids: list[str], now: int) -> list[Booking]:
+        """live_bookings, of these reservations only."""
+        rows = self._fetch(
+            "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli,"
+            " b.memory_mib, b.hugepages_1g FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
+            " WHERE b.reservation_id = ANY($2::text[]) AND (r.state IN ('placed', 'binding', 'active')"
+            " OR (r.state = 'released' AND b.end_ms > $1)) AND b.end_ms > b.start_ms ORDER BY b.id",
+            now, reservation_ids)
+        return [_booking(r) for r in rows]
+
     def catalog_docs(self, kind: str) -> list[bytes]:
         return [r[0] for r in self._fetch("SELECT doc FROM catalog WHERE kind = $1 ORDER BY id", kind)]
 
@@ -392,16 +444,24 @@ class Writer:
     """One replica's writer: groups of jobs, each group one transaction under the write lock, answered after its
     COMMIT. While a group waits for the lock or commits, the API's loop goes on and new jobs queue."""
 
-    def __init__(self, connector: Connector, on_reset: Callable[[PgTx], None]):
+    def __init__(self, connector: Connector, on_reset: Callable[[PgTx], None],
+                 on_changed: Callable[[PgTx, list[Reservation]], None] | None = None):
         self.connector = connector
         self._on_reset = on_reset
+        self._on_changed = on_changed
         self.conn: asyncpg.Connection | None = None
         self.generation: int | None = None  # the database's generation the memory equals (None: rebuild first)
         self._pending: list[tuple[Callable[[PgTx], Any], asyncio.Future | None]] = []
         self._busy = False
+        self._reads: list[str] = []  # reservations the pending jobs read first
         self._sync = threading.Lock()
         self._hooks: list[Callable[[], None]] = []
         self._appends = Appends()
+        self._touched: set[str] = set()  # of the open group's jobs that succeeded
+        self.closing = False
+        self.prefetched: dict[str, tuple[bytes, int] | None] = {}  # of the open group (PgTx.reservation)
+        self.next_seq = 0  # the seq a reservation inserted next gets (read under the lock at each BEGIN)
+        self._catalog_touched = False
         self.groups = 0
         self.jobs = 0
         self.retries = 0  # groups run again after a lost race
@@ -410,13 +470,22 @@ class Writer:
         self.reloaded: Callable[[], None] = lambda: None  # after a rebuild (the wiring wakes what reads memory)
 
     # ---- on the database's thread -----------------------------------------------------------------
-    async def _begin(self) -> int:
+    async def _begin(self, reads: list[str] = ()) -> tuple[int, int]:
+        """BEGIN, the write lock, and (generation, catalog generation) as the lock found them; the reservations
+        the group's jobs said they read first (`reads`), fetched together."""
         if self.conn is None or self.conn.is_closed():
             self.conn = None
             self.conn = await self.connector.connect("writer")
-        await self.conn.execute("BEGIN")
-        await self.conn.execute("SELECT pg_advisory_xact_lock($1)", WRITE_LOCK)
-        return await self.conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
+        await self.conn.execute(f"BEGIN; SELECT pg_advisory_xact_lock({WRITE_LOCK:d})")  # one round trip
+        row = await self.conn.fetchrow("SELECT generation, catalog_generation, (SELECT COALESCE(MAX(seq), 0)"
+                                       " FROM reservations) FROM replica_state WHERE id = 1")
+        self.next_seq = row[2] + 1
+        self.prefetched = dict.fromkeys(reads)
+        if reads:
+            for rid, doc, seq in await self.conn.fetch("SELECT id, doc, seq FROM reservations WHERE id = ANY($1)",
+                                                       list(reads)):
+                self.prefetched[rid] = (doc, seq)
+        return row[0], row[1]
 
     async def _begin_read(self) -> int:
         """A snapshot to rebuild the memory from, with the generation it shows (no lock: it writes nothing)."""
@@ -426,15 +495,13 @@ class Writer:
         await self.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         return await self.conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
 
-    async def _commit(self, appends: Appends, wrote: bool) -> int:
+    async def _commit(self, appends: Appends, wrote: bool, touched: set[str], catalog: bool) -> int:
         conn = self.conn
         assert conn is not None
         await appends.write(conn)
         generation = None
         if wrote or appends:
-            generation = await conn.fetchval(
-                "UPDATE replica_state SET generation = generation + 1 WHERE id = 1 RETURNING generation")
-            await conn.execute("SELECT pg_notify('berth_changes', $1)", str(generation))
+            generation = await conn.fetchval(BUMP, catalog, list(touched))
         else:
             generation = await conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
         await conn.execute("COMMIT")
@@ -449,10 +516,11 @@ class Writer:
                 self.conn = None
 
     # ---- on the API's loop ------------------------------------------------------------------------
-    def call(self, fn: Callable[[PgTx], Any]) -> "asyncio.Future[Any]":
+    def call(self, fn: Callable[[PgTx], Any], reads: Iterable[str] = ()) -> "asyncio.Future[Any]":
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append((fn, fut))
+        self._reads.extend(reads)
         if not self._busy:
             self._busy = True
             loop.call_soon(self._start_group, loop)
@@ -464,8 +532,12 @@ class Writer:
         if not group:
             self._busy = False
             return
+        if self.closing:
+            self._give_up(loop, group, ConnectionError("the control plane is stopping"))
+            return
         self._sync.acquire()
-        begun = asyncio.wrap_future(self.connector.submit(self._begin()), loop=loop)
+        reads, self._reads = self._reads, []  # (of a group cut at GROUP_MAX, the rest are fetched needlessly)
+        begun = asyncio.wrap_future(self.connector.submit(self._begin(reads)), loop=loop)
         begun.add_done_callback(lambda f: self._run_group(loop, group, f, attempt))
 
     def _run_group(self, loop, group, begun, attempt: int) -> None:
@@ -483,7 +555,8 @@ class Writer:
             self._sync.release()
             self._give_up(loop, group, exc)
             return
-        commit = asyncio.wrap_future(self.connector.submit(self._commit(self._appends.take(), wrote)), loop=loop)
+        commit = asyncio.wrap_future(self.connector.submit(self._commit(self._appends.take(), wrote, *self._take_touched())),
+                                     loop=loop)
         commit.add_done_callback(lambda f: self._finish_group(loop, group, answers, f, attempt))
 
     def _finish_group(self, loop, group, answers, commit, attempt: int) -> None:
@@ -514,7 +587,8 @@ class Writer:
         log.error("store group failed", error=f"{type(exc).__name__}: {exc}")
         self._appends = Appends()
         self._hooks = []
-        if not self.connector.closed:
+        self._take_touched()
+        if not self.connector.closed and not self.closing:
             self._reset_now()
         err = unavailable(f"the database is unavailable ({type(exc).__name__}); retry with the same idempotency "
                           "key")
@@ -546,11 +620,23 @@ class Writer:
         else:
             self._busy = False
 
-    def _fresh(self, generation: int) -> None:
-        """Inside the locked transaction: rebuild the memory if the database moved since this replica last saw it."""
+    def _take_touched(self) -> tuple[set[str], bool]:
+        touched, catalog = self._touched, self._catalog_touched
+        self._touched, self._catalog_touched = set(), False
+        return touched, catalog
+
+    def _fresh(self, found: tuple[int, int]) -> None:
+        """Inside the locked transaction: bring the memory up to the database if it moved since this replica last
+        saw it; only the reservations other replicas changed, unless they changed the catalog or tokens too (or
+        this replica's memory is of an unknown generation)."""
+        generation, catalog_generation = found
         if generation == self.generation:
             return
-        self._on_reset(PgTx(self, self._appends))
+        tx = PgTx(self, self._appends)
+        if self.generation is None or catalog_generation > self.generation or self._on_changed is None:
+            self._on_reset(tx)
+        else:
+            self._on_changed(tx, tx.changed_since(self.generation))
         self.generation = generation
         self.reloads += 1
         self.reloaded()
@@ -565,7 +651,6 @@ class Writer:
             except BaseException as exc:  # noqa: BLE001 - every job gets an answer
                 if tx.saved:
                     self.connector.run(self.conn.execute("ROLLBACK TO SAVEPOINT job; RELEASE SAVEPOINT job"))
-                self._appends.extend(tx.flushed)
                 if isinstance(exc, UNREACHABLE):
                     raise
                 if not isinstance(exc, DomainError):
@@ -575,9 +660,11 @@ class Writer:
                     self._on_reset(PgTx(self, self._appends))
                 answers.append((fut, None, exc))
                 continue
-            if tx.saved:
-                self.connector.run(self.conn.execute("RELEASE SAVEPOINT job"))
+            # A job's savepoint is left open (no RELEASE, one hop less): the next job's own savepoint of the
+            # same name is the one a ROLLBACK TO finds.
             wrote = wrote or tx.wrote
+            self._touched |= tx.touched
+            self._catalog_touched = self._catalog_touched or tx.catalog_touched
             self._appends.extend(tx.appends)
             self._hooks.extend(tx.committed)
             answers.append((fut, None, tx.refused) if tx.refused is not None else (fut, value, None))
@@ -591,11 +678,13 @@ class Writer:
                     self._fresh(self.connector.run(self._begin()))
                     answers, wrote = self._run_jobs([(fn, None)])
                     hooks, self._hooks = self._hooks, []
-                    self.generation = self.connector.run(self._commit(self._appends.take(), wrote))
+                    self.generation = self.connector.run(self._commit(self._appends.take(), wrote,
+                                                                      *self._take_touched()))
                 except RACES:
                     self.connector.run(self._rollback())
                     self.generation = None
                     self._appends, self._hooks = Appends(), []
+                    self._take_touched()
                     if attempt == RETRIES:
                         raise
                     self.retries += 1
@@ -604,6 +693,7 @@ class Writer:
                     self.connector.run(self._rollback())
                     self.generation = None
                     self._appends, self._hooks = Appends(), []
+                    self._take_touched()
                     raise
             _run_hooks(hooks)
             _, value, error = answers[0]
@@ -613,11 +703,16 @@ class Writer:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
+        """After the group in flight (if any) is answered; later calls answer PROVIDER_UNAVAILABLE."""
+        self.closing = True
+        got = self._sync.acquire(timeout=10)
         if self.conn is not None:
             try:
                 self.connector.run(self.conn.close(timeout=5), timeout=10)
             except Exception:  # noqa: BLE001 - closing a dead connection
                 pass
+        if got:
+            self._sync.release()
 
 
 def _run_hooks(hooks: list[Callable[[], None]]) -> None:
@@ -665,14 +760,15 @@ class PgStore(Reads):
             self.dsn, min_size=1, max_size=4, statement_cache_size=256,
             server_settings={**SERVER_SETTINGS, "application_name": f"{self.connector.application} reads"})
 
-    def start(self, on_reset: Callable[[PgTx], None], on_group: Callable[[int], None] | None = None) -> None:
-        self.writer = Writer(self.connector, on_reset)
+    def start(self, on_reset: Callable[[PgTx], None], on_group: Callable[[int], None] | None = None,
+              on_changed: Callable[[PgTx, list[Reservation]], None] | None = None) -> None:
+        self.writer = Writer(self.connector, on_reset, on_changed)
         if on_group is not None:
             self.writer.group_committed = on_group
 
-    def call(self, job: Callable[[PgTx], Any]) -> "asyncio.Future[Any]":
+    def call(self, job: Callable[[PgTx], Any], reads: Iterable[str] = ()) -> "asyncio.Future[Any]":
         assert self.writer is not None, "start() the store first"
-        return self.writer.call(job)
+        return self.writer.call(job, reads)
 
     def call_sync(self, job: Callable[[PgTx], Any]) -> Any:
         assert self.writer is not None, "start() the store first"

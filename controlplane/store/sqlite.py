@@ -594,12 +594,15 @@ class SqliteStore(Reads):
         self.conn = connect(path, synchronous)
         self.writer: Writer | None = None
 
-    def start(self, on_reset: Callable[[SqliteTx], None], on_group: Callable[[int], None] | None = None) -> None:
+    def start(self, on_reset: Callable[[SqliteTx], None], on_group: Callable[[int], None] | None = None,
+              on_changed: Callable | None = None) -> None:
+        """on_changed is never called: this writer is the file's only one."""
         self.writer = Writer(self.path, self._synchronous, on_reset)
         if on_group is not None:
             self.writer.group_committed = on_group
 
-    def call(self, job: Callable[[SqliteTx], Any]) -> "asyncio.Future[Any]":
+    def call(self, job: Callable[[SqliteTx], Any], reads: Iterable[str] = ()) -> "asyncio.Future[Any]":
+        """reads: unused (a read of the file costs no round trip)."""
         assert self.writer is not None, "start() the store first"
         return self.writer.call(job)
 

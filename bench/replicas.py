@@ -1,0 +1,236 @@
+"""Creates per second on PostgreSQL with one and two control-plane replicas, the SQLite engine and a baseline,
+all in one run on one throwaway PostgreSQL cluster (fsync on: every engine's commits are durable).
+
+    python bench/replicas.py [--seconds 8] [--connections 32] [--watches 20]
+
+Baseline: an aiohttp handler that decodes the JSON body and does one INSERT and commit per request on the same
+PostgreSQL (asyncpg, a pool of 32). Berth: `berth controlplane serve` (bench/create_throughput.py's fleet of
+1,000 nodes of 8 GPUs; every create allowed by Cedar, charged, placed, committed before it is acknowledged) on
+SQLite, on PostgreSQL alone, and as two replicas on one PostgreSQL database with the clients split between them.
+The load comes from client processes, so clients and servers do not share an interpreter.
+
+Printed: creates/s of each and its ratio to the baseline (target: one replica >= 1.0x), the errors (target for
+two replicas: zero), the races lost and run again inside the store, the memory reloads, and the time from a
+create answered by replica B to the binding in the answer of an agent's watch long-polling replica A
+(docs/scale-out.md). Needs root (the cluster runs as `nobody`) and PostgreSQL's binaries (apt-get install
+postgresql).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import create_throughput as ct  # noqa: E402  (the fleet, the load client and the server runner)
+
+from tests.pgcluster import ClusterError, throwaway_cluster  # noqa: E402
+
+ADMIN = "bench-admin-token-000001"
+NODE_BOOT = "bench-node-token-000001"
+
+BASELINE = r'''
+import asyncio, json, sys
+import asyncpg
+from aiohttp import web
+async def main():
+    pool = await asyncpg.create_pool(sys.argv[1], min_size=32, max_size=32)
+    async with pool.acquire() as c:
+        await c.execute("CREATE TABLE IF NOT EXISTS t (id BIGSERIAL PRIMARY KEY, body BYTEA)")
+    async def handle(request):
+        body = await request.read()
+        json.loads(body)
+        async with pool.acquire() as c:
+            await c.execute("INSERT INTO t (body) VALUES ($1)", body)  # one transaction, one commit
+        return web.json_response({"ok": True}, status=202)
+    app = web.Application(); app.router.add_post("/api/compute/reservations/create", handle)
+    runner = web.AppRunner(app, access_log=None); await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", int(sys.argv[2])).start()
+    await asyncio.Event().wait()
+asyncio.run(main())
+'''
+
+
+def bootstrap(path: Path) -> None:
+    """The create bench's fleet, an admin token (for /metrics), and pool `watch`: one node an agent registers."""
+    ct.bootstrap(path)
+    doc = json.loads(path.read_text())
+    doc["adminToken"] = ADMIN
+    doc["pools"].append({"id": "watch", "owner": "bench", "region": "eu", "gpuModel": "H100_80GB"})
+    doc["nodes"].append({"id": "w1", "pool": "watch", "hostname": "w1.bench", "vcpu": 64, "memoryGiB": 512,
+                         "gpus": 8})
+    doc["nodeTokens"] = [{"pool": "watch", "token": NODE_BOOT}]
+    path.write_text(json.dumps(doc))
+
+
+def post(base: str, path: str, token: str, body: dict, timeout: float = 30) -> tuple[int, dict]:
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def counters(base: str) -> dict[str, float]:
+    req = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for name in ("berth_store_race_retries_total", "berth_store_reloads_total", "berth_store_groups_total",
+                 "berth_store_jobs_total"):
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def serve(db: str | Path, boot: Path) -> tuple[subprocess.Popen, str]:
+    port = ct.free_port()
+    return ct.serve_berth(db, boot, port), f"http://127.0.0.1:{port}"
+
+
+def measure(bases: list[str], seconds: float, connections: int, label: str, start: int, offset: int) -> dict:
+    """One load split evenly across the servers, at once; the sums and the worst latency."""
+    per = max(1, connections // len(bases))
+    url = "/api/compute/reservations/create"
+    with ThreadPoolExecutor(len(bases)) as pool:
+        results = list(pool.map(lambda i: ct.run_client(bases[i] + url, seconds, per, f"{label} [{i + 1}]", start,
+                                                        offset + i * 1_000_000), range(len(bases))))
+    return {"rps": sum(r["rps"] for r in results), "errors": sum(r["errors"] for r in results),
+            "requests": sum(r["requests"] for r in results), "p50_ms": max(r["p50_ms"] for r in results),
+            "p99_ms": max(r["p99_ms"] for r in results)}
+
+
+def watch_latency(a: str, b: str, rounds: int) -> list[float]:
+    """Seconds from replica B's answer to a create to the answer of a watch long-polling replica A with it."""
+    sys.path.insert(0, str(ROOT))
+    from tests.controlplane.test_nodes import inventory
+
+    status, reg = post(a, "/api/nodes/register", NODE_BOOT, {"hostname": "w1.bench", "inventory": inventory("w1.bench")})
+    assert status == 200, reg
+    node = reg["nodeToken"]
+    seen: list[float] = []
+    for i in range(rounds):
+        ct.progress(f"watch across replicas: {i + 1}/{rounds}")
+        while True:  # the previous round's release seen on replica A first
+            now_doc = post(a, "/api/nodes/watch", node, {"timeoutMs": 0})[1]
+            if not now_doc["bindings"]:
+                break
+            time.sleep(0.01)
+        answer: dict = {}
+
+        def watch() -> None:
+            rv = now_doc["resourceVersion"]
+            while True:  # until the binding is in an answer (a wake may carry something else first)
+                doc = post(a, "/api/nodes/watch", node, {"resourceVersion": rv, "timeoutMs": 20_000})[1]
+                rv = doc["resourceVersion"]
+                if doc["bindings"]:
+                    answer.update(doc=doc, at=time.perf_counter())
+                    return
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        time.sleep(0.2)
+        now = int(time.time() * 1000)
+        status, created = post(b, "/api/compute/reservations/create", ct.TOKEN, {
+            "poolId": "watch", "gpuModel": "H100_80GB", "gpuCount": 1, "start": now, "end": now + 3_600_000})
+        answered = time.perf_counter()
+        assert status == 202, created
+        watcher.join(25)
+        rid = created["reservation"]["id"]
+        assert rid in [x["reservationId"] for x in answer["doc"]["bindings"]], answer
+        seen.append(answer["at"] - answered)
+        post(b, "/api/compute/reservations/release", ct.TOKEN, {"reservationId": rid})
+    ct.progress("")
+    return seen
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=8)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--watches", type=int, default=20)
+    args = parser.parse_args()
+    start = (int(time.time()) // 3600 + 1) * ct.HOUR
+    results: dict[str, dict] = {}
+    try:
+        cluster_cm = throwaway_cluster(fsync=True)
+        cluster = cluster_cm.__enter__()
+    except ClusterError as exc:
+        print(f"bench/replicas.py: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with tempfile.TemporaryDirectory(prefix="berth-bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
+            tmp = Path(tmp)
+            boot = tmp / "bootstrap.json"
+            bootstrap(boot)
+
+            port = ct.free_port()
+            baseline = subprocess.Popen([sys.executable, "-c", BASELINE, cluster.createdb("baseline"), str(port)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            ct.wait_port(port, baseline)
+            base = f"http://127.0.0.1:{port}"
+            measure([base], 1, args.connections, "baseline warm-up", start, 0)
+            results["baseline"] = measure([base], args.seconds, args.connections, "baseline", start, 0)
+            ct.stop(baseline)
+
+            for label, db in (("sqlite", tmp / "cp.db"), ("postgresql, 1 replica", cluster.createdb("one"))):
+                server, url = serve(db, boot)
+                measure([url], 1, args.connections, f"{label} warm-up", start, 0)
+                results[label] = measure([url], args.seconds, args.connections, label, start, 100_000)
+                results[label].update(counters(url))
+                ct.stop(server)
+
+            two = cluster.createdb("two")
+            (a, url_a), (b, url_b) = serve(two, boot), serve(two, boot)
+            measure([url_a, url_b], 1, args.connections, "2 replicas warm-up", start, 0)
+            before = [counters(u) for u in (url_a, url_b)]
+            label = "postgresql, 2 replicas"
+            results[label] = measure([url_a, url_b], args.seconds, args.connections, label, start, 100_000)
+            after = [counters(u) for u in (url_a, url_b)]
+            for key in after[0]:
+                results[label][key] = sum(x[key] - y[key] for x, y in zip(after, before))
+            seen = watch_latency(url_a, url_b, args.watches)
+            ct.stop(a)
+            ct.stop(b)
+    finally:
+        cluster_cm.__exit__(None, None, None)
+
+    base_rps = results["baseline"]["rps"]
+    print(f"{'':24} {'creates/s':>10} {'x baseline':>10} {'errors':>7} {'p50 ms':>7} {'p99 ms':>7} "
+          f"{'jobs/commit':>11} {'retries':>7} {'reloads':>7}")
+    for label, r in results.items():
+        groups = r.get("berth_store_groups_total", 0)
+        per_commit = f"{r['berth_store_jobs_total'] / groups:.1f}" if groups else "1.0"
+        extra = (f"{per_commit:>11} {r.get('berth_store_race_retries_total', 0):>7.0f} "
+                 f"{r.get('berth_store_reloads_total', 0):>7.0f}") if label != "baseline" else f"{'1.0':>11}"
+        print(f"{label:24} {r['rps']:>10,.0f} {r['rps'] / base_rps:>9.2f}x {r['errors']:>7} {r['p50_ms']:>7.2f} "
+              f"{r['p99_ms']:>7.2f} {extra}")
+    two = results["postgresql, 2 replicas"]
+    retries = two.get("berth_store_race_retries_total", 0)
+    print(f"2 replicas: {two['requests']:,} creates, {two['errors']} errors, {retries:.0f} lost races run again "
+          f"inside the store ({retries / max(1, two['requests']):.2%}), "
+          f"{two.get('berth_store_reloads_total', 0):.0f} reloads after the other replica's writes")
+    seen_ms = sorted(s * 1000 for s in seen)
+    print(f"a create on replica B seen by a watch on replica A: p50 {statistics.median(seen_ms):.1f} ms, "
+          f"max {seen_ms[-1]:.1f} ms over {len(seen_ms)} creates (includes the window start's transition)")
+    one = results["postgresql, 1 replica"]["rps"] / base_rps
+    print(f"one replica / baseline: {one:.2f}x (target >= 1.0x); two replicas errors: {two['errors']} (target 0)")
+    return 0 if one >= 1.0 and two["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
