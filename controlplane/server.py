@@ -1,4 +1,5 @@
-"""`berth controlplane serve`: run the control plane's HTTP API (plain, or TLS with --tls-cert) until SIGTERM."""
+"""`berth controlplane serve`: run the control plane's HTTP API (plain, or TLS with --tls-cert) until SIGTERM;
+`berth controlplane migrate`: move a SQLite database to PostgreSQL (controlplane/store/move.py)."""
 from __future__ import annotations
 
 import argparse
@@ -89,7 +90,53 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--synchronous", choices=("FULL", "NORMAL"), default="FULL",
                        help="SQLite durability: FULL survives power loss (default), NORMAL survives a crash")
+    migrate = sub.add_parser(
+        "migrate", help="move a SQLite database to PostgreSQL (stop the control plane on it first)",
+        description="Copy every table of a control plane's SQLite database into a PostgreSQL database, in one "
+        "transaction (a failure leaves the target unchanged), for moving from one control plane to several "
+        "replicas (docs/scale-out.md). Stop the control plane that serves the SQLite file first: the copy reads "
+        "it under BEGIN IMMEDIATE, so a running one cannot write meanwhile, but what it writes afterwards is not "
+        "moved. Exit 0: moved (a summary on stdout); 2: refused, nothing changed (a URL, the file, or a target "
+        "that already holds data); 1: the copy failed (e.g. two bookings of one device overlap in the file), the "
+        "target unchanged.")
+    migrate.add_argument("--from", dest="source", required=True, metavar="sqlite:///PATH",
+                         help="the SQLite database to move (brought to this Berth's schema first)")
+    migrate.add_argument("--to", dest="target", required=True, metavar="postgresql://...",
+                         help="an existing PostgreSQL database: postgresql://USER[:PASSWORD]@HOST[:PORT]/DB, or "
+                         "postgresql://USER@/DB?host=/run/postgresql for a unix socket; it must hold no "
+                         "reservations, events or catalog yet")
+    migrate.add_argument("--replace", action="store_true",
+                         help="empty the target first (in the same transaction as the copy) instead of refusing "
+                         "one that holds data")
     return parser
+
+
+def migrate_main(args: argparse.Namespace) -> int:
+    """`berth controlplane migrate`: the URLs checked, the copy run (controlplane/store/move.py), the summary
+    printed."""
+    from controlplane.store import move
+    from controlplane.wiring import is_postgresql, sqlite_path
+
+    if not args.source.startswith("sqlite:///"):
+        print(f"berth controlplane migrate: --from {logs.redact_url(args.source)!r}: give the SQLite database "
+              "as sqlite:///PATH (sqlite:////abs/path for an absolute one)", file=sys.stderr)
+        return 2
+    if not is_postgresql(args.target):
+        print(f"berth controlplane migrate: --to {logs.redact_url(args.target)!r}: give the PostgreSQL database "
+              "as postgresql://USER[:PASSWORD]@HOST[:PORT]/DB (or postgresql://USER@/DB?host=/run/postgresql)",
+              file=sys.stderr)
+        return 2
+    try:
+        path = sqlite_path(args.source, "--from")
+        rows = move.move(path, args.target, replace=args.replace)
+    except (ConfigError, move.Refused) as exc:
+        print(f"berth controlplane migrate: {exc}", file=sys.stderr)
+        return 2
+    except move.Failed as exc:
+        print(f"berth controlplane migrate: {exc}", file=sys.stderr)
+        return 1
+    print(move.summary(path, args.target, rows))
+    return 0
 
 
 class CannotListen(Exception):
@@ -165,6 +212,9 @@ def settle_garbage_collector() -> None:
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "migrate":
+        logs.configure("auto", "warning")  # stderr: the progress and the errors; stdout: the summary only
+        return migrate_main(args)
     logs.configure(args.log_format, args.log_level)
     config = Config(db=args.db or default_db_url(), bootstrap=args.bootstrap, synchronous=args.synchronous,
                     authzen=args.authzen, authzen_timeout_s=args.authzen_timeout, node_grace_s=args.node_grace)

@@ -55,15 +55,16 @@ def is_postgresql(url: str) -> bool:
     return url.startswith(("postgresql://", "postgres://"))
 
 
-def sqlite_path(url: str) -> str:
-    """The file of a `sqlite:///PATH` URL (PATH as written: `sqlite:////abs` and `sqlite:///rel` both work)."""
+def sqlite_path(url: str, option: str = "--db") -> str:
+    """The file of a `sqlite:///PATH` URL (PATH as written: `sqlite:////abs` and `sqlite:///rel` both work);
+    `option` names where the URL was given, in the errors."""
     if not url.startswith("sqlite:///"):
-        raise ConfigError(f"--db: {url!r} is not sqlite:///PATH or postgresql://...")
+        raise ConfigError(f"{option}: {url!r} is not sqlite:///PATH or postgresql://...")
     path = url[len("sqlite:///"):]
     if not path:
-        raise ConfigError("--db: sqlite:/// needs a file path")
+        raise ConfigError(f"{option}: sqlite:/// needs a file path")
     if path == ":memory:":
-        raise ConfigError("--db: an in-memory database would lose every booking; give a file")
+        raise ConfigError(f"{option}: an in-memory database would lose every booking; give a file")
     if not path.startswith("/") and url.startswith("sqlite:////"):
         path = "/" + path
     return path
