@@ -4,7 +4,8 @@ This module owns the copy only: which rows go where, in one PostgreSQL
 transaction, and what is refused. The engines own everything else, and the
 copy uses their definitions: the SQLite file is first brought to the SQLite
 engine's current schema by its own `sqlite.migrate` (a file of a newer Berth is
-refused with the engine's message), the target by `pg_schema.migrate`; booked
+refused with the engine's message), the target by `pg_schema.migrate` (inside
+the copy's transaction, so a failed copy leaves no schema either); booked
 devices are written with the PostgreSQL engine's own `INSERT_BOOKING`, so a
 booking gets its `units` array and one `booked_units` row per device under the
 exclusion constraint exactly as a replica would write it.
@@ -164,25 +165,25 @@ def open_source(path: str) -> sqlite3.Connection:
 
 
 async def open_target(dsn: str) -> asyncpg.Connection:
-    """A connection to the target, its schema brought to the PostgreSQL engine's current one."""
-    shown = redact_url(dsn)
     try:
-        conn = await asyncpg.connect(dsn, timeout=10)
+        return await asyncpg.connect(dsn, timeout=10)
     except (*postgres.UNREACHABLE, asyncpg.PostgresError, ValueError) as exc:
-        raise Refused(f"--to {shown}: cannot connect ({type(exc).__name__}: {exc}); give "
+        raise Refused(f"--to {redact_url(dsn)}: cannot connect ({type(exc).__name__}: {exc}); give "
                       "postgresql://USER[:PASSWORD]@HOST[:PORT]/DB (or postgresql://USER@/DB?host=/run/postgresql "
                       "for a unix socket) of an existing database, and check that PostgreSQL runs and the user "
                       "may connect") from None
+
+
+async def migrate_target(pg: asyncpg.Connection, shown_target: str) -> None:
+    """The target at the PostgreSQL engine's current schema. Called inside the copy's transaction, each migration
+    is a savepoint of it: a failed copy leaves no schema behind either."""
     try:
-        await pg_schema.migrate(conn)
+        await pg_schema.migrate(pg)
     except pg_schema.SchemaTooNew as exc:
-        await conn.close()
-        raise Refused(f"--to {shown}: {exc}") from None
+        raise Refused(f"--to {shown_target}: {exc}") from None
     except asyncpg.PostgresError as exc:
-        await conn.close()
-        raise Refused(f"--to {shown}: cannot create the schema ({type(exc).__name__}: {exc}); the user needs the "
-                      "right to create tables and the btree_gist extension (docs/scale-out.md)") from None
-    return conn
+        raise Refused(f"--to {shown_target}: cannot create the schema ({type(exc).__name__}: {exc}); the user "
+                      "needs the right to create tables and the btree_gist extension (docs/scale-out.md)") from None
 
 
 def overlaps(src: sqlite3.Connection, limit: int = 5) -> list[str]:
@@ -243,6 +244,7 @@ async def copy_into(src: sqlite3.Connection, pg: asyncpg.Connection, shown_targe
     totals = {t.name: src.execute(f"SELECT count(*) FROM {t.name}").fetchone()[0] for t in TABLES}
     rows: dict[str, int] = {}
     async with pg.transaction():
+        await migrate_target(pg, shown_target)
         await pg.execute("SELECT pg_advisory_xact_lock($1)", postgres.WRITE_LOCK)  # replicas' writes wait
         held = await _held(pg)
         if any(held.values()) and not replace:
