@@ -107,7 +107,8 @@ TABLES: tuple[Table, ...] = (
     Table("quotes", ("id", "tenant_id", "expires_at", "doc")),
 )
 SERIALS = (("reservations", "seq"), ("events", "seq"), ("bookings", "id"))  # the target's BIGSERIAL columns
-GUARDED = ("reservations", "events", "catalog")  # a target holding any of these is refused without --replace
+# A target holding any of these is refused without --replace (table -> how the refusal counts its rows).
+GUARDED = {"reservations": "reservations", "events": "events", "catalog": "catalog rows"}
 # Emptied before the copy (what a control plane's data is; schema_version and replica_state stay).
 EMPTIED = ("catalog", "tokens", "reservations", "bookings", "booked_units", "operation_aliases", "events",
            "confirmations", "billing", "quotes", "node_seen")
@@ -248,7 +249,7 @@ async def copy_into(src: sqlite3.Connection, pg: asyncpg.Connection, shown_targe
         await pg.execute("SELECT pg_advisory_xact_lock($1)", postgres.WRITE_LOCK)  # replicas' writes wait
         held = await _held(pg)
         if any(held.values()) and not replace:
-            what = ", ".join(f"{n} {name}" for name, n in held.items() if n)
+            what = ", ".join(f"{n} {GUARDED[name]}" for name, n in held.items() if n)
             raise Refused(f"--to {shown_target} already holds data ({what}): give an empty database (createdb), "
                           "or --replace to empty this one first, in the same transaction as the copy")
         await pg.execute(f"TRUNCATE {', '.join(EMPTIED)}")  # with nothing guarded held: leftovers (node_seen)

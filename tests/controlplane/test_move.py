@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
