@@ -20,9 +20,9 @@ exclusion constraint exactly as a replica would write it.
   and events cursors a client holds stay valid); each BIGSERIAL sequence is
   set past the largest seq the SQLite file ever gave, so a new row never
   reuses one.
-- **Running replicas notice.** `replica_state.generation` is raised and
-  `NOTIFY berth_changes` sent, so a replica already on the target rebuilds
-  its memory from the copied rows.
+- **Running replicas notice.** `replica_state.generation` (and the catalog's
+  generation) is raised and `NOTIFY berth_changes` sent, so a replica
+  already on the target rebuilds its whole memory from the copied rows.
 - **The source is not written meanwhile.** The SQLite side is read inside
   `BEGIN IMMEDIATE`: a control plane still running on it cannot commit while
   the copy reads (it waits, and its writes after the copy are not moved: stop
@@ -267,8 +267,11 @@ async def copy_into(src: sqlite3.Connection, pg: asyncpg.Connection, shown_targe
                              "changed") from None
         rows["booked_units"] = await pg.fetchval("SELECT count(*) FROM booked_units")
         await _set_sequences(src, pg)
+        # The catalog's generation too: a replica already on the target rebuilds its memory whole (the copied
+        # rows carry no generation of their own for it to catch up by).
         generation = await pg.fetchval(
-            "UPDATE replica_state SET generation = generation + 1 WHERE id = 1 RETURNING generation")
+            "UPDATE replica_state SET generation = generation + 1, catalog_generation = generation + 1"
+            " WHERE id = 1 RETURNING generation")
         await pg.execute("SELECT pg_notify($1, $2)", CHANNEL, str(generation))  # sent at commit, as a replica's
     return rows
 
