@@ -18,6 +18,7 @@ postgresql).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -173,7 +174,8 @@ def main() -> int:
         print(f"bench/replicas.py: {exc}", file=sys.stderr)
         return 2
     try:
-        with tempfile.TemporaryDirectory(prefix="berth-bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
+        with tempfile.TemporaryDirectory(prefix="berth-bench-", dir=os.environ.get("BENCH_TMP")) as tmp, \
+                contextlib.ExitStack() as stack:
             tmp = Path(tmp)
             boot = tmp / "bootstrap.json"
             bootstrap(boot)
@@ -181,6 +183,7 @@ def main() -> int:
             port = ct.free_port()
             baseline = subprocess.Popen([sys.executable, "-c", BASELINE, cluster.createdb("baseline"), str(port)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stack.callback(ct.stop, baseline)
             ct.wait_port(port, baseline)
             base = f"http://127.0.0.1:{port}"
             measure([base], 1, args.connections, "baseline warm-up", start, 0)
@@ -189,6 +192,7 @@ def main() -> int:
 
             for label, db in (("sqlite", tmp / "cp.db"), ("postgresql, 1 replica", cluster.createdb("one"))):
                 server, url = serve(db, boot)
+                stack.callback(ct.stop, server)
                 measure([url], 1, args.connections, f"{label} warm-up", start, 0)
                 results[label] = measure([url], args.seconds, args.connections, label, start, 100_000)
                 results[label].update(counters(url))
@@ -196,6 +200,8 @@ def main() -> int:
 
             two = cluster.createdb("two")
             (a, url_a), (b, url_b) = serve(two, boot), serve(two, boot)
+            stack.callback(ct.stop, a)  # whatever fails below, the servers stop
+            stack.callback(ct.stop, b)
             measure([url_a, url_b], 1, args.connections, "2 replicas warm-up", start, 0)
             before = [counters(u) for u in (url_a, url_b)]
             label = "postgresql, 2 replicas"
@@ -204,8 +210,6 @@ def main() -> int:
             for key in after[0]:
                 results[label][key] = sum(x[key] - y[key] for x, y in zip(after, before))
             seen = watch_latency(url_a, url_b, args.watches)
-            ct.stop(a)
-            ct.stop(b)
     finally:
         cluster_cm.__exit__(None, None, None)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Callable
 
 import structlog
 

@@ -46,11 +46,12 @@ import structlog
 
 from common.share import Share
 from controlplane.domain.calendar import Booking
-from controlplane.domain.errors import PROVIDER_UNAVAILABLE, DomainError
+from controlplane.domain.errors import DomainError
 from controlplane.domain.ids import operation_parts
 from controlplane.domain.model import Confirmation, Operation, Reservation
 from controlplane.domain.states import TERMINAL
 from controlplane.store import codec, pg_schema
+from controlplane.store.groups import Appends, resolve, run_hooks, unavailable
 
 log = structlog.get_logger("berth.store")
 
@@ -69,14 +70,6 @@ SERVER_SETTINGS = {"jit": "off", "idle_in_transaction_session_timeout": "60000",
 
 class StoreError(Exception):
     """The database cannot be used as it is; the message says what to do."""
-
-
-def _reference() -> str:
-    return f"ref-{time.time_ns():x}"
-
-
-def unavailable(message: str) -> DomainError:
-    return DomainError(PROVIDER_UNAVAILABLE, message, {"actor": "platform", "reference": _reference()})
 
 
 class Connector:
@@ -218,35 +211,14 @@ MOVE_END = (
     " UPDATE booked_units u SET during = int8range(b.start_ms, b.end_ms) FROM b WHERE u.booking_id = b.id")
 
 
-class Appends:
-    """Rows only ever appended and never read back inside a group (bookings, events): one executemany per
-    statement, at the group's end or before a statement that must see them."""
+class PgAppends(Appends):
+    """Appends written through the asyncpg connection."""
 
-    __slots__ = ("rows",)
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, tuple]] = []
-
-    def add(self, sql: str, row: tuple) -> None:
-        self.rows.append((sql, row))
-
-    def extend(self, other: "Appends") -> None:
-        self.rows.extend(other.rows)
-
-    def take(self) -> "Appends":
-        taken = Appends()
-        taken.rows, self.rows = self.rows, taken.rows
-        return taken
+    __slots__ = ()
 
     async def write(self, conn: asyncpg.Connection) -> None:
-        by_statement: dict[str, list[tuple]] = {}
-        for sql, row in self.rows:
-            by_statement.setdefault(sql, []).append(row)
-        for sql, rows in by_statement.items():
+        for sql, rows in self.by_statement().items():
             await conn.executemany(sql, rows)
-
-    def __bool__(self) -> bool:
-        return bool(self.rows)
 
 
 class PgTx(Reads):
@@ -257,7 +229,7 @@ class PgTx(Reads):
         self.dirty = False
         self.committed: list[Callable[[], None]] = []
         self.refused: DomainError | None = None
-        self.appends = Appends()  # this job's rows not yet written (dropped, unwritten, if it fails)
+        self.appends = PgAppends()  # this job's rows not yet written (dropped, unwritten, if it fails)
         self.group = group  # earlier jobs' rows not yet written
         self.saved = False  # this job's savepoint is open (at its first write that is not an append)
         self.wrote = False
@@ -456,7 +428,7 @@ class Writer:
         self._reads: list[str] = []  # reservations the pending jobs read first
         self._sync = threading.Lock()
         self._hooks: list[Callable[[], None]] = []
-        self._appends = Appends()
+        self._appends = PgAppends()
         self._touched: set[str] = set()  # of the open group's jobs that succeeded
         self.closing = False
         self.prefetched: dict[str, tuple[bytes, int] | None] = {}  # of the open group (PgTx.reservation)
@@ -467,7 +439,6 @@ class Writer:
         self.retries = 0  # groups run again after a lost race
         self.reloads = 0  # memory rebuilt because another replica wrote
         self.group_committed: Callable[[int], None] = lambda jobs: None
-        self.reloaded: Callable[[], None] = lambda: None  # after a rebuild (the wiring wakes what reads memory)
 
     # ---- on the database's thread -----------------------------------------------------------------
     async def _begin(self, reads: list[str] = ()) -> tuple[int, int]:
@@ -566,8 +537,8 @@ class Writer:
             self.generation = commit.result()
             self._sync.release()
             self._answered(len(answers))
-            _run_hooks(hooks)
-            _resolve(answers)
+            run_hooks(hooks)
+            resolve(answers)
             self._next(loop)
             return
         self.connector.run(self._rollback())
@@ -585,7 +556,7 @@ class Writer:
         """The group could not be committed: its callers hear PROVIDER_UNAVAILABLE, and the memory is rebuilt
         from what the database holds (at the next group, if the database cannot be read now)."""
         log.error("store group failed", error=f"{type(exc).__name__}: {exc}")
-        self._appends = Appends()
+        self._appends = PgAppends()
         self._hooks = []
         self._take_touched()
         if not self.connector.closed and not self.closing:
@@ -593,7 +564,7 @@ class Writer:
         err = unavailable(f"the database is unavailable ({type(exc).__name__}); retry with the same idempotency "
                           "key")
         self._answered(len(group))
-        _resolve([(fut, None, err) for _, fut in group])
+        resolve([(fut, None, err) for _, fut in group])
         self._next(loop)
 
     def _reset_now(self) -> None:
@@ -602,7 +573,7 @@ class Writer:
             with self._sync:
                 generation = self.connector.run(self._begin_read())
                 try:
-                    self._on_reset(PgTx(self, Appends()))
+                    self._on_reset(PgTx(self, PgAppends()))
                 finally:
                     self.connector.run(self._rollback())
                 self.generation = generation
@@ -639,7 +610,6 @@ class Writer:
             self._on_changed(tx, tx.changed_since(self.generation))
         self.generation = generation
         self.reloads += 1
-        self.reloaded()
 
     def _run_jobs(self, group) -> tuple[list, bool]:
         answers: list[tuple[Any, Any, BaseException | None]] = []
@@ -683,7 +653,7 @@ class Writer:
                 except RACES:
                     self.connector.run(self._rollback())
                     self.generation = None
-                    self._appends, self._hooks = Appends(), []
+                    self._appends, self._hooks = PgAppends(), []
                     self._take_touched()
                     if attempt == RETRIES:
                         raise
@@ -692,10 +662,10 @@ class Writer:
                 except BaseException:
                     self.connector.run(self._rollback())
                     self.generation = None
-                    self._appends, self._hooks = Appends(), []
+                    self._appends, self._hooks = PgAppends(), []
                     self._take_touched()
                     raise
-            _run_hooks(hooks)
+            run_hooks(hooks)
             _, value, error = answers[0]
             if error is not None:
                 raise error
@@ -713,24 +683,6 @@ class Writer:
                 pass
         if got:
             self._sync.release()
-
-
-def _run_hooks(hooks: list[Callable[[], None]]) -> None:
-    for hook in hooks:
-        try:
-            hook()
-        except Exception:  # noqa: BLE001 - a listener's failure is not the store's
-            log.exception("on-commit hook failed")
-
-
-def _resolve(items) -> None:
-    for fut, value, error in items:
-        if fut is None or fut.done():
-            continue
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
 
 
 class PgStore(Reads):
@@ -796,23 +748,21 @@ class PgStore(Reads):
         self.connector.close()
 
     # ---- committed reads ------------------------------------------------------------------------------
+    async def _on_pool(self, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
+        async with self.pool.acquire() as conn:
+            return await fn(conn)
+
     def read(self, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
         """fn(conn) on a pooled connection; the database unreachable -> PROVIDER_UNAVAILABLE (actor platform)."""
-        async def on_pool():
-            async with self.pool.acquire() as conn:
-                return await fn(conn)
         try:
-            return self.connector.run(on_pool())
+            return self.connector.run(self._on_pool(fn))
         except UNREACHABLE as exc:
             raise unavailable(f"the database is unavailable ({type(exc).__name__}); retry shortly") from None
 
     async def read_async(self, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
         """As read(), awaited: the API's loop goes on meanwhile."""
-        async def on_pool():
-            async with self.pool.acquire() as conn:
-                return await fn(conn)
         try:
-            return await asyncio.wrap_future(self.connector.submit(on_pool()))
+            return await asyncio.wrap_future(self.connector.submit(self._on_pool(fn)))
         except UNREACHABLE as exc:
             raise unavailable(f"the database is unavailable ({type(exc).__name__}); retry shortly") from None
 

@@ -16,7 +16,6 @@ import asyncio
 import concurrent.futures
 import sqlite3
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -24,11 +23,12 @@ import structlog
 
 from common.share import Share
 from controlplane.domain.calendar import Booking
-from controlplane.domain.errors import PROVIDER_UNAVAILABLE, DomainError
+from controlplane.domain.errors import DomainError
 from controlplane.domain.model import Confirmation, Operation, Reservation
 from controlplane.domain.states import TERMINAL
 from controlplane.domain.ids import operation_parts
 from controlplane.store import codec
+from controlplane.store.groups import Appends, resolve, run_hooks, unavailable
 
 log = structlog.get_logger("berth.store")
 
@@ -158,35 +158,14 @@ INSERT_BOOKING = ("INSERT INTO bookings (reservation_id, pool_id, node_id, units
 INSERT_EVENT = "INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES (?, ?, ?, ?, ?)"
 
 
-class Appends:
-    """Rows only ever appended and never read back inside a group (bookings, events), written in one executemany
-    per statement: at the group's end, or at once before a statement that reads or changes them."""
+class SqliteAppends(Appends):
+    """Appends written through the sqlite3 connection."""
 
-    __slots__ = ("rows",)
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, tuple]] = []  # (statement, row), in order
-
-    def add(self, sql: str, row: tuple) -> None:
-        self.rows.append((sql, row))
-
-    def extend(self, other: "Appends") -> None:
-        self.rows.extend(other.rows)
-
-    def take(self) -> "Appends":
-        taken = Appends()
-        taken.rows, self.rows = self.rows, taken.rows
-        return taken
+    __slots__ = ()
 
     def write(self, conn: sqlite3.Connection) -> None:
-        by_statement: dict[str, list[tuple]] = {}
-        for sql, row in self.rows:
-            by_statement.setdefault(sql, []).append(row)
-        for sql, rows in by_statement.items():
+        for sql, rows in self.by_statement().items():
             conn.executemany(sql, rows)
-
-    def __bool__(self) -> bool:
-        return bool(self.rows)
 
 
 class SqliteTx(Reads):
@@ -199,9 +178,9 @@ class SqliteTx(Reads):
         self.dirty = False
         self.committed: list[Callable[[], None]] = []
         self.refused: DomainError | None = None
-        self.appends = Appends()  # this job's appended rows (dropped if it fails)
-        self.group = group if group is not None else Appends()  # earlier jobs' rows, not yet written
-        self.flushed = Appends()  # earlier jobs' rows written during this job (written again if it fails)
+        self.appends = SqliteAppends()  # this job's appended rows (dropped if it fails)
+        self.group = group if group is not None else SqliteAppends()  # earlier jobs' rows, not yet written
+        self.flushed = SqliteAppends()  # earlier jobs' rows written during this job (written again if it fails)
         self.saved = False  # whether this job opened its savepoint (at its first write: a job that only reads or
         #                     refuses before writing costs no SAVEPOINT and RELEASE)
 
@@ -365,7 +344,7 @@ class Writer:
         self._commit_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="berth-store-commit")
         self._lock = threading.Lock()  # call_sync against a group run by the loop
         self._hooks: list[Callable[[], None]] = []  # on_commit hooks of the open group
-        self._appends = Appends()  # rows of the open group's jobs not yet written
+        self._appends = SqliteAppends()  # rows of the open group's jobs not yet written
         self.groups = 0
         self.jobs = 0
         self.group_committed: Callable[[int], None] = lambda jobs: None  # each group's size, for /metrics
@@ -386,7 +365,7 @@ class Writer:
             answers = self._run_jobs([(fn, None)])
             hooks, self._hooks = self._hooks, []
             if self._commit(answers, self._appends.take()):
-                _run_hooks(hooks)
+                run_hooks(hooks)
             else:
                 self._reset()
         _, value, error = answers[0]
@@ -420,7 +399,7 @@ class Writer:
             done.set_result(False)
             self._finish_group(loop, answers, done)
             return
-        commit = loop.run_in_executor(self._commit_thread, self._commit, answers, Appends())
+        commit = loop.run_in_executor(self._commit_thread, self._commit, answers, SqliteAppends())
         commit.add_done_callback(lambda f: self._finish_group(loop, answers, f))
 
     def _finish_group(self, loop, answers, commit_future) -> None:
@@ -430,7 +409,7 @@ class Writer:
             committed = commit_future.exception() is None and commit_future.result()
             if not committed:
                 if commit_future.exception() is not None:  # the commit thread itself failed
-                    err = _unavailable(f"the store failed: {commit_future.exception()}")
+                    err = unavailable(f"the store failed: {commit_future.exception()}")
                     answers = [(fut, None, err) for fut, _, _ in answers]
                 self._reset()
         finally:
@@ -439,8 +418,8 @@ class Writer:
         self.jobs += len(answers)
         self.group_committed(len(answers))
         if committed:
-            _run_hooks(hooks)
-        _resolve(answers)
+            run_hooks(hooks)
+        resolve(answers)
         if self._pending:
             loop.call_soon(self._start_group, loop)
         else:
@@ -460,7 +439,7 @@ class Writer:
                 self._appends.extend(tx.flushed)  # earlier jobs' rows the rollback took with it
                 if not isinstance(exc, DomainError):
                     log.exception("store job failed", job=getattr(fn, "__qualname__", repr(fn)))
-                    exc = _unavailable("the control plane could not complete this request")
+                    exc = unavailable("the control plane could not complete this request")
                 if tx.dirty:
                     self._on_reset(SqliteTx(conn, self._appends))
                 answers.append((fut, None, exc))
@@ -489,7 +468,7 @@ class Writer:
             self._conn.execute("ROLLBACK")
         except sqlite3.Error:
             pass
-        err = _unavailable(f"the store could not commit: {exc}")
+        err = unavailable(f"the store could not commit: {exc}")
         answers[:] = [(fut, None, err) for fut, _, _ in answers]
 
     def _reset(self) -> None:
@@ -499,32 +478,6 @@ class Writer:
             self._on_reset(SqliteTx(self._conn, self._appends))
         finally:
             self._conn.execute("COMMIT")
-
-def _run_hooks(hooks: list[Callable[[], None]]) -> None:
-    for hook in hooks:
-        try:
-            hook()
-        except Exception:  # noqa: BLE001 - a listener's failure is not the store's
-            log.exception("on-commit hook failed")
-
-
-def _resolve(items) -> None:
-    for fut, value, error in items:
-        if fut is None or fut.done():
-            continue
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
-
-
-def _reference() -> str:
-    return f"ref-{time.time_ns():x}"
-
-
-def _unavailable(message: str) -> DomainError:
-    return DomainError(PROVIDER_UNAVAILABLE, message, {"actor": "platform", "reference": _reference()})
-
 
 def migrate(conn: sqlite3.Connection, path: str) -> None:
     """Bring the file to SCHEMA_VERSION; refuse a file written by a newer Berth.

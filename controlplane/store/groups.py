@@ -1,0 +1,67 @@
+"""What every engine's writer shares: the rows a group appends, how its callers are answered, and the
+PROVIDER_UNAVAILABLE a store failure becomes (store/sqlite.py, store/postgres.py)."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import structlog
+
+from controlplane.domain.errors import PROVIDER_UNAVAILABLE, DomainError
+
+log = structlog.get_logger("berth.store")
+
+
+class Appends:
+    """Rows only ever appended and never read back inside a group (bookings, events), written with one
+    executemany per statement: at the group's end, or at once before a statement that must see them. Each engine
+    writes them with its own driver (`by_statement`)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, tuple]] = []  # (statement, row), in order
+
+    def add(self, sql: str, row: tuple) -> None:
+        self.rows.append((sql, row))
+
+    def extend(self, other: "Appends") -> None:
+        self.rows.extend(other.rows)
+
+    def take(self) -> "Appends":
+        taken = type(self)()
+        taken.rows, self.rows = self.rows, taken.rows
+        return taken
+
+    def by_statement(self) -> dict[str, list[tuple]]:
+        grouped: dict[str, list[tuple]] = {}
+        for sql, row in self.rows:
+            grouped.setdefault(sql, []).append(row)
+        return grouped
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+
+def run_hooks(hooks: list[Callable[[], None]]) -> None:
+    for hook in hooks:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - a listener's failure is not the store's
+            log.exception("on-commit hook failed")
+
+
+def resolve(items) -> None:
+    """Answer each (future, value, error) not yet answered."""
+    for fut, value, error in items:
+        if fut is None or fut.done():
+            continue
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+
+
+def unavailable(message: str) -> DomainError:
+    """A store failure as callers hear it: the platform's doing, with a reference for the logs."""
+    return DomainError(PROVIDER_UNAVAILABLE, message, {"actor": "platform", "reference": f"ref-{time.time_ns():x}"})
