@@ -67,6 +67,10 @@ SERVER_SETTINGS = {"jit": "off", "idle_in_transaction_session_timeout": "60000",
                    # a replica killed with -9 on another host: its session (and its leader lock) ends within ~20 s
                    "tcp_keepalives_idle": "10", "tcp_keepalives_interval": "3", "tcp_keepalives_count": "3"}
 
+# The writer's statements are planned at each run: a plan cached while a table was nearly empty (a sequential
+# scan) would stay in use as the table grows, and planning once per group costs little.
+WRITER_SETTINGS = {"plan_cache_mode": "force_custom_plan"}
+
 
 class StoreError(Exception):
     """The database cannot be used as it is; the message says what to do."""
@@ -111,14 +115,14 @@ class Connector:
                     fut.cancel()
                     raise
 
-    async def connect(self, role: str) -> asyncpg.Connection:
+    async def connect(self, role: str, **settings: str) -> asyncpg.Connection:
         """A new connection, or UNREACHABLE at once while the backoff after a failure lasts (0.1 s doubling to 5 s)."""
         now = time.monotonic()
         if now < self._next_try:
             raise ConnectionError(f"the database is unreachable; next attempt in {self._next_try - now:.1f} s")
         try:
             conn = await asyncpg.connect(self.dsn, timeout=5, statement_cache_size=256, server_settings={
-                **SERVER_SETTINGS, "application_name": f"{self.application} {role}"})
+                **SERVER_SETTINGS, **settings, "application_name": f"{self.application} {role}"})
         except UNREACHABLE:
             self._backoff = min(5.0, max(0.1, self._backoff * 2))
             self._next_try = time.monotonic() + self._backoff
@@ -190,21 +194,53 @@ class Reads:
         return (row[0], row[1], row[2]) if row else None
 
 
+# What a group reads once it holds the lock: the generations and the next seq (the row without an id), and the
+# reservations its jobs read.
+BEGUN = ("SELECT generation, catalog_generation, (SELECT COALESCE(MAX(seq), 0) FROM reservations), NULL, NULL::bytea,"
+         " NULL::bigint FROM replica_state WHERE id = 1"
+         " UNION ALL SELECT NULL, NULL, NULL, id, doc, seq FROM reservations WHERE id = ANY($1::text[])")
+# The rows a job appends, one statement per row as a job adds them (controlplane/store/move.py copies bookings with
+# INSERT_BOOKING too); a group writes them all at once (APPENDED).
+INSERT_RESERVATION = ("INSERT INTO reservations (seq, id, tenant_id, principal_id, pool_id, state, doc, gen)"
+                      " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)")
 INSERT_BOOKING = (
     "WITH b AS (INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
     " memory_mib, hugepages_1g) VALUES ($1, $2, $3, $4::text[], $5, $6, $7, $8, $9) RETURNING id)"
     " INSERT INTO booked_units (booking_id, node_id, unit, during)"
     " SELECT b.id, $3, u, int8range($5, $6) FROM b, unnest($4::text[]) AS u")
-# The group's generation, the reservations it changed stamped with it, and the NOTIFY: one round trip.
-BUMP = (
+INSERT_EVENT = "INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES ($1, $2, $3, $4, $5)"
+APPENDED_TYPES = ((INSERT_RESERVATION, ("int8", "text", "text", "text", "text", "text", "bytea", "int8")),
+                  (INSERT_BOOKING, ("text", "text", "text", "text", "int8", "int8", "int8", "int8", "int8")),
+                  (INSERT_EVENT, ("text", "text", "text", "int8", "bytea")))
+
+
+def _appended(first: int) -> str:
+    """Every appended row in one statement, as CTEs over column arrays (parameters from $first on): the database
+    plans and runs each insert once for the group, where an executemany runs it per row. A booking's units
+    travel as one JSON array (they may hold any text)."""
+    numbers = iter(range(first, first + sum(len(types) for _, types in APPENDED_TYPES)))
+    arrays = [", ".join(f"${next(numbers)}::{t}[]" for t in types) for _, types in APPENDED_TYPES]
+    return (
+        "ar AS (INSERT INTO reservations (seq, id, tenant_id, principal_id, pool_id, state, doc, gen)"
+        f" SELECT * FROM unnest({arrays[0]})),"
+        " ab AS (INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
+        " memory_mib, hugepages_1g) SELECT rid, pool, node, ARRAY(SELECT jsonb_array_elements_text(units::jsonb)),"
+        f" st, en, vcpu, mem, hp FROM unnest({arrays[1]}) AS s (rid, pool, node, units, st, en, vcpu, mem, hp)"
+        " RETURNING id, node_id, units, start_ms, end_ms),"
+        " au AS (INSERT INTO booked_units (booking_id, node_id, unit, during)"
+        " SELECT ab.id, ab.node_id, u, int8range(ab.start_ms, ab.end_ms) FROM ab, unnest(ab.units) AS u),"
+        f" ae AS (INSERT INTO events (tenant_id, reservation_id, type, at, data) SELECT * FROM unnest({arrays[2]}))")
+
+
+APPENDED = f"WITH {_appended(1)} SELECT 1"
+# A group's last statement: its appended rows, the group's generation, the reservations whose bookings alone it
+# changed stamped with it (rows it wrote carry the stamp already), and the NOTIFY; then only COMMIT.
+COMMIT_GROUP = (
     "WITH g AS (UPDATE replica_state SET generation = generation + 1, catalog_generation = CASE WHEN $1"
     " THEN generation + 1 ELSE catalog_generation END WHERE id = 1 RETURNING generation),"
-    " r AS (UPDATE reservations SET gen = (SELECT generation FROM g) WHERE id = ANY($2::text[]) RETURNING 1),"
-    " n AS (SELECT pg_notify('berth_changes', generation::text) FROM g)"
-    " SELECT g.generation FROM g, (SELECT count(*) FROM n) AS notified, (SELECT count(*) FROM r) AS stamped")
-INSERT_RESERVATION = ("INSERT INTO reservations (seq, id, tenant_id, principal_id, pool_id, state, doc)"
-                      " VALUES ($1, $2, $3, $4, $5, $6, $7)")
-INSERT_EVENT = "INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES ($1, $2, $3, $4, $5)"
+    " st AS (UPDATE reservations SET gen = (SELECT generation FROM g) WHERE id = ANY($2::text[])),"
+    f" n AS (SELECT pg_notify('berth_changes', generation::text) FROM g), {_appended(3)}"
+    " SELECT g.generation FROM g, (SELECT count(*) FROM n) AS notified")
 # A booking's end moves with its devices' ranges, in one statement (the exclusion constraint checks the new ranges).
 MOVE_END = (
     "WITH b AS (UPDATE bookings SET end_ms = {end} WHERE reservation_id = $1 RETURNING id, start_ms, end_ms)"
@@ -212,13 +248,24 @@ MOVE_END = (
 
 
 class PgAppends(Appends):
-    """Appends written through the asyncpg connection."""
+    """Appends written through the asyncpg connection, all in one statement (APPENDED, or COMMIT_GROUP's)."""
 
     __slots__ = ()
 
+    def columns(self) -> list[list]:
+        """The rows as APPENDED's column arrays."""
+        grouped = self.by_statement()
+        assert set(grouped) <= {sql for sql, _ in APPENDED_TYPES}, set(grouped)
+        out: list[list] = []
+        for sql, types in APPENDED_TYPES:
+            rows = grouped.get(sql, ())
+            if sql is INSERT_BOOKING:
+                rows = [row[:3] + (codec.encode(row[3]).decode(),) + row[4:] for row in rows]
+            out.extend(map(list, zip(*rows)) if rows else ([] for _ in types))
+        return out
+
     async def write(self, conn: asyncpg.Connection) -> None:
-        for sql, rows in self.by_statement().items():
-            await conn.executemany(sql, rows)
+        await conn.execute(APPENDED, *self.columns())
 
 
 class PgTx(Reads):
@@ -234,6 +281,7 @@ class PgTx(Reads):
         self.saved = False  # this job's savepoint is open (at its first write that is not an append)
         self.wrote = False
         self.touched: set[str] = set()  # reservations this job changed (their rows get the group's generation)
+        self.stamped: set[str] = set()  # of them, those whose rows this job wrote, with the generation already
         self.catalog_touched = False  # the catalog or the tokens: other replicas then reload them whole
 
     # statements: each one hop to the database's thread, which first writes the rows appended so far (earlier
@@ -293,21 +341,23 @@ class PgTx(Reads):
     # reservations
     def save_reservation(self, res: Reservation) -> None:
         self._touch(res.id)
+        self.stamped.add(res.id)
         if res.seq == 0:  # seqs are handed out under the write lock: list order is commit order
             res.seq = self.w.next_seq
             self.w.next_seq += 1
             self._append(INSERT_RESERVATION, (res.seq, res.id, res.tenant_id, res.principal_id, res.pool_id,
-                                              res.state, codec.encode(res)))
+                                              res.state, codec.encode(res), self.w.stamp))
         else:
-            self._execute("UPDATE reservations SET state = $1, doc = $2 WHERE id = $3",
-                          res.state, codec.encode(res), res.id)
+            self._execute("UPDATE reservations SET state = $1, doc = $2, gen = $4 WHERE id = $3",
+                          res.state, codec.encode(res), res.id, self.w.stamp)
 
     def move_if(self, res: Reservation, expected_state: str) -> bool:
-        status = self._execute("UPDATE reservations SET state = $1, doc = $2 WHERE id = $3 AND state = $4",
-                               res.state, codec.encode(res), res.id, expected_state)
+        status = self._execute("UPDATE reservations SET state = $1, doc = $2, gen = $5 WHERE id = $3 AND state = $4",
+                               res.state, codec.encode(res), res.id, expected_state, self.w.stamp)
         moved = status == "UPDATE 1"
         if moved:
             self._touch(res.id)
+            self.stamped.add(res.id)
         return moved
 
     # bookings
@@ -430,6 +480,8 @@ class Writer:
         self._hooks: list[Callable[[], None]] = []
         self._appends = PgAppends()
         self._touched: set[str] = set()  # of the open group's jobs that succeeded
+        self._stamped: set[str] = set()  # of them, rows written with the group's generation (not bumped again)
+        self.stamp = 0  # the generation the open group commits (read under the lock at each BEGIN, plus one)
         self.closing = False
         self.prefetched: dict[str, tuple[bytes, int] | None] = {}  # of the open group (PgTx.reservation)
         self.next_seq = 0  # the seq a reservation inserted next gets (read under the lock at each BEGIN)
@@ -446,33 +498,33 @@ class Writer:
         the group's jobs said they read first (`reads`), fetched together."""
         if self.conn is None or self.conn.is_closed():
             self.conn = None
-            self.conn = await self.connector.connect("writer")
+            self.conn = await self.connector.connect("writer", **WRITER_SETTINGS)
         await self.conn.execute(f"BEGIN; SELECT pg_advisory_xact_lock({WRITE_LOCK:d})")  # one round trip
-        row = await self.conn.fetchrow("SELECT generation, catalog_generation, (SELECT COALESCE(MAX(seq), 0)"
-                                       " FROM reservations) FROM replica_state WHERE id = 1")
-        self.next_seq = row[2] + 1
+        # and one more: a statement after the lock's sees every write committed before it
+        state = None
         self.prefetched = dict.fromkeys(reads)
-        if reads:
-            for rid, doc, seq in await self.conn.fetch("SELECT id, doc, seq FROM reservations WHERE id = ANY($1)",
-                                                       list(reads)):
-                self.prefetched[rid] = (doc, seq)
-        return row[0], row[1]
+        for row in await self.conn.fetch(BEGUN, list(reads)):
+            if row[3] is None:
+                state = row
+            else:
+                self.prefetched[row[3]] = (row[4], row[5])
+        self.next_seq = state[2] + 1
+        self.stamp = state[0] + 1
+        return state[0], state[1]
 
     async def _begin_read(self) -> int:
         """A snapshot to rebuild the memory from, with the generation it shows (no lock: it writes nothing)."""
         if self.conn is None or self.conn.is_closed():
             self.conn = None
-            self.conn = await self.connector.connect("writer")
+            self.conn = await self.connector.connect("writer", **WRITER_SETTINGS)
         await self.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         return await self.conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
 
     async def _commit(self, appends: Appends, wrote: bool, touched: set[str], catalog: bool) -> int:
         conn = self.conn
         assert conn is not None
-        await appends.write(conn)
-        generation = None
         if wrote or appends:
-            generation = await conn.fetchval(BUMP, catalog, list(touched))
+            generation = await conn.fetchval(COMMIT_GROUP, catalog, list(touched), *appends.columns())
         else:
             generation = await conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
         await conn.execute("COMMIT")
@@ -592,8 +644,10 @@ class Writer:
             self._busy = False
 
     def _take_touched(self) -> tuple[set[str], bool]:
-        touched, catalog = self._touched, self._catalog_touched
-        self._touched, self._catalog_touched = set(), False
+        """The reservations whose rows COMMIT_GROUP stamps (those the group changed but did not write), and whether
+        the catalog changed."""
+        touched, catalog = self._touched - self._stamped, self._catalog_touched
+        self._touched, self._stamped, self._catalog_touched = set(), set(), False
         return touched, catalog
 
     def _fresh(self, found: tuple[int, int]) -> None:
@@ -634,6 +688,7 @@ class Writer:
             # same name is the one a ROLLBACK TO finds.
             wrote = wrote or tx.wrote
             self._touched |= tx.touched
+            self._stamped |= tx.stamped
             self._catalog_touched = self._catalog_touched or tx.catalog_touched
             self._appends.extend(tx.appends)
             self._hooks.extend(tx.committed)
