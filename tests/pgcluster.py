@@ -30,6 +30,20 @@ class Cluster:
     data: Path
     socket_dir: Path
     user: str = USER
+    options: str = ""  # what the postmaster was started with (start() starts it again so)
+
+    def stop(self) -> None:
+        """Stop the postmaster at once, as a crash of the primary would (`-m immediate`: no checkpoint)."""
+        out = _as_user([str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"],
+                       cwd=str(self.data.parent))
+        assert out.returncode == 0, out.stderr
+
+    def start(self) -> None:
+        """Start it again on the same data and socket (after stop(): it recovers from its WAL)."""
+        out = _as_user([str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", self.options, "-l",
+                        str(self.data / "log"), "-w", "start"], cwd=str(self.data.parent))
+        if out.returncode != 0:
+            raise ClusterError(f"pg_ctl start failed: {out.stderr}{out.stdout}")
 
     def dsn(self, database: str = "postgres") -> str:
         """A unix-socket DSN, as `--db postgresql://...` takes it."""
@@ -78,11 +92,9 @@ def throwaway_cluster(fsync: bool = False) -> Iterator[Cluster]:
             raise ClusterError(f"initdb failed: {init.stderr}")
         opts = (f"-c listen_addresses='' -c unix_socket_directories={sock} -c max_connections=200"
                 f" -c fsync={'on' if fsync else 'off'}")
-        start = _as_user([str(bin_dir / "pg_ctl"), "-D", str(data), "-o", opts, "-l", str(data / "log"), "-w",
-                          "start"], cwd=str(root))
-        if start.returncode != 0:
-            raise ClusterError(f"pg_ctl start failed: {start.stderr}{start.stdout}")
-        yield Cluster(bin_dir, data, sock)
+        cluster = Cluster(bin_dir, data, sock, options=opts)
+        cluster.start()
+        yield cluster
     finally:
         if (data / "postmaster.pid").exists():
             _as_user([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"], cwd=str(root))

@@ -763,8 +763,9 @@ class PgStore(Reads):
             await pg_schema.migrate(conn)
         finally:
             await conn.close()
+        # min_size 0: the pool keeps no floor of connections, so it does not retry (and log) while the database is away
         self.pool = await asyncpg.create_pool(
-            self.dsn, min_size=1, max_size=4, statement_cache_size=256,
+            self.dsn, min_size=0, max_size=4, statement_cache_size=256,
             server_settings={**SERVER_SETTINGS, "application_name": f"{self.connector.application} reads"})
 
     def start(self, on_reset: Callable[[PgTx], None], on_group: Callable[[int], None] | None = None,

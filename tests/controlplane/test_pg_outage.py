@@ -1,0 +1,87 @@
+"""PostgreSQL going away under two running replicas (the primary crashing, or the gap of a failover) and coming
+back on the same address: meanwhile every request answers 503 PROVIDER_UNAVAILABLE with `details.actor:
+"platform"` and never a 500; afterwards the replicas reconnect by themselves, one leads again, they hear each
+other's commits again, and the creates retried with their keys are booked exactly once (docs/scale-out.md)."""
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+
+import pytest
+
+from tests import dbrows
+from tests.controlplane.conftest import TOKENS, bootstrap_doc, h100_node
+from tests.controlplane.test_replicas import ADMIN, create_body, leads, used_gpus, wait_for
+from tests.pgcluster import ClusterError, throwaway_cluster
+from tests.serverproc import ServerProcess
+
+ALICE = TOKENS["alice"]
+CREATE = "/api/compute/reservations/create"
+
+
+@pytest.fixture
+def cluster():
+    """A cluster of this test's own: it is stopped and started again, which the session's shared one must not be."""
+    try:
+        with throwaway_cluster() as made:
+            yield made
+    except ClusterError as exc:
+        pytest.skip(str(exc))
+
+
+def unavailable(status: int, doc: dict) -> bool:
+    return (status, doc.get("error", {}).get("code"), doc.get("error", {}).get("details", {}).get("actor")) == (
+        503, "PROVIDER_UNAVAILABLE", "platform")
+
+
+def test_a_database_outage_answers_provider_unavailable_and_the_replicas_recover_by_themselves(cluster, tmp_path):
+    db = cluster.createdb(f"berth_{uuid.uuid4().hex[:12]}")
+    doc = bootstrap_doc()
+    doc["nodes"].append(h100_node("x0"))
+    boot = tmp_path / "b.json"
+    boot.write_text(json.dumps(doc))
+    with ServerProcess(db, boot) as a, ServerProcess(db, boot) as b:
+        status, before = a.post(CREATE, ALICE, create_body("before-the-outage"))
+        assert status == 202, before
+        wait_for(lambda: leads(a) or leads(b))
+
+        cluster.stop()
+        answers = []
+        for i, replica in enumerate((a, b, a, b)):
+            answers.append(replica.post(CREATE, ALICE, create_body(f"during-{i}"), timeout=40))
+            answers.append(replica.post("/api/compute/reservations/get", ALICE,
+                                        {"reservationId": before["reservation"]["id"]}, timeout=40))
+            answers.append(replica.post("/api/compute/events/list", ALICE, {}, timeout=40))
+        assert all(status != 500 for status, _ in answers), answers
+        creates = answers[::3]
+        assert all(unavailable(*answer) for answer in creates), creates
+        # reads are served from the database too: unavailable as well, or answered (never anything else)
+        assert all(unavailable(*answer) or answer[0] == 200 for answer in answers), answers
+
+        cluster.start()  # the same address: a failover's new primary behind the same name
+        acked: dict[str, str] = {before["reservation"]["id"]: "before-the-outage"}
+        for i, replica in enumerate((a, b, a, b)):
+            def retried():
+                got = replica.post(CREATE, ALICE, create_body(f"during-{i}"), timeout=40)
+                assert got[0] in (202, 503) and (got[0] == 202 or unavailable(*got)), got
+                return got if got[0] == 202 else None
+            status, created = wait_for(retried, timeout=30, every=0.2)  # reconnects with backoff (at most 5 s)
+            acked[created["reservation"]["id"]] = f"during-{i}"
+        again = [a.post(CREATE, ALICE, create_body(f"during-{i}"))[1]["reservation"]["id"] for i in range(4)]
+        assert again == [rid for rid, key in acked.items() if key.startswith("during")]  # replays, not new ones
+
+        assert wait_for(lambda: [leads(a), leads(b)].count(True) == 1, timeout=30)  # one leader again
+        # They hear each other again: a create on b reaches a's memory (its quota ledger) without a write on a.
+        wait_for(lambda: used_gpus(a) == len(acked), timeout=10)
+        status, after = b.post(CREATE, ALICE, create_body("after-the-outage"))
+        assert status == 202, after
+        acked[after["reservation"]["id"]] = "after-the-outage"
+        assert wait_for(lambda: used_gpus(a) == len(acked), timeout=5)
+        status, tenant = a.post("/api/admin/tenants/get", ADMIN, {"tenantId": "acme"})
+        assert status == 200, tenant
+
+    ids = Counter(r[0] for r in dbrows.rows(db, "SELECT id FROM reservations"))
+    assert set(ids) == set(acked) and all(n == 1 for n in ids.values()), (ids, acked)
+    tracebacks = [line for line in a.lines + b.lines if "Traceback" in line]
+    assert not tracebacks, tracebacks
