@@ -7,6 +7,7 @@ USAGE = """usage: berth <command> [args]
 
 commands:
   controlplane serve   run the control plane (HTTP API, calendar, reconciler)
+  controlplane migrate copy a SQLite database into PostgreSQL: --from sqlite:///PATH --to postgresql://...
   agent                run the node agent, or `berth agent discover` to print the host's inventory
   exec RESERVATION -- COMMAND...
                        on a node: run a command inside a reservation's cgroup

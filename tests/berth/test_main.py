@@ -6,7 +6,19 @@ import sys
 def test_berth_help_lists_the_commands():
     out = subprocess.run([sys.executable, "-m", "berth", "--help"], capture_output=True, text=True, check=True)
     assert "controlplane serve" in out.stdout
+    assert "controlplane migrate" in out.stdout
     assert "agent" in out.stdout
+
+
+def test_every_controlplane_subcommand_in_the_usage_answers_its_help():
+    from berth.main import USAGE
+
+    listed = [line.split()[1] for line in USAGE.splitlines() if line.strip().startswith("controlplane ")]
+    assert listed == ["serve", "migrate"]
+    for sub in listed:
+        out = subprocess.run([sys.executable, "-m", "berth", "controlplane", sub, "--help"], capture_output=True,
+                             text=True)
+        assert out.returncode == 0 and f"berth controlplane {sub}" in out.stdout, out
 
 
 def test_unknown_command_exits_2_and_says_so():
