@@ -5,8 +5,9 @@ the node's bookable units (whole GPUs, MIG instances or slots, by the
 pool's sharing) and its allocatable host resources; a declared node with the
 same hostname is taken over. The bindings wanted on a node are the
 reservations in `binding` or `active` that hold units there; they are kept
-per node in memory, with a resource version that grows with every change,
-so a long-polling watch answers within milliseconds of a change and a
+per node in memory, with a resource version that changes with every change
+(the database's generation where replicas share one, so every replica gives
+one set one version), so a long-polling watch answers within milliseconds of a change and a
 reconnect resumes without missing or replaying anything (each answer is the
 whole set). A node silent for longer than the grace is lost.
 """
@@ -137,6 +138,7 @@ class NodeService:
         self.leads: Callable[[], bool] = lambda: True
         self.heard: Callable[[str, int], None] = lambda node_id, at_ms: None
         self.heard_elsewhere: Callable[[], dict[str, int]] = dict
+        self.version: Callable[[], int | None] = lambda: None  # the database's generation, where replicas share one
         moves.listeners.append(self._reservation_changed)
 
     # ---- desired bindings -----------------------------------------------------------
@@ -155,15 +157,27 @@ class NodeService:
     def _node(self, node_id: str) -> NodeLive:
         live = self.live.get(node_id)
         if live is None:
-            live = self.live[node_id] = NodeLive(self._next_rv(), {})
+            # Shared versions: 0 is a set never changed, so empty, on every replica (a node is met mid-way through
+            # applying a generation, whose own version its first binding then takes).
+            live = self.live[node_id] = NodeLive(0 if self.version() is not None else self._next_rv(), {})
         return live
 
     def _next_rv(self) -> int:
+        """The database's generation the memory shows, where replicas share one: a node's set is a function of
+        what is committed, so every replica versions it alike and an agent moving between replicas resumes its
+        watch (equal versions, equal sets). Else a counter from the clock's start, which no generation reaches."""
+        generation = self.version()
+        if generation is not None:
+            return generation
         self._rv += 1
         return self._rv
 
     def _bump(self, live: NodeLive) -> None:
-        live.rv = self._next_rv()
+        rv = self._next_rv()
+        if rv == live.rv:  # changed twice at one generation (only a memory rebuilt at it does): never the same
+            self._rv += 1
+            rv = self._rv
+        live.rv = rv
         if live.changed is not None:
             live.changed.set()
             live.changed = None

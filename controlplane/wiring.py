@@ -136,6 +136,7 @@ class ControlPlane:
         self.reconciler.leads = self.nodes.leads = self.replicas.leads
         self.nodes.heard = self.replicas.heard
         self.nodes.heard_elsewhere = self.replicas.heard_elsewhere
+        self.nodes.version = self.replicas.version
         self._refreshing: asyncio.Future | None = None
         self._refresh_again = False
 

@@ -623,12 +623,14 @@ class Writer:
         self.generation = None
         try:
             with self._sync:
-                generation = self.connector.run(self._begin_read())
+                self.generation = self.connector.run(self._begin_read())
                 try:
                     self._on_reset(PgTx(self, PgAppends()))
+                except BaseException:
+                    self.generation = None
+                    raise
                 finally:
                     self.connector.run(self._rollback())
-                self.generation = generation
         except Exception as exc:  # noqa: BLE001 - the next group rebuilds it (the generation is unknown)
             log.warning("could not rebuild the writer's memory now; the next group will", error=str(exc))
 
@@ -658,11 +660,15 @@ class Writer:
         if generation == self.generation:
             return
         tx = PgTx(self, self._appends)
-        if self.generation is None or catalog_generation > self.generation or self._on_changed is None:
-            self._on_reset(tx)
-        else:
-            self._on_changed(tx, tx.changed_since(self.generation))
-        self.generation = generation
+        known, self.generation = self.generation, generation  # what the hooks bring the memory to (nodes' versions)
+        try:
+            if known is None or catalog_generation > known or self._on_changed is None:
+                self._on_reset(tx)
+            else:
+                self._on_changed(tx, tx.changed_since(known))
+        except BaseException:
+            self.generation = None
+            raise
         self.reloads += 1
 
     def _run_jobs(self, group) -> tuple[list, bool]:

@@ -231,3 +231,11 @@ def test_an_agent_watching_one_replica_is_bound_by_a_create_on_the_other(databas
         bound = [bnd["reservationId"] for bnd in answer["doc"]["bindings"]]
         assert bound == [doc["reservation"]["id"]]
         assert answer["at"] - created < 5  # the figure itself is measured by bench/replicas.py
+        # Replica b versions the node's set as a does (both from the database's generation): the agent moving to
+        # b with a's version is not answered afresh; its long poll waits there for the next change.
+        rv = answer["doc"]["resourceVersion"]
+        assert wait_for(lambda: b.post("/api/nodes/watch", node, {"timeoutMs": 0})[1]["resourceVersion"] == rv,
+                        timeout=5)
+        status, moved = b.post("/api/nodes/watch", node, {"resourceVersion": rv, "timeoutMs": 300})
+        assert status == 200 and not moved["changed"] and moved["resourceVersion"] == rv, moved
+        assert moved["bindings"] == answer["doc"]["bindings"]
