@@ -12,13 +12,16 @@ The load comes from client processes, so clients and servers do not share an int
 Printed: creates/s of each and its ratio to the baseline (target: one replica >= 1.0x), the errors (target for
 two replicas: zero), the races lost and run again inside the store, the memory reloads, and the time from a
 create answered by replica B to the binding in the answer of an agent's watch long-polling replica A
-(docs/scale-out.md). Needs root (the cluster runs as `nobody`) and PostgreSQL's binaries (apt-get install
+(docs/scale-out.md). Then where each run's CPU went, per request: the servers', PostgreSQL's and the load
+clients' (they share this machine's cores), with the cores left idle; a run that leaves none idle is bound by
+this machine's CPU, not by its commits. Needs root (the cluster runs as `nobody`) and PostgreSQL's binaries (apt-get install
 postgresql).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import resource
 import json
 import os
 import re
@@ -103,16 +106,56 @@ def serve(db: str | Path, boot: Path) -> tuple[subprocess.Popen, str]:
     return ct.serve_berth(db, boot, port), f"http://127.0.0.1:{port}"
 
 
-def measure(bases: list[str], seconds: float, connections: int, label: str, start: int, offset: int) -> dict:
-    """One load split evenly across the servers, at once; the sums and the worst latency."""
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU of one process so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cluster_pids(cluster) -> list[int]:
+    """The cluster's postmaster and its children (the backends, the WAL writer, the checkpointer...)."""
+    postmaster = int((cluster.data / "postmaster.pid").read_text().split()[0])
+    pids = [postmaster]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
+                    pids.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                continue
+    return pids
+
+
+def idle_seconds() -> float:
+    """The machine's idle CPU time so far, all cores."""
+    return int(Path("/proc/stat").read_text().split()[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(bases: list[str], seconds: float, connections: int, label: str, start: int, offset: int,
+            servers: list[subprocess.Popen] = (), cluster=None) -> dict:
+    """One load split evenly across the servers, at once; the sums, the worst latency, and the CPU seconds the
+    servers, the cluster and the load clients spent (the cluster's as the processes alive at the end saw it)."""
     per = max(1, connections // len(bases))
     url = "/api/compute/reservations/create"
+    pg = cluster_pids(cluster) if cluster is not None else []
+    before = ([cpu_seconds(p.pid) for p in servers], sum(map(cpu_seconds, pg)), resource.getrusage(
+        resource.RUSAGE_CHILDREN), idle_seconds(), time.perf_counter())
     with ThreadPoolExecutor(len(bases)) as pool:
         results = list(pool.map(lambda i: ct.run_client(bases[i] + url, seconds, per, f"{label} [{i + 1}]", start,
                                                         offset + i * 1_000_000), range(len(bases))))
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # the clients, waited for
+    pg = cluster_pids(cluster) if cluster is not None else []
+    wall = time.perf_counter() - before[4]
     return {"rps": sum(r["rps"] for r in results), "errors": sum(r["errors"] for r in results),
             "requests": sum(r["requests"] for r in results), "p50_ms": max(r["p50_ms"] for r in results),
-            "p99_ms": max(r["p99_ms"] for r in results)}
+            "p99_ms": max(r["p99_ms"] for r in results),
+            "cpu_server": sum(cpu_seconds(p.pid) - b for p, b in zip(servers, before[0])),
+            "cpu_postgres": max(0.0, sum(map(cpu_seconds, pg)) - before[1]),
+            "cpu_clients": (children.ru_utime + children.ru_stime) - (before[2].ru_utime + before[2].ru_stime),
+            "idle_cores": (idle_seconds() - before[3]) / wall, "wall": wall}
 
 
 def watch_latency(a: str, b: str, rounds: int) -> list[float]:
@@ -187,14 +230,16 @@ def main() -> int:
             ct.wait_port(port, baseline)
             base = f"http://127.0.0.1:{port}"
             measure([base], 1, args.connections, "baseline warm-up", start, 0)
-            results["baseline"] = measure([base], args.seconds, args.connections, "baseline", start, 0)
+            results["baseline"] = measure([base], args.seconds, args.connections, "baseline", start, 0,
+                                          [baseline], cluster)
             ct.stop(baseline)
 
             for label, db in (("sqlite", tmp / "cp.db"), ("postgresql, 1 replica", cluster.createdb("one"))):
                 server, url = serve(db, boot)
                 stack.callback(ct.stop, server)
                 measure([url], 1, args.connections, f"{label} warm-up", start, 0)
-                results[label] = measure([url], args.seconds, args.connections, label, start, 100_000)
+                results[label] = measure([url], args.seconds, args.connections, label, start, 100_000, [server],
+                                         cluster if label.startswith("postgresql") else None)
                 results[label].update(counters(url))
                 ct.stop(server)
 
@@ -205,7 +250,8 @@ def main() -> int:
             measure([url_a, url_b], 1, args.connections, "2 replicas warm-up", start, 0)
             before = [counters(u) for u in (url_a, url_b)]
             label = "postgresql, 2 replicas"
-            results[label] = measure([url_a, url_b], args.seconds, args.connections, label, start, 100_000)
+            results[label] = measure([url_a, url_b], args.seconds, args.connections, label, start, 100_000,
+                                     [a, b], cluster)
             after = [counters(u) for u in (url_a, url_b)]
             for key in after[0]:
                 results[label][key] = sum(x[key] - y[key] for x, y in zip(after, before))
@@ -223,6 +269,13 @@ def main() -> int:
                  f"{r.get('berth_store_reloads_total', 0):>7.0f}") if label != "baseline" else f"{'1.0':>11}"
         print(f"{label:24} {r['rps']:>10,.0f} {r['rps'] / base_rps:>9.2f}x {r['errors']:>7} {r['p50_ms']:>7.2f} "
               f"{r['p99_ms']:>7.2f} {extra}")
+    print(f"\nCPU per request, in microseconds (this machine: {os.cpu_count()} cores, shared by all of them):")
+    print(f"{'':24} {'server':>8} {'postgres':>8} {'clients':>8} {'total':>8} {'idle cores':>10}")
+    for label, r in results.items():
+        n = max(1, r["requests"])
+        parts = [r["cpu_server"] / n * 1e6, r["cpu_postgres"] / n * 1e6, r["cpu_clients"] / n * 1e6]
+        print(f"{label:24} {parts[0]:>8.0f} {parts[1]:>8.0f} {parts[2]:>8.0f} {sum(parts):>8.0f} "
+              f"{r['idle_cores']:>10.2f}")
     two = results["postgresql, 2 replicas"]
     retries = two.get("berth_store_race_retries_total", 0)
     print(f"2 replicas: {two['requests']:,} creates, {two['errors']} errors, {retries:.0f} lost races run again "
