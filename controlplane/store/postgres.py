@@ -194,6 +194,7 @@ class Reads:
         return (row[0], row[1], row[2]) if row else None
 
 
+LOCKED = f"BEGIN; SELECT pg_advisory_xact_lock({WRITE_LOCK:d})"  # a group's transaction and lock: one round trip
 # What a group reads once it holds the lock: the generations and the next seq (the row without an id), and the
 # reservations its jobs read.
 BEGUN = ("SELECT generation, catalog_generation, (SELECT COALESCE(MAX(seq), 0) FROM reservations), NULL, NULL::bytea,"
@@ -483,6 +484,7 @@ class Writer:
         self._stamped: set[str] = set()  # of them, rows written with the group's generation (not bumped again)
         self.stamp = 0  # the generation the open group commits (read under the lock at each BEGIN, plus one)
         self.closing = False
+        self._ahead: asyncio.Future | None = None  # on the database's loop: the next group's BEGIN and lock
         self.prefetched: dict[str, tuple[bytes, int] | None] = {}  # of the open group (PgTx.reservation)
         self.next_seq = 0  # the seq a reservation inserted next gets (read under the lock at each BEGIN)
         self._catalog_touched = False
@@ -496,10 +498,9 @@ class Writer:
     async def _begin(self, reads: list[str] = ()) -> tuple[int, int]:
         """BEGIN, the write lock, and (generation, catalog generation) as the lock found them; the reservations
         the group's jobs said they read first (`reads`), fetched together."""
-        if self.conn is None or self.conn.is_closed():
-            self.conn = None
-            self.conn = await self.connector.connect("writer", **WRITER_SETTINGS)
-        await self.conn.execute(f"BEGIN; SELECT pg_advisory_xact_lock({WRITE_LOCK:d})")  # one round trip
+        if not await self._ahead_taken():
+            await self._connected()
+            await self.conn.execute(LOCKED)
         # and one more: a statement after the lock's sees every write committed before it
         state = None
         self.prefetched = dict.fromkeys(reads)
@@ -512,11 +513,41 @@ class Writer:
         self.stamp = state[0] + 1
         return state[0], state[1]
 
-    async def _begin_read(self) -> int:
-        """A snapshot to rebuild the memory from, with the generation it shows (no lock: it writes nothing)."""
+    async def _connected(self) -> None:
         if self.conn is None or self.conn.is_closed():
             self.conn = None
             self.conn = await self.connector.connect("writer", **WRITER_SETTINGS)
+
+    async def _ahead_taken(self) -> bool:
+        """Whether the lock taken ahead (after the previous group's commit, while it was answered) is held now in an
+        open transaction; a failed try leaves a connection made anew at the next use."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return False
+        try:
+            await ahead
+            return True
+        except Exception as exc:  # noqa: BLE001 - taken again the ordinary way
+            log.info("the write lock taken ahead failed; taking it again", error=f"{type(exc).__name__}: {exc}")
+            if self.conn is not None:
+                self.conn.terminate()
+            self.conn = None
+            return False
+
+    async def _drop_ahead(self) -> None:
+        """Give the lock taken ahead back (before a read-only snapshot, or closing)."""
+        if await self._ahead_taken():
+            await self.conn.execute("ROLLBACK")
+
+    async def _close(self) -> None:
+        await self._drop_ahead()
+        if self.conn is not None:
+            await self.conn.close(timeout=5)
+
+    async def _begin_read(self) -> int:
+        """A snapshot to rebuild the memory from, with the generation it shows (no lock: it writes nothing)."""
+        await self._drop_ahead()
+        await self._connected()
         await self.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         return await self.conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
 
@@ -528,6 +559,11 @@ class Writer:
         else:
             generation = await conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
         await conn.execute("COMMIT")
+        if self._pending and not self.closing:
+            # Jobs wait for the next group: its BEGIN and lock go now, while this group is answered (a lock the
+            # API's loop would otherwise ask for only after that, one round trip later). Another replica waiting
+            # for the lock still gets it first: PostgreSQL grants it in the order asked.
+            self._ahead = asyncio.ensure_future(conn.execute(LOCKED))
         return generation
 
     async def _rollback(self) -> None:
@@ -739,7 +775,7 @@ class Writer:
         got = self._sync.acquire(timeout=10)
         if self.conn is not None:
             try:
-                self.connector.run(self.conn.close(timeout=5), timeout=10)
+                self.connector.run(self._close(), timeout=10)
             except Exception:  # noqa: BLE001 - closing a dead connection
                 pass
         if got:
