@@ -147,10 +147,10 @@ CASES = _cases()
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, module_db_url):
     path = tmp_path_factory.mktemp("fuzz")
     (path / "b.json").write_text(json.dumps(bootstrap_doc()))
-    with ServerProcess(path / "cp.db", path / "b.json", ["--synchronous", "NORMAL"]) as proc:
+    with ServerProcess(module_db_url, path / "b.json", ["--synchronous", "NORMAL"]) as proc:
         status, doc = proc.post("/api/nodes/register", BOOTSTRAP, {"hostname": "h1.test", "inventory": inventory()})
         assert status == 200, doc
         proc.tokens = {TENANT: TOKENS["alice"], BOOTSTRAP: BOOTSTRAP, NODE: doc["nodeToken"],

@@ -27,10 +27,10 @@ POST_ROUTES = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, module_db_url):
     path = tmp_path_factory.mktemp("hostile")
     (path / "b.json").write_text(json.dumps(bootstrap_doc()))
-    with ServerProcess(path / "cp.db", path / "b.json", ["--synchronous", "NORMAL"]) as proc:
+    with ServerProcess(module_db_url, path / "b.json", ["--synchronous", "NORMAL"]) as proc:
         from tests.controlplane.test_nodes import inventory
 
         status, doc = proc.post("/api/nodes/register", "node-token-h100-000001",
