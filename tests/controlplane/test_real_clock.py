@@ -11,9 +11,9 @@ from tests.serverproc import ServerProcess, wait_until
 
 
 @pytest.mark.slow
-def test_binding_within_a_second_of_start_and_released_within_a_second_of_end(tmp_path):
+def test_binding_within_a_second_of_start_and_released_within_a_second_of_end(tmp_path, db_url):
     (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
-    with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json", ["--synchronous", "NORMAL"]) as server:
+    with ServerProcess(db_url, tmp_path / "b.json", ["--synchronous", "NORMAL"]) as server:
         start = int(time.time() * 1000) + 2000
         end = start + 2000
         status, doc = server.post("/api/compute/reservations/create", TOKENS["alice"],

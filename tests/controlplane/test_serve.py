@@ -11,22 +11,22 @@ from tests.controlplane.conftest import TOKENS, bootstrap_doc
 from tests.serverproc import ServerProcess
 
 
-def test_serve_logs_its_address_answers_and_stops_cleanly_on_sigterm(tmp_path):
+def test_serve_logs_its_address_answers_and_stops_cleanly_on_sigterm(tmp_path, db_url):
     (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
-    server = ServerProcess(tmp_path / "cp.db", tmp_path / "b.json").start()
+    server = ServerProcess(db_url, tmp_path / "b.json").start()
     status, doc = server.post("/api/compute/reservations/list", TOKENS["alice"], {})
     assert (status, doc["reservations"]) == (200, [])
     assert server.stop() == 0
     assert any('"stopping"' in line for line in server.lines)
 
 
-def test_bootstrap_is_applied_idempotently_across_restarts(tmp_path):
+def test_bootstrap_is_applied_idempotently_across_restarts(tmp_path, db_url):
     (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
-    with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json") as server:
+    with ServerProcess(db_url, tmp_path / "b.json") as server:
         status, doc = server.post("/api/compute/reservations/create", TOKENS["alice"],
                                   {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1, "idempotencyKey": "a"})
         assert status == 202
-    with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json") as server:
+    with ServerProcess(db_url, tmp_path / "b.json") as server:
         status, doc = server.post("/api/compute/reservations/list", TOKENS["alice"], {})
         assert [r["state"] for r in doc["reservations"]] in (["placed"], ["binding"])  # its window started
 
