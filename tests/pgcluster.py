@@ -101,10 +101,15 @@ def throwaway_cluster(fsync: bool = False) -> Iterator[Cluster]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def pg_cluster():
+def cluster_or_skip() -> Iterator[Cluster]:
+    """A throwaway cluster for a fixture, or the test skipped saying why none can be made here."""
     try:
         with throwaway_cluster() as cluster:
             yield cluster
     except ClusterError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    yield from cluster_or_skip()

@@ -184,29 +184,29 @@ def clock() -> FakeClock:
     return FakeClock(T0)
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def module_db_url(request, tmp_path_factory):
-    """As db_url, for a module's one server process (the fuzz and the hostile-input tests), once per engine."""
+def _engine_url(request, sqlite_dir):
+    """The store's URL for request.param: a SQLite file in sqlite_dir, or a fresh database on the session's
+    throwaway PostgreSQL cluster (dropped after)."""
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'cp.db'}"
+        yield f"sqlite:///{sqlite_dir / 'cp.db'}"
         return
     cluster = request.getfixturevalue("pg_cluster")
     name = f"berth_{uuid.uuid4().hex[:12]}"
     yield cluster.createdb(name)
     cluster.psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def module_db_url(request, tmp_path_factory):
+    """As db_url, for a module's one server process (the fuzz and the hostile-input tests), once per engine."""
+    yield from _engine_url(request, tmp_path_factory.mktemp("db"))
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request, tmp_path):
     """The store's URL, once per engine: a SQLite file, and a fresh database on the session's throwaway
     PostgreSQL cluster (dropped after the test)."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'cp.db'}"
-        return
-    cluster = request.getfixturevalue("pg_cluster")
-    name = f"berth_{uuid.uuid4().hex[:12]}"
-    yield cluster.createdb(name)
-    cluster.psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    yield from _engine_url(request, tmp_path)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from tests import dbrows
 from tests.controlplane.conftest import TOKENS, bootstrap_doc, h100_node
 from tests.controlplane.test_replicas import ADMIN, create_body, leads, used_gpus, wait_for
-from tests.pgcluster import ClusterError, throwaway_cluster
+from tests.pgcluster import cluster_or_skip
 from tests.serverproc import ServerProcess
 
 ALICE = TOKENS["alice"]
@@ -23,11 +23,7 @@ CREATE = "/api/compute/reservations/create"
 @pytest.fixture
 def cluster():
     """A cluster of this test's own: it is stopped and started again, which the session's shared one must not be."""
-    try:
-        with throwaway_cluster() as made:
-            yield made
-    except ClusterError as exc:
-        pytest.skip(str(exc))
+    yield from cluster_or_skip()
 
 
 def unavailable(status: int, doc: dict) -> bool:
