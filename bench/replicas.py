@@ -95,7 +95,7 @@ def counters(base: str) -> dict[str, float]:
         text = resp.read().decode()
     out = {}
     for name in ("berth_store_race_retries_total", "berth_store_reloads_total", "berth_store_groups_total",
-                 "berth_store_jobs_total"):
+                 "berth_store_jobs_total", "berth_store_speculative_groups_total"):
         m = re.search(rf"^{name} (\S+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
     return out

@@ -92,7 +92,11 @@ class _Snapshot:
         yield CounterMetricFamily("berth_store_race_retries", "Store groups run again after losing a race with "
                                   "another replica (PostgreSQL).", value=getattr(writer, "retries", 0))
         yield CounterMetricFamily("berth_store_reloads", "Times this replica rebuilt its memory because another "
-                                  "replica wrote (PostgreSQL).", value=getattr(writer, "reloads", 0))
+                                  "replica wrote, or a speculative group was abandoned (PostgreSQL).",
+                                  value=getattr(writer, "reloads", 0))
+        yield CounterMetricFamily("berth_store_speculative_groups", "Store groups of creates run while the previous "
+                                  "group committed, and committed by one statement (PostgreSQL).",
+                                  value=getattr(writer, "speculated", 0))
         yield GaugeMetricFamily("berth_replica_leader", "1 while this replica leads: drives the timers and "
                                 "watches for lost nodes (always 1 on SQLite).", value=int(self.cp.replicas.leads()))
         yield CounterMetricFamily("berth_reconciler_passes", "Reconciler passes run.",

@@ -183,8 +183,8 @@ class Shared:
     # ---- on the API's loop ----------------------------------------------------------------------------
     def _heard(self, generation: int | None) -> None:
         known = self.store.generation
-        if generation is not None and known is not None and generation <= known:
-            return  # our own commit, or one the memory already has
+        if generation is not None and known is not None and generation <= max(known, self.store.sent):
+            return  # our own commit (landed, or on its way), or one the memory already has
         self._refresh()
 
     async def _share_heartbeats(self) -> None:

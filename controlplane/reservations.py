@@ -202,7 +202,8 @@ class ReservationService:
         tenant = self._tenant(principal)
         if self.authorizer.embedded:
             answer = await self.store.call(lambda tx: self._create_job(tx, principal, tenant, key, cmd),
-                                           reads=(reservation_id(principal.tenant_id, principal.id, key),))
+                                           reads=(reservation_id(principal.tenant_id, principal.id, key),),
+                                           append_only=True)
         else:
             answer = await self._create_remote(principal, tenant, key, cmd)
         if answer.reservation.state == states.PLACED and (answer.reservation.start or 0) <= self.clock.compute_now():

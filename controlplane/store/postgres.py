@@ -215,22 +215,24 @@ APPENDED_TYPES = ((INSERT_RESERVATION, ("int8", "text", "text", "text", "text", 
                   (INSERT_EVENT, ("text", "text", "text", "int8", "bytea")))
 
 
-def _appended(first: int) -> str:
+def _appended(first: int, only_if: str = "") -> str:
     """Every appended row in one statement, as CTEs over column arrays (parameters from $first on): the database
     plans and runs each insert once for the group, where an executemany runs it per row. A booking's units
-    travel as one JSON array (they may hold any text)."""
+    travel as one JSON array (they may hold any text). only_if: a condition every insert waits for and needs
+    (SPECULATED's compare-and-set: evaluated once, before any row, so events take their seq under the lock)."""
     numbers = iter(range(first, first + sum(len(types) for _, types in APPENDED_TYPES)))
     arrays = [", ".join(f"${next(numbers)}::{t}[]" for t in types) for _, types in APPENDED_TYPES]
+    where = f" WHERE {only_if}" if only_if else ""
     return (
         "ar AS (INSERT INTO reservations (seq, id, tenant_id, principal_id, pool_id, state, doc, gen)"
-        f" SELECT * FROM unnest({arrays[0]})),"
+        f" SELECT * FROM unnest({arrays[0]}){where}),"
         " ab AS (INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
         " memory_mib, hugepages_1g) SELECT rid, pool, node, ARRAY(SELECT jsonb_array_elements_text(units::jsonb)),"
-        f" st, en, vcpu, mem, hp FROM unnest({arrays[1]}) AS s (rid, pool, node, units, st, en, vcpu, mem, hp)"
+        f" st, en, vcpu, mem, hp FROM unnest({arrays[1]}) AS s (rid, pool, node, units, st, en, vcpu, mem, hp){where}"
         " RETURNING id, node_id, units, start_ms, end_ms),"
         " au AS (INSERT INTO booked_units (booking_id, node_id, unit, during)"
         " SELECT ab.id, ab.node_id, u, int8range(ab.start_ms, ab.end_ms) FROM ab, unnest(ab.units) AS u),"
-        f" ae AS (INSERT INTO events (tenant_id, reservation_id, type, at, data) SELECT * FROM unnest({arrays[2]}))")
+        f" ae AS (INSERT INTO events (tenant_id, reservation_id, type, at, data) SELECT * FROM unnest({arrays[2]}){where})")
 
 
 APPENDED = f"WITH {_appended(1)} SELECT 1"
@@ -242,6 +244,27 @@ COMMIT_GROUP = (
     " st AS (UPDATE reservations SET gen = (SELECT generation FROM g) WHERE id = ANY($2::text[])),"
     f" n AS (SELECT pg_notify('berth_changes', generation::text) FROM g), {_appended(3)}"
     " SELECT g.generation FROM g, (SELECT count(*) FROM n) AS notified")
+# A speculative group's whole commit (Writer._speculate), one statement outside any transaction: it moves the
+# generation from the one its jobs were run on ($1), taking the write lock first (a group holding it is waited for),
+# and writes the rows only if the generation was still that one; otherwise nothing, and no row comes back.
+SPECULATED = (
+    f"WITH g AS (UPDATE replica_state SET generation = generation + 1 WHERE id = 1 AND generation = $1"
+    f" AND pg_advisory_xact_lock({WRITE_LOCK:d}) IS NOT NULL RETURNING generation),"
+    " st AS (UPDATE reservations SET gen = (SELECT generation FROM g) WHERE id = ANY($2::text[])"
+    " AND EXISTS (SELECT FROM g)),"
+    f" n AS (SELECT pg_notify('berth_changes', generation::text) FROM g), {_appended(3, 'EXISTS (SELECT FROM g)')}"
+    " SELECT g.generation FROM g, (SELECT count(*) FROM n) AS notified")
+# What a speculative group reads first, in one snapshot: the generation, and the reservations its jobs read.
+SPECULATION_READ = ("SELECT generation, NULL, NULL::bytea, NULL::bigint FROM replica_state WHERE id = 1"
+                    " UNION ALL SELECT NULL, id, doc, seq FROM reservations WHERE id = ANY($1::text[])")
+SPECULATION_PAUSE_S = 2.0  # after another replica wrote, or a speculation failed: groups take the lock first
+
+
+class Unspeculative(BaseException):
+    """A speculative job asked the database for more than its prefetched reads (Writer._speculate): the group is
+    run again the ordinary way. A BaseException, so that no job's own error handling keeps it."""
+
+
 # A booking's end moves with its devices' ranges, in one statement (the exclusion constraint checks the new ranges).
 MOVE_END = (
     "WITH b AS (UPDATE bookings SET end_ms = {end} WHERE reservation_id = $1 RETURNING id, start_ms, end_ms)"
@@ -272,8 +295,9 @@ class PgAppends(Appends):
 class PgTx(Reads):
     """The writer's view of the open transaction (port.Tx), each statement on the writer's connection."""
 
-    def __init__(self, writer: "Writer", group: Appends):
+    def __init__(self, writer: "Writer", group: Appends, speculative: bool = False):
         self.w = writer
+        self.speculative = speculative  # no transaction is open: any statement raises Unspeculative
         self.dirty = False
         self.committed: list[Callable[[], None]] = []
         self.refused: DomainError | None = None
@@ -289,6 +313,8 @@ class PgTx(Reads):
     # jobs' before this job's savepoint, this job's inside it), so a job that only appends (a create) costs the
     # one read it makes, and the rest goes in the group's executemany at its end.
     def _hop(self, statement: Callable[[asyncpg.Connection], Awaitable[Any]], writes: bool) -> Any:
+        if self.speculative:
+            raise Unspeculative()
         return self.w.connector.run(self._flushing(statement, writes))
 
     async def _flushing(self, statement, writes: bool) -> Any:
@@ -463,6 +489,28 @@ class PgTx(Reads):
         return {r[0]: (r[1], r[2]) for r in self._fetch("SELECT hash, kind, subject FROM tokens")}
 
 
+class Job:
+    """A job waiting for a group: append_only says it usually only reads `reads` and appends (a create), so it
+    may be run speculatively (Writer._speculate)."""
+
+    __slots__ = ("fn", "fut", "reads", "append_only")
+
+    def __init__(self, fn: Callable[[PgTx], Any], fut: asyncio.Future | None, reads: tuple[str, ...] = (),
+                 append_only: bool = False):
+        self.fn, self.fut, self.reads, self.append_only = fn, fut, reads, append_only
+
+
+class Commit:
+    """A speculative group's commit on its way: what it answers when it lands."""
+
+    __slots__ = ("group", "answers", "hooks", "stamp", "touched", "future", "done")
+
+    def __init__(self, group: list[Job], answers: list, hooks: list, stamp: int, touched: set[str]):
+        self.group, self.answers, self.hooks, self.stamp, self.touched = group, answers, hooks, stamp, touched
+        self.future: asyncio.Future | None = None
+        self.done = False
+
+
 class Writer:
     """One replica's writer: groups of jobs, each group one transaction under the write lock, answered after its
     COMMIT. While a group waits for the lock or commits, the API's loop goes on and new jobs queue."""
@@ -474,10 +522,13 @@ class Writer:
         self._on_changed = on_changed
         self.conn: asyncpg.Connection | None = None
         self.generation: int | None = None  # the database's generation the memory equals (None: rebuild first)
-        self._pending: list[tuple[Callable[[PgTx], Any], asyncio.Future | None]] = []
-        self._busy = False
-        self._reads: list[str] = []  # reservations the pending jobs read first
-        self._sync = threading.Lock()
+        self._pending: list[Job] = []
+        self._busy = False  # a _drive runs
+        self._sync = threading.RLock()  # the memory and the writer's connection, against call_sync
+        self._committing: Commit | None = None  # the speculative commit on its way
+        self._poisoned = False  # the memory holds a failed speculation's changes: rebuild it first
+        self._speculate_after = 0.0  # monotonic time before which groups take the lock first
+        self.reader: asyncpg.Connection | None = None  # a speculative group's reads, beside the writer's commit
         self._hooks: list[Callable[[], None]] = []
         self._appends = PgAppends()
         self._touched: set[str] = set()  # of the open group's jobs that succeeded
@@ -491,7 +542,9 @@ class Writer:
         self.groups = 0
         self.jobs = 0
         self.retries = 0  # groups run again after a lost race
-        self.reloads = 0  # memory rebuilt because another replica wrote
+        self.reloads = 0  # memory rebuilt because another replica wrote (or a speculation was abandoned)
+        self.speculated = 0  # groups committed by SPECULATED
+        self.sent = 0  # the highest generation this replica's commits moved the database to, or are moving it to
         self.group_committed: Callable[[int], None] = lambda jobs: None
 
     # ---- on the database's thread -----------------------------------------------------------------
@@ -541,8 +594,30 @@ class Writer:
 
     async def _close(self) -> None:
         await self._drop_ahead()
-        if self.conn is not None:
-            await self.conn.close(timeout=5)
+        for conn in (self.conn, self.reader):
+            if conn is not None:
+                await conn.close(timeout=5)
+
+    async def _speculation_read(self, reads: list[str]) -> tuple[int, dict[str, tuple[bytes, int] | None]]:
+        """The generation and the reservations `reads`, in one snapshot, on a connection of their own (the
+        writer's may be committing)."""
+        if self.reader is None or self.reader.is_closed():
+            self.reader = None
+            self.reader = await self.connector.connect("writer reads", **WRITER_SETTINGS)
+        rows: dict[str, tuple[bytes, int] | None] = dict.fromkeys(reads)
+        generation = None
+        for row in await self.reader.fetch(SPECULATION_READ, list(reads)):
+            if row[1] is None:
+                generation = row[0]
+            else:
+                rows[row[1]] = (row[2], row[3])
+        return generation, rows
+
+    async def _commit_speculated(self, expected: int, appends: "PgAppends", touched: set[str]) -> int | None:
+        """SPECULATED outside any transaction: the new generation, or None when another replica wrote since
+        `expected` (nothing written)."""
+        await self._connected()
+        return await self.conn.fetchval(SPECULATED, expected, list(touched), *appends.columns())
 
     async def _begin_read(self) -> int:
         """A snapshot to rebuild the memory from, with the generation it shows (no lock: it writes nothing)."""
@@ -559,7 +634,8 @@ class Writer:
         else:
             generation = await conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
         await conn.execute("COMMIT")
-        if self._pending and not self.closing:
+        head = self._pending[:1]  # (read on this thread: a copy)
+        if head and not self.closing and not (head[0].append_only and self._may_speculate()):
             # Jobs wait for the next group: its BEGIN and lock go now, while this group is answered (a lock the
             # API's loop would otherwise ask for only after that, one round trip later). Another replica waiting
             # for the lock still gets it first: PostgreSQL grants it in the order asked.
@@ -575,72 +651,221 @@ class Writer:
                 self.conn = None
 
     # ---- on the API's loop ------------------------------------------------------------------------
-    def call(self, fn: Callable[[PgTx], Any], reads: Iterable[str] = ()) -> "asyncio.Future[Any]":
+    def call(self, fn: Callable[[PgTx], Any], reads: Iterable[str] = (),
+             append_only: bool = False) -> "asyncio.Future[Any]":
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._pending.append((fn, fut))
-        self._reads.extend(reads)
+        self._pending.append(Job(fn, fut, tuple(reads), append_only))
         if not self._busy:
             self._busy = True
-            loop.call_soon(self._start_group, loop)
+            loop.create_task(self._drive())
         return fut
 
-    def _start_group(self, loop: asyncio.AbstractEventLoop, group=None, attempt: int = 1) -> None:
-        if group is None:
-            group, self._pending = self._pending[:GROUP_MAX], self._pending[GROUP_MAX:]
-        if not group:
-            self._busy = False
-            return
-        if self.closing:
-            self._give_up(loop, group, ConnectionError("the control plane is stopping"))
-            return
+    async def _drive(self) -> None:
+        """Groups until no job waits. A group of jobs that only append (creates) is run speculatively when
+        nothing suggests another replica writes: on the memory as this replica's last group left it, while that
+        group's commit is still on its way, and committed by one statement that succeeds only if the database's
+        generation is still the one the jobs were run on (SPECULATED). Any other group takes the write lock
+        first and runs its jobs inside the transaction."""
         self._sync.acquire()
-        reads, self._reads = self._reads, []  # (of a group cut at GROUP_MAX, the rest are fetched needlessly)
-        begun = asyncio.wrap_future(self.connector.submit(self._begin(reads)), loop=loop)
-        begun.add_done_callback(lambda f: self._run_group(loop, group, f, attempt))
-
-    def _run_group(self, loop, group, begun, attempt: int) -> None:
-        exc = begun.exception()
-        if exc is not None:
+        try:
+            while True:
+                if not self._pending:
+                    await self._settle()
+                    if not self._pending:
+                        break
+                if self.closing:
+                    await self._settle()
+                    group, self._pending = self._pending, []
+                    self._give_up(group, ConnectionError("the control plane is stopping"))
+                    continue
+                speculated = self._speculable()
+                if speculated:
+                    try:
+                        await self._speculate(speculated)
+                    except Exception:  # noqa: BLE001 - a fault of this path: the ordinary one runs the jobs
+                        log.exception("speculative group failed; running it under the lock")
+                        self._spoil("fault")
+                        self._redo(speculated)
+                    continue
+                await self._settle()
+                group, self._pending = self._pending[:GROUP_MAX], self._pending[GROUP_MAX:]
+                await self._locked(group)
+        finally:
+            self._busy = False
             self._sync.release()
-            self._give_up(loop, group, exc)
+
+    async def _on_db(self, coro: Awaitable[Any]) -> Any:
+        return await asyncio.wrap_future(self.connector.submit(coro))
+
+    async def _locked(self, group: list["Job"], attempt: int = 1) -> None:
+        """One group in a transaction under the write lock: BEGIN and lock, the jobs, one statement, COMMIT."""
+        try:
+            found = await self._on_db(self._begin([r for job in group for r in job.reads]))
+        except BaseException as exc:  # noqa: BLE001 - the database is away
+            self._give_up(group, exc)
             return
         try:
-            self._fresh(begun.result())
+            self._fresh(found)
             answers, wrote = self._run_jobs(group)
         except BaseException as exc:  # noqa: BLE001 - the database went away mid-group
             self.connector.run(self._rollback())
             self.generation = None
-            self._sync.release()
-            self._give_up(loop, group, exc)
+            self._give_up(group, exc)
             return
-        commit = asyncio.wrap_future(self.connector.submit(self._commit(self._appends.take(), wrote, *self._take_touched())),
-                                     loop=loop)
-        commit.add_done_callback(lambda f: self._finish_group(loop, group, answers, f, attempt))
-
-    def _finish_group(self, loop, group, answers, commit, attempt: int) -> None:
         hooks, self._hooks = self._hooks, []
-        exc = commit.exception()
-        if exc is None:
-            self.generation = commit.result()
-            self._sync.release()
-            self._answered(len(answers))
-            run_hooks(hooks)
-            resolve(answers)
-            self._next(loop)
+        try:
+            generation = await self._on_db(self._commit(self._appends.take(), wrote, *self._take_touched()))
+        except BaseException as exc:  # noqa: BLE001
+            await self._on_db(self._rollback())
+            self.generation = None
+            if isinstance(exc, RACES) and attempt < RETRIES:
+                self.retries += 1
+                log.info("lost a race with another replica; running the group again", error=type(exc).__name__,
+                         attempt=attempt)
+                await self._locked(group, attempt + 1)
+                return
+            self._give_up(group, exc)
             return
-        self.connector.run(self._rollback())
-        self.generation = None
-        self._sync.release()
-        if isinstance(exc, RACES) and attempt < RETRIES:
-            self.retries += 1
-            log.info("lost a race with another replica; running the group again", error=type(exc).__name__,
-                     attempt=attempt)
-            self._start_group(loop, group, attempt + 1)
-            return
-        self._give_up(loop, group, exc)
+        self.generation = generation
+        self.sent = max(self.sent, generation)
+        self._answered(len(answers))
+        run_hooks(hooks)
+        resolve(answers)
 
-    def _give_up(self, loop, group, exc: BaseException) -> None:
+    # speculation
+    def _may_speculate(self) -> bool:
+        return (not self.closing and not self._poisoned and self.generation is not None
+                and time.monotonic() >= self._speculate_after)
+
+    def _pause_speculation(self) -> None:
+        self._speculate_after = time.monotonic() + SPECULATION_PAUSE_S
+
+    def _speculable(self) -> list["Job"]:
+        """The leading jobs a speculative group may take: append-only ones that read nothing the group still
+        committing wrote."""
+        if not self._may_speculate() or self._ahead is not None:
+            return []
+        busy = self._committing.touched if self._committing is not None else ()
+        n = 0
+        for job in self._pending[:GROUP_MAX]:
+            if not job.append_only or any(r in busy for r in job.reads):
+                break
+            n += 1
+        taken, self._pending = self._pending[:n], self._pending[n:]
+        return taken
+
+    async def _speculate(self, group: list["Job"]) -> None:
+        """Read the group's reservations, run its jobs on the memory, and send its commit (answered when it
+        lands, while the next group runs). A job that reads an existing reservation, asks the database for more
+        (Unspeculative), or a commit that finds the generation moved: the group goes back to be run under the
+        lock, after the memory is rebuilt where jobs changed it."""
+        try:
+            generation, rows = await self._on_db(self._speculation_read([r for job in group for r in job.reads]))
+        except BaseException as exc:  # noqa: BLE001 - the ordinary path reports what is wrong
+            log.info("a speculative group's read failed; taking the lock", error=f"{type(exc).__name__}: {exc}")
+            self._redo(group)
+            return
+        base = self._committing.stamp if self._committing is not None else self.generation
+        if generation not in (self.generation, base):  # another replica wrote meanwhile
+            self._redo(group)
+            return
+        fresh = 0
+        for job in group:  # a reservation that exists: a replay or a draft continued, run the ordinary way
+            if any(rows.get(r) is not None for r in job.reads):
+                break
+            fresh += 1
+        if fresh < len(group):
+            self._redo(group[fresh:], pause=False)
+            group = group[:fresh]
+            if not group:
+                return
+        self.prefetched = rows
+        self.stamp = base + 1
+        answers: list[tuple[Any, Any, BaseException | None]] = []
+        for job in group:
+            tx = PgTx(self, self._appends, speculative=True)
+            try:
+                value = job.fn(tx)
+            except Unspeculative:
+                self._spoil("a speculative job needed the database")
+                self._redo(group)
+                return
+            except BaseException as exc:  # noqa: BLE001 - as _run_jobs: every job gets an answer
+                if not isinstance(exc, DomainError):
+                    log.exception("store job failed", job=getattr(job.fn, "__qualname__", repr(job.fn)))
+                    exc = unavailable("the control plane could not complete this request")
+                if tx.dirty:  # its changes to the memory are undone by rebuilding it, so the group is run again
+                    self._spoil("a speculative job failed after changing the memory")
+                    self._redo(group)
+                    return
+                answers.append((job.fut, None, exc))
+                continue
+            self._collect(tx)
+            answers.append((job.fut, None, tx.refused) if tx.refused is not None else (job.fut, value, None))
+        touched, catalog = self._take_touched()
+        assert not catalog  # a catalog write is a statement: Unspeculative
+        hooks, self._hooks = self._hooks, []
+        appends = self._appends.take()
+        await self._settle()
+        if self._poisoned:  # the group before failed: this one was run on memory that is being rebuilt
+            self._redo(group)
+            return
+        commit = Commit(group, answers, hooks, self.stamp, {r for job in group for r in job.reads} | touched)
+        self.sent = max(self.sent, self.stamp)
+        commit.future = asyncio.ensure_future(self._on_db(self._commit_speculated(self.stamp - 1, appends, touched)))
+        commit.future.add_done_callback(lambda f: self._landed(commit))
+        self._committing = commit
+
+    def _landed(self, commit: "Commit") -> None:
+        """A speculative commit came back: answered at once when it landed; otherwise _settle runs it again."""
+        fut = commit.future
+        if fut.cancelled() or fut.exception() is not None or fut.result() is None:
+            return
+        self.generation = fut.result()
+        commit.done = True
+        self.speculated += 1
+        self._answered(len(commit.answers))
+        run_hooks(commit.hooks)
+        resolve(commit.answers)
+
+    async def _settle(self) -> None:
+        """Wait for the speculative commit in flight; one that did not land is run again under the lock (after
+        the memory is rebuilt), or its callers hear PROVIDER_UNAVAILABLE when the database is away."""
+        commit, self._committing = self._committing, None
+        if commit is None:
+            return
+        try:
+            await asyncio.shield(commit.future)
+        except BaseException:  # noqa: BLE001 - read from the future below
+            pass
+        if commit.done:
+            return
+        exc = None if commit.future.cancelled() else commit.future.exception()
+        self._spoil("a speculative commit did not land" if exc is None else f"{type(exc).__name__}")
+        if exc is None or isinstance(exc, RACES):  # the generation moved, or a constraint refused: a lost race
+            self.retries += 1
+            self._redo(commit.group)
+        else:
+            self._give_up(commit.group, exc if isinstance(exc, BaseException) else ConnectionError("cancelled"))
+
+    def _spoil(self, why: str) -> None:
+        """The memory holds changes the database will not: rebuild it at the next locked group, and take the lock
+        first for a while."""
+        log.info("speculation abandoned; the next group takes the write lock", reason=why)
+        self._poisoned = True
+        self._pause_speculation()
+        self._appends = PgAppends()
+        self._hooks = []
+        self._take_touched()
+
+    def _redo(self, jobs: list["Job"], pause: bool = True) -> None:
+        """These jobs again, first and under the lock."""
+        if pause:
+            self._pause_speculation()
+        self._pending[:0] = [Job(job.fn, job.fut, job.reads, False) for job in jobs]
+
+    def _give_up(self, group: list["Job"], exc: BaseException) -> None:
         """The group could not be committed: its callers hear PROVIDER_UNAVAILABLE, and the memory is rebuilt
         from what the database holds (at the next group, if the database cannot be read now)."""
         log.error("store group failed", error=f"{type(exc).__name__}: {exc}")
@@ -652,8 +877,7 @@ class Writer:
         err = unavailable(f"the database is unavailable ({type(exc).__name__}); retry with the same idempotency "
                           "key")
         self._answered(len(group))
-        resolve([(fut, None, err) for _, fut in group])
-        self._next(loop)
+        resolve([(job.fut, None, err) for job in group])
 
     def _reset_now(self) -> None:
         self.generation = None
@@ -675,12 +899,6 @@ class Writer:
         self.jobs += jobs
         self.group_committed(jobs)
 
-    def _next(self, loop) -> None:
-        if self._pending:
-            loop.call_soon(self._start_group, loop)
-        else:
-            self._busy = False
-
     def _take_touched(self) -> tuple[set[str], bool]:
         """The reservations whose rows COMMIT_GROUP stamps (those the group changed but did not write), and whether
         the catalog changed."""
@@ -693,10 +911,13 @@ class Writer:
         saw it; only the reservations other replicas changed, unless they changed the catalog or tokens too (or
         this replica's memory is of an unknown generation)."""
         generation, catalog_generation = found
-        if generation == self.generation:
+        if generation == self.generation and not self._poisoned:
             return
+        if self.generation is not None and generation != self.generation:
+            self._pause_speculation()  # another replica writes
         tx = PgTx(self, self._appends)
-        known, self.generation = self.generation, generation  # what the hooks bring the memory to (nodes' versions)
+        known = None if self._poisoned else self.generation
+        self.generation = generation  # what the hooks bring the memory to (nodes' versions)
         try:
             if known is None or catalog_generation > known or self._on_changed is None:
                 self._on_reset(tx)
@@ -705,12 +926,14 @@ class Writer:
         except BaseException:
             self.generation = None
             raise
+        self._poisoned = False
         self.reloads += 1
 
     def _run_jobs(self, group) -> tuple[list, bool]:
         answers: list[tuple[Any, Any, BaseException | None]] = []
         wrote = False
-        for fn, fut in group:
+        for job in group:
+            fn, fut = job.fn, job.fut
             tx = PgTx(self, self._appends)
             try:
                 value = fn(tx)
@@ -729,13 +952,17 @@ class Writer:
             # A job's savepoint is left open (no RELEASE, one hop less): the next job's own savepoint of the
             # same name is the one a ROLLBACK TO finds.
             wrote = wrote or tx.wrote
-            self._touched |= tx.touched
-            self._stamped |= tx.stamped
-            self._catalog_touched = self._catalog_touched or tx.catalog_touched
-            self._appends.extend(tx.appends)
-            self._hooks.extend(tx.committed)
+            self._collect(tx)
             answers.append((fut, None, tx.refused) if tx.refused is not None else (fut, value, None))
         return answers, wrote
+
+    def _collect(self, tx: PgTx) -> None:
+        """A job that succeeded: its rows, its changed reservations and its hooks join the group's."""
+        self._touched |= tx.touched
+        self._stamped |= tx.stamped
+        self._catalog_touched = self._catalog_touched or tx.catalog_touched
+        self._appends.extend(tx.appends)
+        self._hooks.extend(tx.committed)
 
     def call_sync(self, fn: Callable[[PgTx], Any]) -> Any:
         """One job outside any event loop (start-up, tools), under the same lock; returns once committed."""
@@ -743,7 +970,7 @@ class Writer:
             with self._sync:
                 try:
                     self._fresh(self.connector.run(self._begin()))
-                    answers, wrote = self._run_jobs([(fn, None)])
+                    answers, wrote = self._run_jobs([Job(fn, None)])
                     hooks, self._hooks = self._hooks, []
                     self.generation = self.connector.run(self._commit(self._appends.take(), wrote,
                                                                       *self._take_touched()))
@@ -816,9 +1043,10 @@ class PgStore(Reads):
         if on_group is not None:
             self.writer.group_committed = on_group
 
-    def call(self, job: Callable[[PgTx], Any], reads: Iterable[str] = ()) -> "asyncio.Future[Any]":
+    def call(self, job: Callable[[PgTx], Any], reads: Iterable[str] = (),
+             append_only: bool = False) -> "asyncio.Future[Any]":
         assert self.writer is not None, "start() the store first"
-        return self.writer.call(job, reads)
+        return self.writer.call(job, reads, append_only)
 
     def call_sync(self, job: Callable[[PgTx], Any]) -> Any:
         assert self.writer is not None, "start() the store first"
@@ -835,6 +1063,12 @@ class PgStore(Reads):
     @property
     def generation(self) -> int | None:
         return self.writer.generation if self.writer else None
+
+    @property
+    def sent(self) -> int:
+        """The highest generation this replica's own commits reached or are reaching (a NOTIFY of one of those is
+        not another replica's)."""
+        return self.writer.sent if self.writer else 0
 
     def close(self) -> None:
         if self.writer is not None:

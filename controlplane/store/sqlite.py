@@ -554,8 +554,9 @@ class SqliteStore(Reads):
         if on_group is not None:
             self.writer.group_committed = on_group
 
-    def call(self, job: Callable[[SqliteTx], Any], reads: Iterable[str] = ()) -> "asyncio.Future[Any]":
-        """reads: unused (a read of the file costs no round trip)."""
+    def call(self, job: Callable[[SqliteTx], Any], reads: Iterable[str] = (),
+             append_only: bool = False) -> "asyncio.Future[Any]":
+        """reads, append_only: unused (a read of the file costs no round trip; one group at a time is enough)."""
         assert self.writer is not None, "start() the store first"
         return self.writer.call(job)
 

@@ -1,0 +1,120 @@
+"""The PostgreSQL writer's speculative groups (store/postgres.py, Writer._speculate): creates are run while the
+group before them commits, and committed by one compare-and-set statement. When another replica writes between a
+group's read and its commit, or a job needs more of the database than its prefetched reads, the group is run
+again under the write lock: nothing lost, doubled or overbooked, and the memory is what the database holds."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from controlplane.store import postgres
+from tests import dbrows
+from tests.controlplane.conftest import T0, TOKENS, bootstrap_doc
+from tests.serverproc import ServerProcess
+
+pytestmark = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+
+START = (T0 // 3_600_000 + 2) * 3_600_000  # one window ahead of the fake clock and of the real one
+WINDOW = {"start": START, "end": START + 3_600_000}
+GPUS = 16  # pool h100: nodes h1 and h2, 8 GPUs each
+
+
+@pytest.fixture(autouse=True)
+def short_pause(monkeypatch):
+    monkeypatch.setattr(postgres, "SPECULATION_PAUSE_S", 0.2)  # after another replica wrote: 0.2 s, not 2
+
+
+def body(key: str) -> dict:
+    return {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, **WINDOW, "idempotencyKey": key}
+
+
+def check_database(api) -> list[str]:
+    """Zero overlapping bookings, each reservation once; the placed reservations' ids."""
+    assert [(0,)] == api.rows("SELECT count(*) FROM booked_units a JOIN booked_units b ON a.node_id = b.node_id"
+                              " AND a.unit = b.unit AND a.ctid < b.ctid AND a.during && b.during")
+    assert [] == api.rows("SELECT id FROM reservations GROUP BY id HAVING count(*) > 1")
+    return [r[0] for r in api.rows("SELECT id FROM reservations WHERE state = 'placed'")]
+
+
+async def fill(api, prefix: str) -> int:
+    """Creates for the window until one is not placed: how many were."""
+    placed = 0
+    for i in range(GPUS + 1):
+        status, doc = await api.call("create", "alice", body(f"{prefix}-{i}"))
+        assert status in (200, 202), doc
+        if doc["reservation"]["state"] != "placed":
+            return placed
+        placed += 1
+    raise AssertionError("more creates placed than the pool has GPUs")
+
+
+async def test_a_create_by_another_replica_between_a_groups_read_and_its_commit(api, db_url, tmp_path):
+    boot = tmp_path / "b.json"
+    boot.write_text(json.dumps(bootstrap_doc()))
+    other = ServerProcess(db_url, boot)
+    await asyncio.to_thread(other.start)  # this replica's loop goes on meanwhile (its writer may hold the lock)
+    try:
+        writer = api.cp.store.writer
+        await asyncio.sleep(0.5)  # the other replica's start (it applied its bootstrap) heard, and the pause over
+        status, _ = await api.call("create", "alice", body("warm"))
+        assert status == 202
+        await asyncio.sleep(0.3)
+        speculated, retries = writer.speculated, writer.retries
+        commit, theirs = writer._commit_speculated, []
+
+        async def after_the_other_replica(*args):
+            # on the writer's database thread, between this group's read and its commit: the other replica books
+            if not theirs:
+                theirs.append(await asyncio.to_thread(other.post, "/api/compute/reservations/create",
+                                                      TOKENS["bob"], body("bob-1")))
+            return await commit(*args)
+
+        writer._commit_speculated = after_the_other_replica
+        status, doc = await api.call("create", "alice", body("raced"))
+        assert status == 202 and doc["reservation"]["state"] == "placed", doc
+        assert theirs and theirs[0][0] == 202 and theirs[0][1]["reservation"]["state"] == "placed", theirs
+        assert writer.retries == retries + 1  # the compare-and-set lost, and the group ran again under the lock
+        assert writer.speculated == speculated  # (not committed speculatively)
+        writer._commit_speculated = commit
+
+        # The memory knows bob's GPU: alice gets exactly what is left, and creates speculate again.
+        await asyncio.sleep(0.3)
+        assert await fill(api, "rest") == GPUS - 3
+        assert writer.speculated > speculated
+        placed = check_database(api)
+        assert len(placed) == GPUS and theirs[0][1]["reservation"]["id"] in placed
+    finally:
+        other.stop()
+
+
+async def test_a_create_that_needs_the_database_mid_job_is_run_again_under_the_lock(api):
+    writer = api.cp.store.writer
+    status, _ = await api.call("create", "alice", body("warm"))
+    assert status == 202
+    speculated = writer.speculated
+    assert speculated >= 1
+    # An agent's create beyond what it may book alone opens a confirmation: a row written mid-job, so the
+    # speculative run stops, the memory is rebuilt, and the create runs again inside the locked transaction.
+    status, doc = await api.call("create", "agent", {**body("big"), "gpuCount": 4})
+    assert (status, doc["error"]["code"]) == (403, "CONFIRMATION_REQUIRED"), doc
+    assert [(1,)] == api.rows("SELECT count(*) FROM confirmations")
+    assert [e["type"] for e in await api.events()] == ["reservation.placed", "reservation.awaiting-confirmation"]
+    await asyncio.sleep(0.3)
+    assert await fill(api, "rest") == GPUS - 1
+    assert writer.speculated > speculated
+    assert len(check_database(api)) == GPUS
+
+
+async def test_concurrent_creates_pipelined_over_commits_book_each_gpu_once(api):
+    writer = api.cp.store.writer
+    answers = await asyncio.gather(*(api.call("create", "alice", body(f"c{i}")) for i in range(3 * GPUS)))
+    assert all(status == 202 for status, _ in answers), answers
+    placed = [doc["reservation"]["id"] for _, doc in answers if doc["reservation"]["state"] == "placed"]
+    assert len(placed) == GPUS and sorted(placed) == sorted(check_database(api))
+    assert writer.speculated >= 1
+    # retried keys replay what was answered, from the database
+    again = await asyncio.gather(*(api.call("create", "alice", body(f"c{i}")) for i in range(3 * GPUS)))
+    assert [doc["reservation"]["id"] for _, doc in again] == [doc["reservation"]["id"] for _, doc in answers]
+    assert len(check_database(api)) == GPUS
