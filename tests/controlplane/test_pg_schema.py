@@ -98,3 +98,30 @@ async def test_racing_replicas_cannot_both_book_the_last_device(database):
     finally:
         for c in conns:
             await c.close()
+
+
+async def test_schema_3_keys_the_devices_already_booked_and_still_refuses_their_overlaps(database):
+    cluster, name = database
+    conn = await connect(cluster, name)
+    try:
+        await conn.execute("CREATE TABLE schema_version (version INT PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL "
+                           "DEFAULT now(), what TEXT NOT NULL)")
+        for version, what, sql in pg_schema.MIGRATIONS[:2]:  # a database a schema-2 Berth left, with bookings
+            await conn.execute(sql)
+            await conn.execute("INSERT INTO schema_version (version, what) VALUES ($1, $2)", version, what)
+        await book(conn, "old1", "n1", ["gpu0", "gpu1"], 0, 100)
+        await book(conn, "old2", "n2", ["gpu0"], 0, 100)
+        assert 3 == await pg_schema.migrate(conn)
+        keys = await conn.fetch("SELECT node_id, unit, id FROM unit_keys ORDER BY id")
+        assert [("n1", "gpu0"), ("n1", "gpu1"), ("n2", "gpu0")] == [(r[0], r[1]) for r in keys]
+        assert 0 == await conn.fetchval("SELECT count(*) FROM booked_units b JOIN unit_keys k ON k.id = b.unit_id"
+                                        " WHERE (k.node_id, k.unit) <> (b.node_id, b.unit)")
+        with pytest.raises(asyncpg.ExclusionViolationError):
+            await book(conn, "new1", "n1", ["gpu1"], 50, 150)  # overlaps old1's gpu1, booked before the migration
+        await book(conn, "new2", "n1", ["gpu2", "gpu0"], 100, 200)  # gpu2 is learnt, gpu0 keeps its key
+        assert [("n1", "gpu0"), ("n1", "gpu2")] == [tuple(r) for r in await conn.fetch(
+            "SELECT k.node_id, k.unit FROM booked_units b JOIN bookings g ON g.id = b.booking_id JOIN unit_keys k"
+            " ON k.id = b.unit_id WHERE g.reservation_id = 'new2' ORDER BY k.id")]
+        assert 4 == await conn.fetchval("SELECT count(*) FROM unit_keys")
+    finally:
+        await conn.close()
