@@ -12,6 +12,7 @@ import pytest
 from controlplane.store import postgres
 from tests import dbrows
 from tests.controlplane.conftest import T0, TOKENS, bootstrap_doc
+from tests.controlplane.test_metrics import scrape
 from tests.serverproc import ServerProcess
 
 pytestmark = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
@@ -114,6 +115,9 @@ async def test_concurrent_creates_pipelined_over_commits_book_each_gpu_once(api)
     placed = [doc["reservation"]["id"] for _, doc in answers if doc["reservation"]["state"] == "placed"]
     assert len(placed) == GPUS and sorted(placed) == sorted(check_database(api))
     assert writer.speculated >= 1
+    scraped = await scrape(api)
+    assert scraped["berth_store_speculative_groups_total"][()] == writer.speculated
+    assert scraped["berth_store_race_retries_total"][()] == writer.retries == 0
     # retried keys replay what was answered, from the database
     again = await asyncio.gather(*(api.call("create", "alice", body(f"c{i}")) for i in range(3 * GPUS)))
     assert [doc["reservation"]["id"] for _, doc in again] == [doc["reservation"]["id"] for _, doc in answers]
