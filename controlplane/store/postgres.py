@@ -714,8 +714,11 @@ class Writer:
             self._give_up(group, exc)
             return
         hooks, self._hooks = self._hooks, []
+        appends = self._appends.take()
+        if wrote or appends:  # its NOTIFY may come back before the COMMIT's answer: it is not another replica's
+            self.sent = max(self.sent, self.stamp)
         try:
-            generation = await self._on_db(self._commit(self._appends.take(), wrote, *self._take_touched()))
+            generation = await self._on_db(self._commit(appends, wrote, *self._take_touched()))
         except BaseException as exc:  # noqa: BLE001
             await self._on_db(self._rollback())
             self.generation = None
@@ -760,6 +763,8 @@ class Writer:
         lands, while the next group runs). A job that reads an existing reservation, asks the database for more
         (Unspeculative), or a commit that finds the generation moved: the group goes back to be run under the
         lock, after the memory is rebuilt where jobs changed it."""
+        # What the read may find: the generation as it is sent, or that of the commit on its way (landing meanwhile)
+        known = {self.generation, self._committing.stamp if self._committing is not None else None}
         try:
             generation, rows = await self._on_db(self._speculation_read([r for job in group for r in job.reads]))
         except BaseException as exc:  # noqa: BLE001 - the ordinary path reports what is wrong
@@ -767,7 +772,7 @@ class Writer:
             self._redo(group)
             return
         base = self._committing.stamp if self._committing is not None else self.generation
-        if generation not in (self.generation, base):  # another replica wrote meanwhile
+        if generation not in known | {base}:  # another replica wrote meanwhile
             self._redo(group)
             return
         fresh = 0
@@ -818,9 +823,11 @@ class Writer:
         self._committing = commit
 
     def _landed(self, commit: "Commit") -> None:
-        """A speculative commit came back: answered at once when it landed; otherwise _settle runs it again."""
+        """A speculative commit came back: answered at once when it landed; otherwise _settle runs it again.
+        Called by the future's callback, and by _settle (which may find the future done before its callbacks
+        ran): the first call answers."""
         fut = commit.future
-        if fut.cancelled() or fut.exception() is not None or fut.result() is None:
+        if commit.done or not fut.done() or fut.cancelled() or fut.exception() is not None or fut.result() is None:
             return
         self.generation = fut.result()
         commit.done = True
@@ -839,6 +846,7 @@ class Writer:
             await asyncio.shield(commit.future)
         except BaseException:  # noqa: BLE001 - read from the future below
             pass
+        self._landed(commit)
         if commit.done:
             return
         exc = None if commit.future.cancelled() else commit.future.exception()
