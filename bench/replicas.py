@@ -10,7 +10,8 @@ SQLite, on PostgreSQL alone, and as two replicas on one PostgreSQL database with
 The load comes from client processes, so clients and servers do not share an interpreter.
 
 Printed: creates/s of each and its ratio to the baseline (target: one replica >= 1.0x), the errors (target for
-two replicas: zero), the races lost and run again inside the store, the memory reloads, and the time from a
+two replicas: zero), the races lost and run again inside the store, the memory reloads, the share of groups
+committed speculatively (one statement, docs/scale-out.md), and the time from a
 create answered by replica B to the binding in the answer of an agent's watch long-polling replica A
 (docs/scale-out.md). Then where each run's CPU went, per request: the servers', PostgreSQL's and the load
 clients' (they share this machine's cores), with the cores left idle; a run that leaves none idle is bound by
@@ -261,12 +262,15 @@ def main() -> int:
 
     base_rps = results["baseline"]["rps"]
     print(f"{'':24} {'creates/s':>10} {'x baseline':>10} {'errors':>7} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'jobs/commit':>11} {'retries':>7} {'reloads':>7}")
+          f"{'jobs/commit':>11} {'retries':>7} {'reloads':>7} {'speculative':>11}")
     for label, r in results.items():
         groups = r.get("berth_store_groups_total", 0)
         per_commit = f"{r['berth_store_jobs_total'] / groups:.1f}" if groups else "1.0"
+        speculative = (f"{r.get('berth_store_speculative_groups_total', 0) / groups:.0%}"
+                       if groups and label.startswith("postgresql") else "")
         extra = (f"{per_commit:>11} {r.get('berth_store_race_retries_total', 0):>7.0f} "
-                 f"{r.get('berth_store_reloads_total', 0):>7.0f}") if label != "baseline" else f"{'1.0':>11}"
+                 f"{r.get('berth_store_reloads_total', 0):>7.0f} {speculative:>11}") if label != "baseline" \
+            else f"{'1.0':>11}"
         print(f"{label:24} {r['rps']:>10,.0f} {r['rps'] / base_rps:>9.2f}x {r['errors']:>7} {r['p50_ms']:>7.2f} "
               f"{r['p99_ms']:>7.2f} {extra}")
     print(f"\nCPU per request, in microseconds (this machine: {os.cpu_count()} cores, shared by all of them):")
