@@ -204,11 +204,17 @@ BEGUN = ("SELECT generation, catalog_generation, (SELECT COALESCE(MAX(seq), 0) F
 # INSERT_BOOKING too); a group writes them all at once (APPENDED).
 INSERT_RESERVATION = ("INSERT INTO reservations (seq, id, tenant_id, principal_id, pool_id, state, doc, gen)"
                       " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)")
+# A booking's devices (from `ab`, the booking's RETURNING, and `u`, a device): each with its key, looked up here
+# (the schema's trigger keys a device that has none yet).
+INSERT_UNITS = (
+    "INSERT INTO booked_units (booking_id, node_id, unit, unit_id, during)"
+    " SELECT ab.id, ab.node_id, u, (SELECT k.id FROM unit_keys k WHERE k.node_id = ab.node_id AND k.unit = u),"
+    " int8range(ab.start_ms, ab.end_ms)")
 INSERT_BOOKING = (
-    "WITH b AS (INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
-    " memory_mib, hugepages_1g) VALUES ($1, $2, $3, $4::text[], $5, $6, $7, $8, $9) RETURNING id)"
-    " INSERT INTO booked_units (booking_id, node_id, unit, during)"
-    " SELECT b.id, $3, u, int8range($5, $6) FROM b, unnest($4::text[]) AS u")
+    "WITH ab AS (INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
+    " memory_mib, hugepages_1g) VALUES ($1, $2, $3, $4::text[], $5, $6, $7, $8, $9)"
+    " RETURNING id, node_id, start_ms, end_ms)"
+    f" {INSERT_UNITS} FROM ab, unnest($4::text[]) AS u")
 INSERT_EVENT = "INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES ($1, $2, $3, $4, $5)"
 APPENDED_TYPES = ((INSERT_RESERVATION, ("int8", "text", "text", "text", "text", "text", "bytea", "int8")),
                   (INSERT_BOOKING, ("text", "text", "text", "text", "int8", "int8", "int8", "int8", "int8")),
@@ -230,8 +236,7 @@ def _appended(first: int, only_if: str = "") -> str:
         " memory_mib, hugepages_1g) SELECT rid, pool, node, ARRAY(SELECT jsonb_array_elements_text(units::jsonb)),"
         f" st, en, vcpu, mem, hp FROM unnest({arrays[1]}) AS s (rid, pool, node, units, st, en, vcpu, mem, hp){where}"
         " RETURNING id, node_id, units, start_ms, end_ms),"
-        " au AS (INSERT INTO booked_units (booking_id, node_id, unit, during)"
-        " SELECT ab.id, ab.node_id, u, int8range(ab.start_ms, ab.end_ms) FROM ab, unnest(ab.units) AS u),"
+        f" au AS ({INSERT_UNITS} FROM ab, unnest(ab.units) AS u),"
         f" ae AS (INSERT INTO events (tenant_id, reservation_id, type, at, data) SELECT * FROM unnest({arrays[2]}){where})")
 
 

@@ -36,6 +36,9 @@ def check_database(api) -> list[str]:
     assert [(0,)] == api.rows("SELECT count(*) FROM booked_units a JOIN booked_units b ON a.node_id = b.node_id"
                               " AND a.unit = b.unit AND a.ctid < b.ctid AND a.during && b.during")
     assert [] == api.rows("SELECT id FROM reservations GROUP BY id HAVING count(*) > 1")
+    # every booked device carries its own key (looked up by the writer's statement, or set by the trigger)
+    assert [(0,)] == api.rows("SELECT count(*) FROM booked_units b LEFT JOIN unit_keys k ON k.id = b.unit_id"
+                              " WHERE k.id IS NULL OR (k.node_id, k.unit) <> (b.node_id, b.unit)")
     return [r[0] for r in api.rows("SELECT id FROM reservations WHERE state = 'placed'")]
 
 
