@@ -155,8 +155,28 @@ def _reservation(doc: bytes, seq: int) -> Reservation:
     return res
 
 
+async def _begun(conn: asyncpg.Connection, reads: Iterable[str]) -> tuple[Any, dict[str, tuple[bytes, int] | None]]:
+    """BEGUN's answer: the state row (generation, catalog generation, last seq), and each of `reads` as (doc,
+    seq), or None where no such reservation is."""
+    state, rows = None, dict.fromkeys(reads)
+    for row in await conn.fetch(BEGUN, list(rows)):
+        if row[3] is None:
+            state = row
+        else:
+            rows[row[3]] = (row[4], row[5])
+    return state, rows
+
+
 def _booking(r) -> Booking:
     return Booking(r[0], r[1], r[2], tuple(r[3]), r[4], r[5], Share(r[6], r[7], r[8]))
+
+
+def _as_answer(fn: Callable, exc: BaseException) -> BaseException:
+    """What a failed job's caller hears: its DomainError, or PROVIDER_UNAVAILABLE for a fault (logged)."""
+    if isinstance(exc, DomainError):
+        return exc
+    log.exception("store job failed", job=getattr(fn, "__qualname__", repr(fn)))
+    return unavailable("the control plane could not complete this request")
 
 
 class Reads:
@@ -259,9 +279,6 @@ SPECULATED = (
     " AND EXISTS (SELECT FROM g)),"
     f" n AS (SELECT pg_notify('berth_changes', generation::text) FROM g), {_appended(3, 'EXISTS (SELECT FROM g)')}"
     " SELECT g.generation FROM g, (SELECT count(*) FROM n) AS notified")
-# What a speculative group reads first, in one snapshot: the generation, and the reservations its jobs read.
-SPECULATION_READ = ("SELECT generation, NULL, NULL::bytea, NULL::bigint FROM replica_state WHERE id = 1"
-                    " UNION ALL SELECT NULL, id, doc, seq FROM reservations WHERE id = ANY($1::text[])")
 SPECULATION_PAUSE_S = 2.0  # after another replica wrote, or a speculation failed: groups take the lock first
 
 
@@ -560,13 +577,7 @@ class Writer:
             await self._connected()
             await self.conn.execute(LOCKED)
         # and one more: a statement after the lock's sees every write committed before it
-        state = None
-        self.prefetched = dict.fromkeys(reads)
-        for row in await self.conn.fetch(BEGUN, list(reads)):
-            if row[3] is None:
-                state = row
-            else:
-                self.prefetched[row[3]] = (row[4], row[5])
+        state, self.prefetched = await _begun(self.conn, reads)
         self.next_seq = state[2] + 1
         self.stamp = state[0] + 1
         return state[0], state[1]
@@ -604,19 +615,13 @@ class Writer:
                 await conn.close(timeout=5)
 
     async def _speculation_read(self, reads: list[str]) -> tuple[int, dict[str, tuple[bytes, int] | None]]:
-        """The generation and the reservations `reads`, in one snapshot, on a connection of their own (the
-        writer's may be committing)."""
+        """The generation and the reservations `reads`, in one snapshot (BEGUN without the lock), on a connection
+        of their own (the writer's may be committing)."""
         if self.reader is None or self.reader.is_closed():
             self.reader = None
             self.reader = await self.connector.connect("writer reads", **WRITER_SETTINGS)
-        rows: dict[str, tuple[bytes, int] | None] = dict.fromkeys(reads)
-        generation = None
-        for row in await self.reader.fetch(SPECULATION_READ, list(reads)):
-            if row[1] is None:
-                generation = row[0]
-            else:
-                rows[row[1]] = (row[2], row[3])
-        return generation, rows
+        state, rows = await _begun(self.reader, reads)
+        return state[0], rows
 
     async def _commit_speculated(self, expected: int, appends: "PgAppends", touched: set[str]) -> int | None:
         """SPECULATED outside any transaction: the new generation, or None when another replica wrote since
@@ -776,10 +781,10 @@ class Writer:
             log.info("a speculative group's read failed; taking the lock", error=f"{type(exc).__name__}: {exc}")
             self._redo(group)
             return
-        base = self._committing.stamp if self._committing is not None else self.generation
-        if generation not in known | {base}:  # another replica wrote meanwhile
+        if generation not in known:  # another replica wrote meanwhile
             self._redo(group)
             return
+        base = self._committing.stamp if self._committing is not None else self.generation  # (one of `known`)
         fresh = 0
         for job in group:  # a reservation that exists: a replay or a draft continued, run the ordinary way
             if any(rows.get(r) is not None for r in job.reads):
@@ -802,9 +807,7 @@ class Writer:
                 self._redo(group)
                 return
             except BaseException as exc:  # noqa: BLE001 - as _run_jobs: every job gets an answer
-                if not isinstance(exc, DomainError):
-                    log.exception("store job failed", job=getattr(job.fn, "__qualname__", repr(job.fn)))
-                    exc = unavailable("the control plane could not complete this request")
+                exc = _as_answer(job.fn, exc)
                 if tx.dirty:  # its changes to the memory are undone by rebuilding it, so the group is run again
                     self._spoil("a speculative job failed after changing the memory")
                     self._redo(group)
@@ -868,9 +871,7 @@ class Writer:
         log.info("speculation abandoned; the next group takes the write lock", reason=why)
         self._poisoned = True
         self._pause_speculation()
-        self._appends = PgAppends()
-        self._hooks = []
-        self._take_touched()
+        self._drop_unwritten()
 
     def _redo(self, jobs: list["Job"], pause: bool = True) -> None:
         """These jobs again, first and under the lock."""
@@ -882,9 +883,7 @@ class Writer:
         """The group could not be committed: its callers hear PROVIDER_UNAVAILABLE, and the memory is rebuilt
         from what the database holds (at the next group, if the database cannot be read now)."""
         log.error("store group failed", error=f"{type(exc).__name__}: {exc}")
-        self._appends = PgAppends()
-        self._hooks = []
-        self._take_touched()
+        self._drop_unwritten()
         if not self.connector.closed and not self.closing:
             self._reset_now()
         err = unavailable(f"the database is unavailable ({type(exc).__name__}); retry with the same idempotency "
@@ -911,6 +910,12 @@ class Writer:
         self.groups += 1
         self.jobs += jobs
         self.group_committed(jobs)
+
+    def _drop_unwritten(self) -> None:
+        """Forget the rows, hooks and changed reservations of jobs whose group will not commit."""
+        self._appends = PgAppends()
+        self._hooks = []
+        self._take_touched()
 
     def _take_touched(self) -> tuple[set[str], bool]:
         """The reservations whose rows COMMIT_GROUP stamps (those the group changed but did not write), and whether
@@ -955,9 +960,7 @@ class Writer:
                     self.connector.run(self.conn.execute("ROLLBACK TO SAVEPOINT job; RELEASE SAVEPOINT job"))
                 if isinstance(exc, UNREACHABLE):
                     raise
-                if not isinstance(exc, DomainError):
-                    log.exception("store job failed", job=getattr(fn, "__qualname__", repr(fn)))
-                    exc = unavailable("the control plane could not complete this request")
+                exc = _as_answer(fn, exc)
                 if tx.dirty:
                     self._on_reset(PgTx(self, self._appends))
                 answers.append((fut, None, exc))
@@ -990,8 +993,7 @@ class Writer:
                 except RACES:
                     self.connector.run(self._rollback())
                     self.generation = None
-                    self._appends, self._hooks = PgAppends(), []
-                    self._take_touched()
+                    self._drop_unwritten()
                     if attempt == RETRIES:
                         raise
                     self.retries += 1
@@ -999,8 +1001,7 @@ class Writer:
                 except BaseException:
                     self.connector.run(self._rollback())
                     self.generation = None
-                    self._appends, self._hooks = PgAppends(), []
-                    self._take_touched()
+                    self._drop_unwritten()
                     raise
             run_hooks(hooks)
             _, value, error = answers[0]
