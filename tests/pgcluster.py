@@ -68,6 +68,18 @@ class ClusterError(Exception):
     """A throwaway cluster cannot be made here; the message says why."""
 
 
+def _own_dir(path: Path, uid: int) -> Path:
+    path.mkdir()
+    os.chown(path, uid, -1)
+    os.chmod(path, 0o700)
+    return path
+
+
+def _options(sock: Path, fsync: bool) -> str:
+    return (f"-c listen_addresses='' -c unix_socket_directories={sock} -c max_connections=200"
+            f" -c fsync={'on' if fsync else 'off'}")
+
+
 @contextmanager
 def throwaway_cluster(fsync: bool = False) -> Iterator[Cluster]:
     """A cluster for the duration of the block. fsync off for tests (speed); on where durability is measured
@@ -80,25 +92,42 @@ def throwaway_cluster(fsync: bool = False) -> Iterator[Cluster]:
     root = Path(tempfile.mkdtemp(prefix="berth-pg-"))
     uid = pwd.getpwnam(USER).pw_uid
     os.chmod(root, 0o755)
-    data, sock = root / "data", root / "sock"
-    for d in (data, sock):
-        d.mkdir()
-        os.chown(d, uid, -1)
-        os.chmod(d, 0o700)
+    data, sock = _own_dir(root / "data", uid), _own_dir(root / "sock", uid)
     try:
         init = _as_user([str(bin_dir / "initdb"), "-D", str(data), "-U", USER, "--auth=trust", "-E", "UTF8",
                          "--no-sync"], cwd=str(root))
         if init.returncode != 0:
             raise ClusterError(f"initdb failed: {init.stderr}")
-        opts = (f"-c listen_addresses='' -c unix_socket_directories={sock} -c max_connections=200"
-                f" -c fsync={'on' if fsync else 'off'}")
-        cluster = Cluster(bin_dir, data, sock, options=opts)
+        cluster = Cluster(bin_dir, data, sock, options=_options(sock, fsync))
         cluster.start()
         yield cluster
     finally:
-        if (data / "postmaster.pid").exists():
-            _as_user([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"], cwd=str(root))
+        for pid in (root / "standby" / "postmaster.pid", data / "postmaster.pid"):
+            if pid.exists():
+                _as_user([str(bin_dir / "pg_ctl"), "-D", str(pid.parent), "-m", "immediate", "-w", "stop"],
+                         cwd=str(root))
         shutil.rmtree(root, ignore_errors=True)
+
+
+def hot_standby(primary: Cluster) -> Cluster:
+    """A hot standby of `primary` beside it (pg_basebackup, streaming asynchronously, as Patroni's replicas do by
+    default), on a socket of its own; removed with the primary's directory. `promote()` makes it the primary."""
+    root, uid = primary.data.parent, pwd.getpwnam(USER).pw_uid
+    data, sock = _own_dir(root / "standby", uid), _own_dir(root / "standby-sock", uid)
+    out = _as_user([str(primary.bin / "pg_basebackup"), "-h", str(primary.socket_dir), "-U", USER, "-D", str(data),
+                    "-R", "-X", "stream", "--checkpoint=fast", "--no-sync"], cwd=str(root))
+    if out.returncode != 0:
+        raise ClusterError(f"pg_basebackup failed: {out.stderr}")
+    standby = Cluster(primary.bin, data, sock, options=_options(sock, fsync=False))
+    standby.start()
+    return standby
+
+
+def promote(standby: Cluster) -> None:
+    """End the standby's recovery: it is the primary from now on (what a failover manager does)."""
+    out = _as_user([str(standby.bin / "pg_ctl"), "-D", str(standby.data), "-w", "promote"],
+                   cwd=str(standby.data.parent))
+    assert out.returncode == 0, out.stderr
 
 
 def cluster_or_skip() -> Iterator[Cluster]:

@@ -28,10 +28,41 @@ JSON_TYPES = frozenset({"application/json", ""})  # "" : no Content-Type with an
 
 # A JSON string (with its escapes), or one of the structural characters; everything else is skipped.
 _TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:]')
+# Every JSON string, and the colon after it if it is a key (in valid JSON the scan starts at each opening quote).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"(\s*:)?')  # (unrolled: twice as fast as _TOKEN's form)
 
 
 def check_structure(raw: bytes, max_depth: int = MAX_DEPTH) -> None:
     """INVALID_INPUT when the body nests deeper than max_depth or an object names a key twice."""
+    if _plainly_fine(raw, max_depth):
+        return
+    _scan(raw, max_depth)
+
+
+def _plainly_fine(raw: bytes, max_depth: int) -> bool:
+    """The common case at C speed: valid JSON with fewer brackets than max_depth (so no deeper nesting), whose
+    objects decoded hold as many keys as the text names (a key named twice leaves one fewer). False: _scan
+    decides, and names what is wrong."""
+    if raw.count(b"{") + raw.count(b"[") > max_depth:
+        return False
+    try:
+        doc = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return False
+    named = _STRING.findall(raw)
+    decoded, todo = 0, [doc]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            decoded += len(node)
+            todo.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            todo.extend(v for v in node if isinstance(v, (dict, list)))
+    return decoded == len(named) - named.count(b"")
+
+
+def _scan(raw: bytes, max_depth: int) -> None:
+    """check_structure token by token."""
     stack: list[set | None] = []  # per open container: the keys seen (object) or None (array)
     last = b""
     for m in _TOKEN.finditer(raw):
@@ -69,10 +100,13 @@ async def read_checked(request: web.Request) -> bytes:
     if request.content_type not in JSON_TYPES or (request.content_type == "" and request.can_read_body):
         raise web.HTTPUnsupportedMediaType(reason=f"Content-Type: {request.content_type or 'none'} is not "
                                                   "application/json")
-    timeout = request.app[LIMITS].request_timeout_s  # the whole body, once the headers did
-    try:
-        raw = await asyncio.wait_for(request.read(), timeout)
-    except asyncio.TimeoutError:
-        raise web.HTTPRequestTimeout(reason=f"body: not received within {timeout:g} s") from None
+    if request.content.is_eof():  # all of it came with the headers (no timer, no task: it is there)
+        raw = await request.read()
+    else:
+        timeout = request.app[LIMITS].request_timeout_s  # the whole body, once the headers did
+        try:
+            raw = await asyncio.wait_for(request.read(), timeout)
+        except asyncio.TimeoutError:
+            raise web.HTTPRequestTimeout(reason=f"body: not received within {timeout:g} s") from None
     check_structure(raw)
     return raw

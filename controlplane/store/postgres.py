@@ -11,8 +11,9 @@ SQLite engine does, and the database keeps the replicas honest:
   job runs; so placement, quota and budgets are decided on exactly what is
   committed, by every replica. A group that wrote bumps the generation and
   sends `NOTIFY berth_changes` in its transaction; the other replicas hear it
-  (store/replicas.py) and refresh at once, so their watches answer within
-  milliseconds.
+  (controlplane/replicas.py) and refresh at once, so their watches answer
+  within milliseconds. A generation counts only on the server run it was read
+  from (Session): after a failover the memory is rebuilt whole.
 - **The database refuses what the memory should never allow** (pg_schema.py):
   the exclusion constraint on booked devices, the unique reservation id of
   (tenant, principal, key). A group that meets one of those, a deadlock or a
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import sys
 import threading
 import time
@@ -70,6 +72,14 @@ SERVER_SETTINGS = {"jit": "off", "idle_in_transaction_session_timeout": "60000",
 # The writer's statements are planned at each run: a plan cached while a table was nearly empty (a sequential
 # scan) would stay in use as the table grows, and planning once per group costs little.
 WRITER_SETTINGS = {"plan_cache_mode": "force_custom_plan"}
+
+
+class Session(asyncpg.Connection):
+    """A connection that knows which run of which server it reached (its postmaster's start time). The writer's
+    memory is valid only on the run it was read from: a standby promoted after an asynchronous failover may lack
+    the last commits the old primary acknowledged, and its own commits then reuse their generations."""
+
+    __slots__ = ("server",)
 
 
 class StoreError(Exception):
@@ -115,15 +125,20 @@ class Connector:
                     fut.cancel()
                     raise
 
-    async def connect(self, role: str, **settings: str) -> asyncpg.Connection:
+    async def connect(self, role: str, **settings: str) -> Session:
         """A new connection, or UNREACHABLE at once while the backoff after a failure lasts (0.1 s doubling to 5 s)."""
         now = time.monotonic()
         if now < self._next_try:
             raise ConnectionError(f"the database is unreachable; next attempt in {self._next_try - now:.1f} s")
+        conn = None
         try:
-            conn = await asyncpg.connect(self.dsn, timeout=5, statement_cache_size=256, server_settings={
-                **SERVER_SETTINGS, **settings, "application_name": f"{self.application} {role}"})
+            conn = await asyncpg.connect(self.dsn, timeout=5, statement_cache_size=256, connection_class=Session,
+                                         server_settings={**SERVER_SETTINGS, **settings,
+                                                          "application_name": f"{self.application} {role}"})
+            conn.server = await conn.fetchval("SELECT pg_postmaster_start_time()", timeout=5)
         except UNREACHABLE:
+            if conn is not None:
+                conn.terminate()
             self._backoff = min(5.0, max(0.1, self._backoff * 2))
             self._next_try = time.monotonic() + self._backoff
             raise
@@ -550,7 +565,11 @@ class Writer:
         self._committing: Commit | None = None  # the speculative commit on its way
         self._poisoned = False  # the memory holds a failed speculation's changes: rebuild it first
         self._speculate_after = 0.0  # monotonic time before which groups take the lock first
-        self.reader: asyncpg.Connection | None = None  # a speculative group's reads, beside the writer's commit
+        # A speculative group's read and its commit, on the API's loop: one thread hop less each way, per round
+        # trip, than the writer's connection (its locked path's jobs wait on it synchronously, so it has a thread)
+        self.reader: asyncpg.Connection | None = None
+        self.sender: asyncpg.Connection | None = None
+        self._api_loop: asyncio.AbstractEventLoop | None = None
         self._hooks: list[Callable[[], None]] = []
         self._appends = PgAppends()
         self._touched: set[str] = set()  # of the open group's jobs that succeeded
@@ -567,12 +586,13 @@ class Writer:
         self.reloads = 0  # memory rebuilt because another replica wrote (or a speculation was abandoned)
         self.speculated = 0  # groups committed by SPECULATED
         self.sent = 0  # the highest generation this replica's commits moved the database to, or are moving it to
+        self.server: Any = None  # the server run the memory was read from (Session.server)
         self.group_committed: Callable[[int], None] = lambda jobs: None
 
     # ---- on the database's thread -----------------------------------------------------------------
-    async def _begin(self, reads: list[str] = ()) -> tuple[int, int]:
-        """BEGIN, the write lock, and (generation, catalog generation) as the lock found them; the reservations
-        the group's jobs said they read first (`reads`), fetched together."""
+    async def _begin(self, reads: list[str] = ()) -> tuple[int, int, Any]:
+        """BEGIN, the write lock, and (generation, catalog generation, server run) as the lock found them; the
+        reservations the group's jobs said they read first (`reads`), fetched together."""
         if not await self._ahead_taken():
             await self._connected()
             await self.conn.execute(LOCKED)
@@ -580,7 +600,7 @@ class Writer:
         state, self.prefetched = await _begun(self.conn, reads)
         self.next_seq = state[2] + 1
         self.stamp = state[0] + 1
-        return state[0], state[1]
+        return state[0], state[1], self.conn.server
 
     async def _connected(self) -> None:
         if self.conn is None or self.conn.is_closed():
@@ -610,30 +630,40 @@ class Writer:
 
     async def _close(self) -> None:
         await self._drop_ahead()
-        for conn in (self.conn, self.reader):
-            if conn is not None:
-                await conn.close(timeout=5)
+        if self.conn is not None:
+            await self.conn.close(timeout=5)
 
-    async def _speculation_read(self, reads: list[str]) -> tuple[int, dict[str, tuple[bytes, int] | None]]:
+    # ---- on the API's loop ------------------------------------------------------------------------
+    async def _speculation_read(self, reads: list[str]) -> tuple[int | None, dict[str, tuple[bytes, int] | None]]:
         """The generation and the reservations `reads`, in one snapshot (BEGUN without the lock), on a connection
-        of their own (the writer's may be committing)."""
+        of their own (the previous group's commit may be on its way); no generation from another server run than
+        the memory's."""
         if self.reader is None or self.reader.is_closed():
             self.reader = None
+            self._api_loop = asyncio.get_running_loop()
             self.reader = await self.connector.connect("writer reads", **WRITER_SETTINGS)
         state, rows = await _begun(self.reader, reads)
-        return state[0], rows
+        return (state[0] if self.reader.server == self.server else None), rows
 
     async def _commit_speculated(self, expected: int, appends: "PgAppends", touched: set[str]) -> int | None:
         """SPECULATED outside any transaction: the new generation, or None when another replica wrote since
-        `expected` (nothing written)."""
-        await self._connected()
-        return await self.conn.fetchval(SPECULATED, expected, list(touched), *appends.columns())
+        `expected` or the connection reached another server run than the memory's (nothing written). Its own
+        connection: the writer's may hold the lock taken ahead of a locked
+        group only when no speculative commit is on its way (_speculable), so the two never wait for each other."""
+        if self.sender is None or self.sender.is_closed():
+            self.sender = None
+            self._api_loop = asyncio.get_running_loop()
+            self.sender = await self.connector.connect("writer commits", **WRITER_SETTINGS)
+        if self.sender.server != self.server:
+            return None
+        return await self.sender.fetchval(SPECULATED, expected, list(touched), *appends.columns())
 
     async def _begin_read(self) -> int:
         """A snapshot to rebuild the memory from, with the generation it shows (no lock: it writes nothing)."""
         await self._drop_ahead()
         await self._connected()
         await self.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        self.server = self.conn.server
         return await self.conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
 
     async def _commit(self, appends: Appends, wrote: bool, touched: set[str], catalog: bool) -> int:
@@ -660,7 +690,6 @@ class Writer:
                 self.conn.terminate()
                 self.conn = None
 
-    # ---- on the API's loop ------------------------------------------------------------------------
     def call(self, fn: Callable[[PgTx], Any], reads: Iterable[str] = (),
              append_only: bool = False) -> "asyncio.Future[Any]":
         loop = asyncio.get_running_loop()
@@ -776,12 +805,12 @@ class Writer:
         # What the read may find: the generation as it is sent, or that of the commit on its way (landing meanwhile)
         known = {self.generation, self._committing.stamp if self._committing is not None else None}
         try:
-            generation, rows = await self._on_db(self._speculation_read([r for job in group for r in job.reads]))
+            generation, rows = await self._speculation_read([r for job in group for r in job.reads])
         except BaseException as exc:  # noqa: BLE001 - the ordinary path reports what is wrong
             log.info("a speculative group's read failed; taking the lock", error=f"{type(exc).__name__}: {exc}")
             self._redo(group)
             return
-        if generation not in known:  # another replica wrote meanwhile
+        if generation is None or generation not in known:  # another replica wrote meanwhile, or a failover
             self._redo(group)
             return
         base = self._committing.stamp if self._committing is not None else self.generation  # (one of `known`)
@@ -826,7 +855,7 @@ class Writer:
             return
         commit = Commit(group, answers, hooks, self.stamp, {r for job in group for r in job.reads} | touched)
         self.sent = max(self.sent, self.stamp)
-        commit.future = asyncio.ensure_future(self._on_db(self._commit_speculated(self.stamp - 1, appends, touched)))
+        commit.future = asyncio.ensure_future(self._commit_speculated(self.stamp - 1, appends, touched))
         commit.future.add_done_callback(lambda f: self._landed(commit))
         self._committing = commit
 
@@ -924,17 +953,22 @@ class Writer:
         self._touched, self._stamped, self._catalog_touched = set(), set(), False
         return touched, catalog
 
-    def _fresh(self, found: tuple[int, int]) -> None:
+    def _fresh(self, found: tuple[int, int, Any]) -> None:
         """Inside the locked transaction: bring the memory up to the database if it moved since this replica last
-        saw it; only the reservations other replicas changed, unless they changed the catalog or tokens too (or
-        this replica's memory is of an unknown generation)."""
-        generation, catalog_generation = found
-        if generation == self.generation and not self._poisoned:
+        saw it; only the reservations other replicas changed, unless they changed the catalog or tokens too, or
+        this replica's memory is of an unknown generation or of another server run (a failover: the new primary's
+        history may have lost the old one's last commits, and reused their generations)."""
+        generation, catalog_generation, server = found
+        same_run = server == self.server
+        if generation == self.generation and same_run and not self._poisoned:
             return
-        if self.generation is not None and generation != self.generation:
-            self._pause_speculation()  # another replica writes
+        if self.generation is not None and (generation != self.generation or not same_run):
+            self._pause_speculation()  # another replica writes, or another server answers
         tx = PgTx(self, self._appends)
-        known = None if self._poisoned else self.generation
+        known = None if self._poisoned or not same_run else self.generation
+        if known is not None and generation < known:
+            known = None  # the database went back: only a whole reading shows what it no longer has
+        self.server = server
         self.generation = generation  # what the hooks bring the memory to (nodes' versions)
         try:
             if known is None or catalog_generation > known or self._on_changed is None:
@@ -1014,6 +1048,7 @@ class Writer:
         """After the group in flight (if any) is answered; later calls answer PROVIDER_UNAVAILABLE."""
         self.closing = True
         got = self._sync.acquire(timeout=10)
+        self._close_on_api_loop()
         if self.conn is not None:
             try:
                 self.connector.run(self._close(), timeout=10)
@@ -1021,6 +1056,25 @@ class Writer:
                 pass
         if got:
             self._sync.release()
+
+    def _close_on_api_loop(self) -> None:
+        """Close the speculative path's connections on the loop they belong to (close runs on a worker thread,
+        once no group is on its way); dropped at once where that loop is this thread's or gone."""
+        loop, conns = self._api_loop, [c for c in (self.reader, self.sender) if c is not None and not c.is_closed()]
+        self.reader = self.sender = None
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        for conn in conns:
+            if loop is not None and here is not loop and loop.is_running():
+                try:
+                    asyncio.run_coroutine_threadsafe(conn.close(timeout=5), loop).result(6)
+                except Exception:  # noqa: BLE001 - closing a dead connection
+                    loop.call_soon_threadsafe(conn.terminate)
+                continue
+            with contextlib.suppress(RuntimeError):  # its loop closed: the socket goes with the connection object
+                conn.terminate()
 
 
 class PgStore(Reads):

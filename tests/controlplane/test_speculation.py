@@ -69,7 +69,7 @@ async def test_a_create_by_another_replica_between_a_groups_read_and_its_commit(
         commit, theirs = writer._commit_speculated, []
 
         async def after_the_other_replica(*args):
-            # on the writer's database thread, between this group's read and its commit: the other replica books
+            # between this group's read and its commit: the other replica books
             if not theirs:
                 theirs.append(await asyncio.to_thread(other.post, "/api/compute/reservations/create",
                                                       TOKENS["bob"], body("bob-1")))
