@@ -567,8 +567,8 @@ class Writer:
         self._speculate_after = 0.0  # monotonic time before which groups take the lock first
         # A speculative group's read and its commit, on the API's loop: one thread hop less each way, per round
         # trip, than the writer's connection (its locked path's jobs wait on it synchronously, so it has a thread)
-        self.reader: asyncpg.Connection | None = None
-        self.sender: asyncpg.Connection | None = None
+        self.reader: Session | None = None
+        self.sender: Session | None = None
         self._api_loop: asyncio.AbstractEventLoop | None = None
         self._hooks: list[Callable[[], None]] = []
         self._appends = PgAppends()
@@ -633,31 +633,6 @@ class Writer:
         if self.conn is not None:
             await self.conn.close(timeout=5)
 
-    # ---- on the API's loop ------------------------------------------------------------------------
-    async def _speculation_read(self, reads: list[str]) -> tuple[int | None, dict[str, tuple[bytes, int] | None]]:
-        """The generation and the reservations `reads`, in one snapshot (BEGUN without the lock), on a connection
-        of their own (the previous group's commit may be on its way); no generation from another server run than
-        the memory's."""
-        if self.reader is None or self.reader.is_closed():
-            self.reader = None
-            self._api_loop = asyncio.get_running_loop()
-            self.reader = await self.connector.connect("writer reads", **WRITER_SETTINGS)
-        state, rows = await _begun(self.reader, reads)
-        return (state[0] if self.reader.server == self.server else None), rows
-
-    async def _commit_speculated(self, expected: int, appends: "PgAppends", touched: set[str]) -> int | None:
-        """SPECULATED outside any transaction: the new generation, or None when another replica wrote since
-        `expected` or the connection reached another server run than the memory's (nothing written). Its own
-        connection: the writer's may hold the lock taken ahead of a locked
-        group only when no speculative commit is on its way (_speculable), so the two never wait for each other."""
-        if self.sender is None or self.sender.is_closed():
-            self.sender = None
-            self._api_loop = asyncio.get_running_loop()
-            self.sender = await self.connector.connect("writer commits", **WRITER_SETTINGS)
-        if self.sender.server != self.server:
-            return None
-        return await self.sender.fetchval(SPECULATED, expected, list(touched), *appends.columns())
-
     async def _begin_read(self) -> int:
         """A snapshot to rebuild the memory from, with the generation it shows (no lock: it writes nothing)."""
         await self._drop_ahead()
@@ -689,6 +664,32 @@ class Writer:
             except Exception:  # noqa: BLE001 - a broken connection is replaced at the next group
                 self.conn.terminate()
                 self.conn = None
+
+    # ---- on the API's loop ------------------------------------------------------------------------
+    async def _speculation_read(self, reads: list[str]) -> tuple[int | None, dict[str, tuple[bytes, int] | None]]:
+        """The generation and the reservations `reads`, in one snapshot (BEGUN without the lock), on a connection
+        of their own (the previous group's commit may be on its way); no generation from another server run than
+        the memory's."""
+        self.reader = await self._speculative_conn(self.reader, "writer reads")
+        state, rows = await _begun(self.reader, reads)
+        return (state[0] if self.reader.server == self.server else None), rows
+
+    async def _commit_speculated(self, expected: int, appends: "PgAppends", touched: set[str]) -> int | None:
+        """SPECULATED outside any transaction: the new generation, or None when another replica wrote since
+        `expected` or the connection reached another server run than the memory's (nothing written). Its own
+        connection: the writer's may hold the lock taken ahead of a locked group only when no speculative commit
+        is on its way (_speculable), so the two never wait for each other."""
+        self.sender = await self._speculative_conn(self.sender, "writer commits")
+        if self.sender.server != self.server:
+            return None
+        return await self.sender.fetchval(SPECULATED, expected, list(touched), *appends.columns())
+
+    async def _speculative_conn(self, conn: Session | None, role: str) -> Session:
+        """conn while it is open, else a new connection on this loop (the API's: _close_on_api_loop closes it)."""
+        if conn is not None and not conn.is_closed():
+            return conn
+        self._api_loop = asyncio.get_running_loop()
+        return await self.connector.connect(role, **WRITER_SETTINGS)
 
     def call(self, fn: Callable[[PgTx], Any], reads: Iterable[str] = (),
              append_only: bool = False) -> "asyncio.Future[Any]":
