@@ -1,13 +1,16 @@
 """Creates per second on PostgreSQL with one and two control-plane replicas, the SQLite engine and a baseline,
 all in one run on one throwaway PostgreSQL cluster (fsync on: every engine's commits are durable).
 
-    python bench/replicas.py [--seconds 8] [--connections 32] [--watches 20]
+    python bench/replicas.py [--seconds 8] [--connections 32] [--watches 20] [--commit-delay-us 0]
 
 Baseline: an aiohttp handler that decodes the JSON body and does one INSERT and commit per request on the same
 PostgreSQL (asyncpg, a pool of 32). Berth: `berth controlplane serve` (bench/create_throughput.py's fleet of
 1,000 nodes of 8 GPUs; every create allowed by Cedar, charged, placed, committed before it is acknowledged) on
 SQLite, on PostgreSQL alone, and as two replicas on one PostgreSQL database with the clients split between them.
-The load comes from client processes, so clients and servers do not share an interpreter.
+The load comes from client processes, so clients and servers do not share an interpreter. A floor is measured too:
+the same aiohttp handler without the database (what HTTP and the JSON body cost a server, per request).
+--commit-delay-us makes every commit's WAL flush wait that long first (PostgreSQL's commit_delay, for every
+commit): storage whose flush is that much slower (a network volume).
 
 Printed: creates/s of each and its ratio to the baseline (target: one replica >= 1.0x), the errors (target for
 two replicas: zero), the races lost and run again inside the store, the memory reloads, the share of groups
@@ -15,8 +18,10 @@ committed speculatively (one statement, docs/scale-out.md), and the time from a
 create answered by replica B to the binding in the answer of an agent's watch long-polling replica A
 (docs/scale-out.md). Then where each run's CPU went, per request: the servers', PostgreSQL's and the load
 clients' (they share this machine's cores), with the cores left idle; a run that leaves none idle is bound by
-this machine's CPU, not by its commits. Needs root (the cluster runs as `nobody`) and PostgreSQL's binaries (apt-get install
-postgresql).
+this machine's CPU, not by its commits. From one replica's costs per create two upper bounds are printed: its
+event loop (one thread, the server's main one: the "its loop" column) on one whole core, and every core of this
+machine busy with servers, PostgreSQL and clients. Needs root (the cluster runs as `nobody`) and PostgreSQL's
+binaries (apt-get install postgresql).
 """
 from __future__ import annotations
 
@@ -66,6 +71,11 @@ async def main():
     await asyncio.Event().wait()
 asyncio.run(main())
 '''
+FLOOR = BASELINE.replace("""        async with pool.acquire() as c:
+            await c.execute("INSERT INTO t (body) VALUES ($1)", body)  # one transaction, one commit
+""", "")  # the same handler without the database (the pool is made, and left unused)
+assert FLOOR != BASELINE
+HANDLERS = {"baseline": BASELINE, "floor (no database)": FLOOR}
 
 
 def bootstrap(path: Path) -> None:
@@ -107,10 +117,11 @@ def serve(db: str | Path, boot: Path) -> tuple[subprocess.Popen, str]:
     return ct.serve_berth(db, boot, port), f"http://127.0.0.1:{port}"
 
 
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU of one process so far (0 once it is gone)."""
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User and system CPU of one process so far, or of one of its threads (0 once it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
+        fields = stat.read_text().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -142,6 +153,7 @@ def measure(bases: list[str], seconds: float, connections: int, label: str, star
     per = max(1, connections // len(bases))
     url = "/api/compute/reservations/create"
     pg = cluster_pids(cluster) if cluster is not None else []
+    loops = [cpu_seconds(p.pid, p.pid) for p in servers]  # a server's main thread runs its event loop
     before = ([cpu_seconds(p.pid) for p in servers], sum(map(cpu_seconds, pg)), resource.getrusage(
         resource.RUSAGE_CHILDREN), idle_seconds(), time.perf_counter())
     with ThreadPoolExecutor(len(bases)) as pool:
@@ -154,6 +166,7 @@ def measure(bases: list[str], seconds: float, connections: int, label: str, star
             "requests": sum(r["requests"] for r in results), "p50_ms": max(r["p50_ms"] for r in results),
             "p99_ms": max(r["p99_ms"] for r in results),
             "cpu_server": sum(cpu_seconds(p.pid) - b for p, b in zip(servers, before[0])),
+            "cpu_loop": sum(cpu_seconds(p.pid, p.pid) - b for p, b in zip(servers, loops)),
             "cpu_postgres": max(0.0, sum(map(cpu_seconds, pg)) - before[1]),
             "cpu_clients": (children.ru_utime + children.ru_stime) - (before[2].ru_utime + before[2].ru_stime),
             "idle_cores": (idle_seconds() - before[3]) / wall, "wall": wall}
@@ -208,6 +221,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8)
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--watches", type=int, default=20)
+    parser.add_argument("--commit-delay-us", type=int, default=0, help="PostgreSQL's commit_delay, in every commit")
     args = parser.parse_args()
     start = (int(time.time()) // 3600 + 1) * ct.HOUR
     results: dict[str, dict] = {}
@@ -218,22 +232,27 @@ def main() -> int:
         print(f"bench/replicas.py: {exc}", file=sys.stderr)
         return 2
     try:
+        if args.commit_delay_us:
+            cluster.psql(f"ALTER SYSTEM SET commit_delay = {args.commit_delay_us:d}")
+            cluster.psql("ALTER SYSTEM SET commit_siblings = 0")  # every commit waits, not only busy ones
+            cluster.psql("SELECT pg_reload_conf()")
         with tempfile.TemporaryDirectory(prefix="berth-bench-", dir=os.environ.get("BENCH_TMP")) as tmp, \
                 contextlib.ExitStack() as stack:
             tmp = Path(tmp)
             boot = tmp / "bootstrap.json"
             bootstrap(boot)
 
-            port = ct.free_port()
-            baseline = subprocess.Popen([sys.executable, "-c", BASELINE, cluster.createdb("baseline"), str(port)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            stack.callback(ct.stop, baseline)
-            ct.wait_port(port, baseline)
-            base = f"http://127.0.0.1:{port}"
-            measure([base], 1, args.connections, "baseline warm-up", start, 0)
-            results["baseline"] = measure([base], args.seconds, args.connections, "baseline", start, 0,
-                                          [baseline], cluster)
-            ct.stop(baseline)
+            for label, handler in HANDLERS.items():
+                port = ct.free_port()
+                baseline = subprocess.Popen([sys.executable, "-c", handler, cluster.createdb(f"b{len(results)}"),
+                                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                stack.callback(ct.stop, baseline)
+                ct.wait_port(port, baseline)
+                base = f"http://127.0.0.1:{port}"
+                measure([base], 1, args.connections, f"{label} warm-up", start, 0)
+                results[label] = measure([base], args.seconds, args.connections, label, start, 0, [baseline],
+                                         cluster)
+                ct.stop(baseline)
 
             for label, db in (("sqlite", tmp / "cp.db"), ("postgresql, 1 replica", cluster.createdb("one"))):
                 server, url = serve(db, boot)
@@ -268,18 +287,18 @@ def main() -> int:
         per_commit = f"{r['berth_store_jobs_total'] / groups:.1f}" if groups else "1.0"
         speculative = (f"{r.get('berth_store_speculative_groups_total', 0) / groups:.0%}"
                        if groups and label.startswith("postgresql") else "")
-        extra = (f"{per_commit:>11} {r.get('berth_store_race_retries_total', 0):>7.0f} "
-                 f"{r.get('berth_store_reloads_total', 0):>7.0f} {speculative:>11}") if label != "baseline" \
-            else f"{'1.0':>11}"
+        extra = {"baseline": f"{'1.0':>11}", "floor (no database)": ""}.get(label) if label in HANDLERS else (
+            f"{per_commit:>11} {r.get('berth_store_race_retries_total', 0):>7.0f} "
+            f"{r.get('berth_store_reloads_total', 0):>7.0f} {speculative:>11}")
         print(f"{label:24} {r['rps']:>10,.0f} {r['rps'] / base_rps:>9.2f}x {r['errors']:>7} {r['p50_ms']:>7.2f} "
               f"{r['p99_ms']:>7.2f} {extra}")
     print(f"\nCPU per request, in microseconds (this machine: {os.cpu_count()} cores, shared by all of them):")
-    print(f"{'':24} {'server':>8} {'postgres':>8} {'clients':>8} {'total':>8} {'idle cores':>10}")
+    print(f"{'':24} {'server':>8} {'its loop':>8} {'postgres':>8} {'clients':>8} {'total':>8} {'idle cores':>10}")
     for label, r in results.items():
         n = max(1, r["requests"])
         parts = [r["cpu_server"] / n * 1e6, r["cpu_postgres"] / n * 1e6, r["cpu_clients"] / n * 1e6]
-        print(f"{label:24} {parts[0]:>8.0f} {parts[1]:>8.0f} {parts[2]:>8.0f} {sum(parts):>8.0f} "
-              f"{r['idle_cores']:>10.2f}")
+        print(f"{label:24} {parts[0]:>8.0f} {r['cpu_loop'] / n * 1e6:>8.0f} {parts[1]:>8.0f} {parts[2]:>8.0f} "
+              f"{sum(parts):>8.0f} {r['idle_cores']:>10.2f}")
     two = results["postgresql, 2 replicas"]
     retries = two.get("berth_store_race_retries_total", 0)
     print(f"2 replicas: {two['requests']:,} creates, {two['errors']} errors, {retries:.0f} lost races run again "
@@ -289,6 +308,17 @@ def main() -> int:
     print(f"a create on replica B seen by a watch on replica A: p50 {statistics.median(seen_ms):.1f} ms, "
           f"max {seen_ms[-1]:.1f} ms over {len(seen_ms)} creates (includes the window start's transition)")
     one = results["postgresql, 1 replica"]["rps"] / base_rps
+
+    # Upper bounds at the costs per create measured: a loop cannot run on more than one core, and the servers,
+    # PostgreSQL and the clients cannot use more than this machine's cores together.
+    r = results["postgresql, 1 replica"]
+    per = {key: r[key] / max(1, r["requests"]) for key in ("cpu_loop", "cpu_server", "cpu_postgres", "cpu_clients")}
+    loop_bound = 1 / per["cpu_loop"] / base_rps
+    cores_bound = os.cpu_count() / (per["cpu_server"] + per["cpu_postgres"] + per["cpu_clients"]) / base_rps
+    floor = results["floor (no database)"]
+    print(f"one replica's bounds at these costs: its event loop on one whole core {loop_bound:.2f}x, every core of "
+          f"this machine busy {cores_bound:.2f}x (of its loop's {per['cpu_loop'] * 1e6:.0f} us per create, "
+          f"{floor['cpu_loop'] / max(1, floor['requests']) * 1e6:.0f} are HTTP and the JSON body: the floor)")
     print(f"one replica / baseline: {one:.2f}x (target >= 1.0x); two replicas errors: {two['errors']} (target 0)")
     return 0 if one >= 1.0 and two["errors"] == 0 else 1
 
