@@ -177,7 +177,8 @@ def watch_latency(a: str, b: str, rounds: int) -> list[float]:
     sys.path.insert(0, str(ROOT))
     from tests.controlplane.test_nodes import inventory
 
-    status, reg = post(a, "/api/nodes/register", NODE_BOOT, {"hostname": "w1.bench", "inventory": inventory("w1.bench")})
+    status, reg = post(a, "/api/nodes/register", NODE_BOOT,
+                       {"hostname": "w1.bench", "inventory": inventory("w1.bench")})
     assert status == 200, reg
     node = reg["nodeToken"]
     seen: list[float] = []
