@@ -70,8 +70,12 @@ SERVER_SETTINGS = {"jit": "off", "idle_in_transaction_session_timeout": "60000",
                    "tcp_keepalives_idle": "10", "tcp_keepalives_interval": "3", "tcp_keepalives_count": "3"}
 
 # The writer's statements are planned at each run: a plan cached while a table was nearly empty (a sequential
-# scan) would stay in use as the table grows, and planning once per group costs little.
+# scan) would stay in use as the table grows. Its rebuilding reads (whole tables) need the planner's choice.
 WRITER_SETTINGS = {"plan_cache_mode": "force_custom_plan"}
+# The speculative read and commit (nearly every group of creates) only look rows up by key and append: planned
+# once per connection, and never as a sequential scan, whatever the statistics said when the plan was made.
+# Planning each run cost PostgreSQL about a third of its CPU per create (bench/replicas.py, pg_stat_statements).
+SPECULATIVE_SETTINGS = {"plan_cache_mode": "force_generic_plan", "enable_seqscan": "off"}
 
 
 class Session(asyncpg.Connection):
@@ -689,7 +693,7 @@ class Writer:
         if conn is not None and not conn.is_closed():
             return conn
         self._api_loop = asyncio.get_running_loop()
-        return await self.connector.connect(role, **WRITER_SETTINGS)
+        return await self.connector.connect(role, **SPECULATIVE_SETTINGS)
 
     def call(self, fn: Callable[[PgTx], Any], reads: Iterable[str] = (),
              append_only: bool = False) -> "asyncio.Future[Any]":

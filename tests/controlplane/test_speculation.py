@@ -125,3 +125,26 @@ async def test_concurrent_creates_pipelined_over_commits_book_each_gpu_once(api)
     again = await asyncio.gather(*(api.call("create", "alice", body(f"c{i}")) for i in range(3 * GPUS)))
     assert [doc["reservation"]["id"] for _, doc in again] == [doc["reservation"]["id"] for _, doc in answers]
     assert len(check_database(api)) == GPUS
+
+
+async def test_the_speculative_statements_keep_index_plans_made_while_the_tables_were_nearly_empty(api):
+    """The speculative read and commit run on plans made once per connection (each group skips the planning);
+    a plan made while the tables were nearly empty, as analyzed, still looks rows up by index, so it stays
+    right as they grow (a sequential scan there would read the whole calendar per group)."""
+    status, _ = await api.call("create", "alice", body("warm"))  # opens the reader and the sender
+    assert status == 202
+    api.rows("ANALYZE")  # statistics of one reservation and one device key
+    writer = api.cp.store.writer
+    statements = {  # each with arguments for its parameters: an expected generation, then empty arrays
+        "BEGUN": (postgres.BEGUN, writer.reader, "'{}'"),
+        "SPECULATED": (postgres.SPECULATED, writer.sender, ", ".join(["0"] + ["'{}'"] * 23)),
+    }
+    for name, (sql, conn, arguments) in statements.items():
+        assert conn is not None and not conn.is_closed(), name
+        await conn.execute(f"PREPARE plan_check AS {sql}")
+        try:
+            plan = "\n".join(r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE plan_check({arguments})"))
+        finally:
+            await conn.execute("DEALLOCATE plan_check")
+        assert "Index Scan using reservations_id_key" in plan or "Bitmap Index Scan on reservations_id_key" in plan
+        assert "Seq Scan" not in plan, f"{name} plans a sequential scan:\n{plan}"
