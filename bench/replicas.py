@@ -1,7 +1,7 @@
 """Creates per second on PostgreSQL with one and two control-plane replicas, the SQLite engine and a baseline,
 all in one run on one throwaway PostgreSQL cluster (fsync on: every engine's commits are durable).
 
-    python bench/replicas.py [--seconds 8] [--connections 32] [--watches 20] [--commit-delay-us 0]
+    python bench/replicas.py [--seconds 8] [--rounds 3] [--connections 32] [--watches 20] [--commit-delay-us 0]
 
 Baseline: an aiohttp handler that decodes the JSON body and does one INSERT and commit per request on the same
 PostgreSQL (asyncpg, a pool of 32). Berth: `berth controlplane serve` (bench/create_throughput.py's fleet of
@@ -9,7 +9,10 @@ PostgreSQL (asyncpg, a pool of 32). Berth: `berth controlplane serve` (bench/cre
 SQLite, on PostgreSQL alone, and as two replicas on one PostgreSQL database with the clients split between them.
 The load comes from client processes, so clients and servers do not share an interpreter. A floor is measured too:
 the same aiohttp handler without the database (what HTTP and the JSON body cost a server, per request).
---commit-delay-us makes every commit's WAL flush wait that long first (PostgreSQL's commit_delay, for every
+Every server is started once; each round measures them one after another, and a server's ratio is the median of
+its rounds' ratios to the baseline of the same round: this machine is shared, and its speed drifts by 10-20%
+over minutes, so one measurement of each, minutes apart, made the ratio a draw (one round in one run gave one
+replica 0.93x, the next run 0.57x). --commit-delay-us makes every commit's WAL flush wait that long first (PostgreSQL's commit_delay, for every
 commit): storage whose flush is that much slower (a network volume).
 
 Printed: creates/s of each and its ratio to the baseline (target: one replica >= 1.0x), the errors (target for
@@ -219,13 +222,14 @@ def watch_latency(a: str, b: str, rounds: int) -> list[float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=8)
+    parser.add_argument("--seconds", type=float, default=8, help="of each measurement (default 8)")
+    parser.add_argument("--rounds", type=int, default=3, help="each server measured once per round (default 3)")
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--watches", type=int, default=20)
     parser.add_argument("--commit-delay-us", type=int, default=0, help="PostgreSQL's commit_delay, in every commit")
     args = parser.parse_args()
     start = (int(time.time()) // 3600 + 1) * ct.HOUR
-    results: dict[str, dict] = {}
+    rounds: list[dict[str, dict]] = []
     try:
         cluster_cm = throwaway_cluster(fsync=True)
         cluster = cluster_cm.__enter__()
@@ -242,48 +246,56 @@ def main() -> int:
             tmp = Path(tmp)
             boot = tmp / "bootstrap.json"
             bootstrap(boot)
-
+            # Every server is started once and stays up (an idle one costs nothing); each round measures them one
+            # after another, so a slow spell of this shared machine falls on one round, not on one server.
+            servers: dict[str, tuple[list[str], list[subprocess.Popen], bool]] = {}  # urls, processes, Berth?
             for label, handler in HANDLERS.items():
                 port = ct.free_port()
-                baseline = subprocess.Popen([sys.executable, "-c", handler, cluster.createdb(f"b{len(results)}"),
-                                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                stack.callback(ct.stop, baseline)
-                ct.wait_port(port, baseline)
-                base = f"http://127.0.0.1:{port}"
-                measure([base], 1, args.connections, f"{label} warm-up", start, 0)
-                results[label] = measure([base], args.seconds, args.connections, label, start, 0, [baseline],
-                                         cluster)
-                ct.stop(baseline)
-
+                proc = subprocess.Popen([sys.executable, "-c", handler, cluster.createdb(f"b{len(servers)}"),
+                                         str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                stack.callback(ct.stop, proc)  # whatever fails below, the servers stop
+                ct.wait_port(port, proc)
+                servers[label] = ([f"http://127.0.0.1:{port}"], [proc], False)
             for label, db in (("sqlite", tmp / "cp.db"), ("postgresql, 1 replica", cluster.createdb("one"))):
-                server, url = serve(db, boot)
-                stack.callback(ct.stop, server)
-                measure([url], 1, args.connections, f"{label} warm-up", start, 0)
-                results[label] = measure([url], args.seconds, args.connections, label, start, 100_000, [server],
-                                         cluster if label.startswith("postgresql") else None)
-                results[label].update(counters(url))
-                ct.stop(server)
-
+                proc, url = serve(db, boot)
+                stack.callback(ct.stop, proc)
+                servers[label] = ([url], [proc], True)
             two = cluster.createdb("two")
             (a, url_a), (b, url_b) = serve(two, boot), serve(two, boot)
-            stack.callback(ct.stop, a)  # whatever fails below, the servers stop
+            stack.callback(ct.stop, a)
             stack.callback(ct.stop, b)
-            measure([url_a, url_b], 1, args.connections, "2 replicas warm-up", start, 0)
-            before = [counters(u) for u in (url_a, url_b)]
-            label = "postgresql, 2 replicas"
-            results[label] = measure([url_a, url_b], args.seconds, args.connections, label, start, 100_000,
-                                     [a, b], cluster)
-            after = [counters(u) for u in (url_a, url_b)]
-            for key in after[0]:
-                results[label][key] = sum(x[key] - y[key] for x, y in zip(after, before))
+            servers["postgresql, 2 replicas"] = ([url_a, url_b], [a, b], True)
+            for label, (urls, _, _) in servers.items():
+                measure(urls, 1, args.connections, f"{label} warm-up", start, 0)
+            for n in range(args.rounds):
+                results: dict[str, dict] = {}
+                for label, (urls, procs, berth) in servers.items():
+                    before = [counters(u) for u in urls] if berth else []
+                    results[label] = measure(urls, args.seconds, args.connections,
+                                             f"round {n + 1}/{args.rounds}: {label}", start, 100_000 + n * 10_000_000,
+                                             procs, cluster if label != "sqlite" else None)
+                    for key in (counters(urls[0]) if berth else ()):
+                        results[label][key] = sum(counters(u)[key] - x[key] for u, x in zip(urls, before))
+                rounds.append(results)
             seen = watch_latency(url_a, url_b, args.watches)
     finally:
         cluster_cm.__exit__(None, None, None)
+    return report(rounds, seen, args)
 
-    base_rps = results["baseline"]["rps"]
-    print(f"{'':24} {'creates/s':>10} {'x baseline':>10} {'errors':>7} {'p50 ms':>7} {'p99 ms':>7} "
+
+def report(rounds: list[dict[str, dict]], seen: list[float], args: argparse.Namespace) -> int:
+    """Each server's creates/s (median over the rounds) and its ratio to the baseline (the median of the rounds'
+    ratios: each round's figures were measured minutes apart at most), and the sums of the rest."""
+    labels = list(rounds[0])
+    total = {label: {key: sum(r[label].get(key, 0) for r in rounds) for key in rounds[0][label]} for label in labels}
+    rps = {label: statistics.median(r[label]["rps"] for r in rounds) for label in labels}
+    ratio = {label: statistics.median(r[label]["rps"] / r["baseline"]["rps"] for r in rounds) for label in labels}
+    spread = {label: (min(r[label]["rps"] / r["baseline"]["rps"] for r in rounds),
+                      max(r[label]["rps"] / r["baseline"]["rps"] for r in rounds)) for label in labels}
+    print(f"{'':24} {'creates/s':>10} {'x baseline':>10} {'(rounds)':>13} {'errors':>7} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'jobs/commit':>11} {'retries':>7} {'reloads':>7} {'speculative':>11}")
-    for label, r in results.items():
+    for label in labels:
+        r = total[label]
         groups = r.get("berth_store_groups_total", 0)
         per_commit = f"{r['berth_store_jobs_total'] / groups:.1f}" if groups else "1.0"
         speculative = (f"{r.get('berth_store_speculative_groups_total', 0) / groups:.0%}"
@@ -291,36 +303,42 @@ def main() -> int:
         extra = {"baseline": f"{'1.0':>11}", "floor (no database)": ""}.get(label) if label in HANDLERS else (
             f"{per_commit:>11} {r.get('berth_store_race_retries_total', 0):>7.0f} "
             f"{r.get('berth_store_reloads_total', 0):>7.0f} {speculative:>11}")
-        print(f"{label:24} {r['rps']:>10,.0f} {r['rps'] / base_rps:>9.2f}x {r['errors']:>7} {r['p50_ms']:>7.2f} "
-              f"{r['p99_ms']:>7.2f} {extra}")
+        low, high = spread[label]
+        p50 = statistics.median(x[label]["p50_ms"] for x in rounds)
+        p99 = max(x[label]["p99_ms"] for x in rounds)
+        print(f"{label:24} {rps[label]:>10,.0f} {ratio[label]:>9.2f}x {f'{low:.2f}-{high:.2f}':>13} "
+              f"{r['errors']:>7.0f} {p50:>7.2f} {p99:>7.2f} {extra}")
+    print(f"(median of {len(rounds)} rounds of {args.seconds:g} s each; the ratio is the median of each round's ratio "
+          f"to that round's baseline, with the lowest and highest)")
     print(f"\nCPU per request, in microseconds (this machine: {os.cpu_count()} cores, shared by all of them):")
     print(f"{'':24} {'server':>8} {'its loop':>8} {'postgres':>8} {'clients':>8} {'total':>8} {'idle cores':>10}")
-    for label, r in results.items():
+    for label in labels:
+        r = total[label]
         n = max(1, r["requests"])
         parts = [r["cpu_server"] / n * 1e6, r["cpu_postgres"] / n * 1e6, r["cpu_clients"] / n * 1e6]
         print(f"{label:24} {parts[0]:>8.0f} {r['cpu_loop'] / n * 1e6:>8.0f} {parts[1]:>8.0f} {parts[2]:>8.0f} "
-              f"{sum(parts):>8.0f} {r['idle_cores']:>10.2f}")
-    two = results["postgresql, 2 replicas"]
+              f"{sum(parts):>8.0f} {r['idle_cores'] / len(rounds):>10.2f}")
+    two = total["postgresql, 2 replicas"]
     retries = two.get("berth_store_race_retries_total", 0)
-    print(f"2 replicas: {two['requests']:,} creates, {two['errors']} errors, {retries:.0f} lost races run again "
-          f"inside the store ({retries / max(1, two['requests']):.2%}), "
+    print(f"2 replicas: {two['requests']:,.0f} creates, {two['errors']:.0f} errors, {retries:.0f} lost races run "
+          f"again inside the store ({retries / max(1, two['requests']):.2%}), "
           f"{two.get('berth_store_reloads_total', 0):.0f} reloads after the other replica's writes")
     seen_ms = sorted(s * 1000 for s in seen)
     print(f"a create on replica B seen by a watch on replica A: p50 {statistics.median(seen_ms):.1f} ms, "
           f"max {seen_ms[-1]:.1f} ms over {len(seen_ms)} creates (includes the window start's transition)")
-    one = results["postgresql, 1 replica"]["rps"] / base_rps
 
     # Upper bounds at the costs per create measured: a loop cannot run on more than one core, and the servers,
     # PostgreSQL and the clients cannot use more than this machine's cores together.
-    r = results["postgresql, 1 replica"]
+    r, base_rps = total["postgresql, 1 replica"], rps["baseline"]
     per = {key: r[key] / max(1, r["requests"]) for key in ("cpu_loop", "cpu_server", "cpu_postgres", "cpu_clients")}
     loop_bound = 1 / per["cpu_loop"] / base_rps
     cores_bound = os.cpu_count() / (per["cpu_server"] + per["cpu_postgres"] + per["cpu_clients"]) / base_rps
-    floor = results["floor (no database)"]
+    floor = total["floor (no database)"]
     print(f"one replica's bounds at these costs: its event loop on one whole core {loop_bound:.2f}x, every core of "
           f"this machine busy {cores_bound:.2f}x (of its loop's {per['cpu_loop'] * 1e6:.0f} us per create, "
           f"{floor['cpu_loop'] / max(1, floor['requests']) * 1e6:.0f} are HTTP and the JSON body: the floor)")
-    print(f"one replica / baseline: {one:.2f}x (target >= 1.0x); two replicas errors: {two['errors']} (target 0)")
+    one = ratio["postgresql, 1 replica"]
+    print(f"one replica / baseline: {one:.2f}x (target >= 1.0x); two replicas errors: {two['errors']:.0f} (target 0)")
     return 0 if one >= 1.0 and two["errors"] == 0 else 1
 
 
