@@ -8,11 +8,7 @@ from pathlib import Path
 
 import asyncpg
 
-
-def numbered(sql: str) -> str:
-    """`?` placeholders as PostgreSQL's `$1, $2, ...`."""
-    parts = sql.split("?")
-    return parts[0] + "".join(f"${i}{part}" for i, part in enumerate(parts[1:], 1))
+from controlplane.store.reads import numbered
 
 
 def rows(db: str | Path, sql: str, *args) -> list[tuple]:

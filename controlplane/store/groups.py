@@ -1,5 +1,6 @@
-"""What every engine's writer shares: the rows a group appends, how its callers are answered, and the
-PROVIDER_UNAVAILABLE a store failure becomes (store/sqlite.py, store/postgres.py)."""
+"""What every engine's writer shares: what a job's transaction keeps of its outcome, the rows a group appends,
+how its callers are answered, and the PROVIDER_UNAVAILABLE a store failure becomes (store/sqlite.py,
+store/postgres.py)."""
 from __future__ import annotations
 
 import time
@@ -10,6 +11,27 @@ import structlog
 from controlplane.domain.errors import PROVIDER_UNAVAILABLE, DomainError
 
 log = structlog.get_logger("berth.store")
+
+
+class JobOutcome:
+    """What a job's transaction (port.Tx) keeps for its writer: whether it changed the memory, its on-commit
+    hooks, and the refusal it answers with once committed."""
+
+    __slots__ = ("dirty", "committed", "refused")
+
+    def __init__(self) -> None:
+        self.dirty = False
+        self.committed: list[Callable[[], None]] = []
+        self.refused: DomainError | None = None
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        self.committed.append(fn)
+
+    def touch(self) -> None:
+        self.dirty = True
+
+    def refuse(self, error: DomainError) -> None:
+        self.refused = error
 
 
 class Appends:

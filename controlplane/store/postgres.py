@@ -49,11 +49,11 @@ import structlog
 from common.share import Share
 from controlplane.domain.calendar import Booking
 from controlplane.domain.errors import DomainError
-from controlplane.domain.ids import operation_parts
-from controlplane.domain.model import Confirmation, Operation, Reservation
+from controlplane.domain.model import Reservation
 from controlplane.domain.states import TERMINAL
 from controlplane.store import codec, pg_schema
-from controlplane.store.groups import Appends, resolve, run_hooks, unavailable
+from controlplane.store.groups import Appends, JobOutcome, resolve, run_hooks, unavailable
+from controlplane.store.reads import CommittedReads, Reads, numbered, reservation_of
 
 log = structlog.get_logger("berth.store")
 
@@ -168,12 +168,6 @@ class Connector:
             self.loop.close()
 
 
-def _reservation(doc: bytes, seq: int) -> Reservation:
-    res = codec.decode_reservation(doc)
-    res.seq = seq
-    return res
-
-
 async def _begun(conn: asyncpg.Connection, reads: Iterable[str]) -> tuple[Any, dict[str, tuple[bytes, int] | None]]:
     """BEGUN's answer: the state row (generation, catalog generation, last seq), and each of `reads` as (doc,
     seq), or None where no such reservation is."""
@@ -196,41 +190,6 @@ def _as_answer(fn: Callable, exc: BaseException) -> BaseException:
         return exc
     log.exception("store job failed", job=getattr(fn, "__qualname__", repr(fn)))
     return unavailable("the control plane could not complete this request")
-
-
-class Reads:
-    """Reads by key, shared by the writer's transaction (sees its own writes) and the store (committed data).
-    `_fetchrow` runs one statement where each side runs it."""
-
-    def _fetchrow(self, sql: str, *args) -> Any: ...
-
-    def reservation(self, reservation_id: str) -> Reservation | None:
-        row = self._prefetched(reservation_id)
-        if row is ...:
-            row = self._fetchrow("SELECT doc, seq FROM reservations WHERE id = $1", reservation_id)
-        return _reservation(row[0], row[1]) if row else None
-
-    def _prefetched(self, reservation_id: str) -> Any:
-        """(doc, seq), None (no such reservation) or ... (not known: ask the database)."""
-        return ...
-
-    def operation(self, op_id: str) -> Operation | None:
-        """An operation lives in its reservation's document; its id names the reservation (ids.operation_parts)."""
-        parts = operation_parts(op_id)
-        rid = parts[0] if parts else None
-        if rid is None or self.reservation(rid) is None:  # an id from SQLite's schema 1, kept by the migration
-            row = self._fetchrow("SELECT reservation_id FROM operation_aliases WHERE id = $1", op_id)
-            rid = row[0] if row else None
-        res = self.reservation(rid) if rid else None
-        return res.operation(op_id) if res else None
-
-    def confirmation(self, conf_id: str) -> Confirmation | None:
-        row = self._fetchrow("SELECT doc FROM confirmations WHERE id = $1", conf_id)
-        return codec.decode_confirmation(row[0]) if row else None
-
-    def quote(self, quote_id: str) -> tuple[str, int, bytes] | None:
-        row = self._fetchrow("SELECT tenant_id, expires_at, doc FROM quotes WHERE id = $1", quote_id)
-        return (row[0], row[1], row[2]) if row else None
 
 
 LOCKED = f"BEGIN; SELECT pg_advisory_xact_lock({WRITE_LOCK:d})"  # a group's transaction and lock: one round trip
@@ -333,15 +292,15 @@ class PgAppends(Appends):
         await conn.execute(APPENDED, *self.columns())
 
 
-class PgTx(Reads):
+class PgTx(Reads, JobOutcome):
     """The writer's view of the open transaction (port.Tx), each statement on the writer's connection."""
 
+    placeholders = staticmethod(numbered)  # the shared reads' statements (store/reads.py)
+
     def __init__(self, writer: "Writer", group: Appends, speculative: bool = False):
+        super().__init__()
         self.w = writer
         self.speculative = speculative  # no transaction is open: any statement raises Unspeculative
-        self.dirty = False
-        self.committed: list[Callable[[], None]] = []
-        self.refused: DomainError | None = None
         self.appends = PgAppends()  # this job's rows not yet written (dropped, unwritten, if it fails)
         self.group = group  # earlier jobs' rows not yet written
         self.saved = False  # this job's savepoint is open (at its first write that is not an append)
@@ -396,15 +355,6 @@ class PgTx(Reads):
         """Write every appended row now."""
         if self.group or self.appends:
             self._hop(lambda c: asyncio.sleep(0), writes=False)
-
-    def on_commit(self, fn: Callable[[], None]) -> None:
-        self.committed.append(fn)
-
-    def touch(self) -> None:
-        self.dirty = True
-
-    def refuse(self, error: DomainError) -> None:
-        self.refused = error
 
     # reservations
     def save_reservation(self, res: Reservation) -> None:
@@ -493,11 +443,11 @@ class PgTx(Reads):
         self.flush()
         rows = self._fetch(
             "SELECT doc, seq FROM reservations WHERE state NOT IN ('released', 'cancelled') ORDER BY seq")
-        live = [res for res in (_reservation(doc, seq) for doc, seq in rows) if res.state not in TERMINAL]
+        live = [res for res in (reservation_of(doc, seq) for doc, seq in rows) if res.state not in TERMINAL]
         held = self._fetch(
             "SELECT r.doc, r.seq FROM reservations r WHERE r.state = 'released' AND EXISTS (SELECT 1 FROM bookings b"
             " WHERE b.reservation_id = r.id AND b.end_ms > $1) ORDER BY r.seq", now)
-        return live + [res for res in (_reservation(doc, seq) for doc, seq in held) if res.hold is not None]
+        return live + [res for res in (reservation_of(doc, seq) for doc, seq in held) if res.hold is not None]
 
     def live_bookings(self, now: int) -> list[Booking]:
         self.flush()
@@ -511,7 +461,7 @@ class PgTx(Reads):
     def changed_since(self, generation: int) -> list[Reservation]:
         """Reservations other replicas' groups changed after `generation`, oldest first."""
         rows = self._fetch("SELECT doc, seq FROM reservations WHERE gen > $1 ORDER BY seq", generation)
-        return [_reservation(doc, seq) for doc, seq in rows]
+        return [reservation_of(doc, seq) for doc, seq in rows]
 
     def live_bookings_of(self, reservation_ids: list[str], now: int) -> list[Booking]:
         """live_bookings, of these reservations only."""
@@ -1082,8 +1032,10 @@ class Writer:
                 conn.terminate()
 
 
-class PgStore(Reads):
+class PgStore(CommittedReads):
     """The store port on a PostgreSQL database: committed reads on a small pool, and this replica's writer."""
+
+    placeholders = staticmethod(numbered)  # the shared reads' statements (store/reads.py)
 
     def __init__(self, dsn: str, application: str = "berth-controlplane"):
         self.dsn = dsn
@@ -1176,58 +1128,6 @@ class PgStore(Reads):
 
     def _fetch(self, sql: str, *args) -> list:
         return self.read(lambda c: c.fetch(sql, *args))
-
-    def reservations_page(self, tenant_id: str, principal_id: str | None, state: str | None, pool_id: str | None,
-                          before_seq: int | None, limit: int) -> list[Reservation]:
-        sql = ["SELECT doc, seq FROM reservations WHERE tenant_id = $1"
-               " AND state NOT IN ('draft', 'awaiting-confirmation')"]
-        args: list[Any] = [tenant_id]
-        for column, value in (("principal_id", principal_id), ("state", state), ("pool_id", pool_id)):
-            if value is not None:
-                args.append(value)
-                sql.append(f"AND {column} = ${len(args)}")
-        if before_seq is not None:
-            args.append(before_seq)
-            sql.append(f"AND seq < ${len(args)}")
-        args.append(limit)
-        sql.append(f"ORDER BY seq DESC LIMIT ${len(args)}")
-        return [_reservation(doc, seq) for doc, seq in self._fetch(" ".join(sql), *args)]
-
-    def last_event(self, tenant_id: str) -> int | None:
-        return self._fetchrow("SELECT MAX(seq) FROM events WHERE tenant_id = $1", tenant_id)[0]
-
-    def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]:
-        rows = self._fetch("SELECT seq, reservation_id, type, at, data FROM events WHERE tenant_id = $1 AND seq > $2"
-                           " ORDER BY seq LIMIT $3", tenant_id, after or 0, limit)
-        return [{"seq": seq, "reservationId": rid, "type": type_, "at": at, "data": codec.decode_as(data, dict)}
-                for seq, rid, type_, at, data in rows]
-
-    def confirmations(self, tenant_id: str, user_id: str | None, agent_id: str | None, status: str | None,
-                      limit: int) -> list[Confirmation]:
-        sql = "SELECT doc FROM confirmations WHERE tenant_id = $1"
-        args: list[Any] = [tenant_id]
-        if user_id is not None and agent_id is not None:
-            sql += " AND (user_id = $2 OR agent_id = $3)"
-            args += [user_id, agent_id]
-        if status is not None:
-            args.append(status)
-            sql += f" AND status = ${len(args)}"
-        args.append(limit)
-        sql += f" ORDER BY created_at DESC LIMIT ${len(args)}"
-        return [codec.decode_confirmation(r[0]) for r in self._fetch(sql, *args)]
-
-    def billing(self, tenant_id: str, reservation_id: str | None = None) -> list[tuple[str, str, str, int, int | None]]:
-        sql = "SELECT reservation_id, pool_id, hourly_usd, start_ms, end_ms FROM billing WHERE tenant_id = $1"
-        args: list[Any] = [tenant_id]
-        if reservation_id is not None:
-            sql += " AND reservation_id = $2"
-            args.append(reservation_id)
-        rows = self._fetch(sql + " ORDER BY start_ms, reservation_id", *args)
-        return [(r[0], r[1], str(r[2]), r[3], r[4]) for r in rows]
-
-    def state_counts(self) -> list[tuple[str, str, int]]:
-        return [tuple(r) for r in self._fetch(
-            "SELECT pool_id, state, COUNT(*) FROM reservations GROUP BY pool_id, state ORDER BY pool_id, state")]
 
     # ---- what replicas share beside the store (store/replicas.py) --------------------------------------
     async def record_seen(self, seen: dict[str, int]) -> None:

@@ -24,11 +24,11 @@ import structlog
 from common.share import Share
 from controlplane.domain.calendar import Booking
 from controlplane.domain.errors import DomainError
-from controlplane.domain.model import Confirmation, Operation, Reservation
+from controlplane.domain.model import Operation, Reservation
 from controlplane.domain.states import TERMINAL
-from controlplane.domain.ids import operation_parts
 from controlplane.store import codec
-from controlplane.store.groups import Appends, resolve, run_hooks, unavailable
+from controlplane.store.groups import Appends, JobOutcome, resolve, run_hooks, unavailable
+from controlplane.store.reads import CommittedReads, Reads, reservation_of
 
 log = structlog.get_logger("berth.store")
 
@@ -119,38 +119,17 @@ def connect(path: str, synchronous: str = "FULL") -> sqlite3.Connection:
     return conn
 
 
-def _reservation(doc: bytes, seq: int) -> Reservation:
-    res = codec.decode_reservation(doc)
-    res.seq = seq
-    return res
+class SqliteReads(Reads):
+    """The shared reads (store/reads.py) on this side's connection: the writer's, or the committed-read one."""
 
-
-class Reads:
-    """Reads by key, shared by the writer's transaction (sees its own writes) and the store (committed data)."""
-
+    __slots__ = ()
     conn: sqlite3.Connection
 
-    def reservation(self, reservation_id: str) -> Reservation | None:
-        row = self.conn.execute("SELECT doc, seq FROM reservations WHERE id = ?", (reservation_id,)).fetchone()
-        return _reservation(*row) if row else None
+    def _fetchrow(self, sql: str, *args) -> Any:
+        return self.conn.execute(sql, args).fetchone()
 
-    def operation(self, op_id: str) -> Operation | None:
-        """An operation lives in its reservation's document; its id names the reservation (ids.operation_parts)."""
-        parts = operation_parts(op_id)
-        rid = parts[0] if parts else None
-        if rid is None or self.reservation(rid) is None:  # an id from schema 1, kept by the migration
-            row = self.conn.execute("SELECT reservation_id FROM operation_aliases WHERE id = ?", (op_id,)).fetchone()
-            rid = row[0] if row else None
-        res = self.reservation(rid) if rid else None
-        return res.operation(op_id) if res else None
-
-    def confirmation(self, conf_id: str) -> Confirmation | None:
-        row = self.conn.execute("SELECT doc FROM confirmations WHERE id = ?", (conf_id,)).fetchone()
-        return codec.decode_confirmation(row[0]) if row else None
-
-    def quote(self, quote_id: str) -> tuple[str, int, bytes] | None:
-        row = self.conn.execute("SELECT tenant_id, expires_at, doc FROM quotes WHERE id = ?", (quote_id,)).fetchone()
-        return (row[0], row[1], row[2]) if row else None
+    def _fetch(self, sql: str, *args) -> list:
+        return self.conn.execute(sql, args).fetchall()
 
 
 INSERT_BOOKING = ("INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
@@ -168,16 +147,14 @@ class SqliteAppends(Appends):
             conn.executemany(sql, rows)
 
 
-class SqliteTx(Reads):
+class SqliteTx(SqliteReads, JobOutcome):
     """The writer's view of the open transaction (port.Tx): the domain's writes, as small methods."""
 
-    __slots__ = ("conn", "dirty", "committed", "refused", "appends", "group", "flushed", "saved")
+    __slots__ = ("conn", "appends", "group", "flushed", "saved")
 
     def __init__(self, conn: sqlite3.Connection, group: Appends | None = None):
+        super().__init__()
         self.conn = conn
-        self.dirty = False
-        self.committed: list[Callable[[], None]] = []
-        self.refused: DomainError | None = None
         self.appends = SqliteAppends()  # this job's appended rows (dropped if it fails)
         self.group = group if group is not None else SqliteAppends()  # earlier jobs' rows, not yet written
         self.flushed = SqliteAppends()  # earlier jobs' rows written during this job (written again if it fails)
@@ -198,15 +175,6 @@ class SqliteTx(Reads):
             self.flushed.extend(earlier)
         if self.appends:
             self.appends.take().write(self._writing())
-
-    def on_commit(self, fn: Callable[[], None]) -> None:
-        self.committed.append(fn)
-
-    def touch(self) -> None:
-        self.dirty = True
-
-    def refuse(self, error: DomainError) -> None:
-        self.refused = error
 
     # reservations
     def _insert_reservation(self, res: Reservation) -> None:
@@ -301,12 +269,12 @@ class SqliteTx(Reads):
     # what the writer's memory is built from
     def live_reservations(self, now: int) -> list[Reservation]:
         rows = self.conn.execute("SELECT doc, seq FROM reservations WHERE state NOT IN ('released', 'cancelled') ORDER BY seq")
-        live = [res for res in (_reservation(doc, seq) for doc, seq in rows) if res.state not in TERMINAL]
+        live = [res for res in (reservation_of(doc, seq) for doc, seq in rows) if res.state not in TERMINAL]
         self.flush()
         held = self.conn.execute(
             "SELECT DISTINCT r.doc, r.seq FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
             " WHERE r.state = 'released' AND b.end_ms > ? ORDER BY r.seq", (now,))
-        return live + [res for res in (_reservation(doc, seq) for doc, seq in held) if res.hold is not None]
+        return live + [res for res in (reservation_of(doc, seq) for doc, seq in held) if res.hold is not None]
 
     def live_bookings(self, now: int) -> list[Booking]:
         self.flush()
@@ -517,7 +485,7 @@ def _fold_operations(conn: sqlite3.Connection) -> None:
         row = conn.execute("SELECT doc, seq FROM reservations WHERE id = ?", (rid,)).fetchone()
         if row is None:
             continue
-        res = _reservation(*row)
+        res = reservation_of(*row)
         ops.sort(key=lambda op: (op.kind != "create", op.created_at))
         res.operations = ops
         conn.execute("UPDATE reservations SET doc = ? WHERE id = ?", (codec.encode(res), rid))
@@ -530,7 +498,7 @@ class StoreError(Exception):
     """The store cannot be opened as it is; the message says what to do."""
 
 
-class SqliteStore(Reads):
+class SqliteStore(SqliteReads, CommittedReads):
     """The store port on one SQLite file: reads on the caller's thread (a connection that sees committed data
     only) and the writer."""
 
@@ -576,60 +544,3 @@ class SqliteStore(Reads):
         if self.writer is not None:
             self.writer.close()
         self.conn.close()
-
-    # ---- reads (committed data) --------------------------------------------
-    def reservations_page(
-        self, tenant_id: str, principal_id: str | None, state: str | None, pool_id: str | None,
-        before_seq: int | None, limit: int,
-    ) -> list[Reservation]:
-        sql = ["SELECT doc, seq FROM reservations WHERE tenant_id = ? AND state NOT IN ('draft', 'awaiting-confirmation')"]
-        args: list[Any] = [tenant_id]
-        for column, value in (("principal_id", principal_id), ("state", state), ("pool_id", pool_id)):
-            if value is not None:
-                sql.append(f"AND {column} = ?")
-                args.append(value)
-        if before_seq is not None:
-            sql.append("AND seq < ?")
-            args.append(before_seq)
-        sql.append("ORDER BY seq DESC LIMIT ?")
-        args.append(limit)
-        return [_reservation(doc, seq) for doc, seq in self.conn.execute(" ".join(sql), args)]
-
-    def last_event(self, tenant_id: str) -> int | None:
-        return self.conn.execute("SELECT MAX(seq) FROM events WHERE tenant_id = ?", (tenant_id,)).fetchone()[0]
-
-    def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]:
-        rows = self.conn.execute(
-            "SELECT seq, reservation_id, type, at, data FROM events WHERE tenant_id = ? AND seq > ? ORDER BY seq LIMIT ?",
-            (tenant_id, after or 0, limit),
-        )
-        return [
-            {"seq": seq, "reservationId": rid, "type": type_, "at": at, "data": codec.decode_as(data, dict)}
-            for seq, rid, type_, at, data in rows
-        ]
-
-    def confirmations(self, tenant_id: str, user_id: str | None, agent_id: str | None, status: str | None, limit: int):
-        sql = "SELECT doc FROM confirmations WHERE tenant_id = ?"
-        args: list[Any] = [tenant_id]
-        if user_id is not None and agent_id is not None:
-            sql += " AND (user_id = ? OR agent_id = ?)"
-            args += [user_id, agent_id]
-        if status is not None:
-            sql += " AND status = ?"
-            args.append(status)
-        sql += " ORDER BY created_at DESC LIMIT ?"
-        args.append(limit)
-        return [codec.decode_confirmation(row[0]) for row in self.conn.execute(sql, args)]
-
-    def billing(self, tenant_id: str, reservation_id: str | None = None) -> list[tuple[str, str, str, int, int | None]]:
-        """(reservation, pool, hourly USD, start, end or None) of the tenant's billed reservations."""
-        sql = "SELECT reservation_id, pool_id, hourly_usd, start_ms, end_ms FROM billing WHERE tenant_id = ?"
-        args: list[Any] = [tenant_id]
-        if reservation_id is not None:
-            sql += " AND reservation_id = ?"
-            args.append(reservation_id)
-        return list(self.conn.execute(sql + " ORDER BY start_ms, reservation_id", args))
-
-    def state_counts(self) -> list[tuple[str, str, int]]:
-        return list(self.conn.execute(
-            "SELECT pool_id, state, COUNT(*) FROM reservations GROUP BY pool_id, state ORDER BY pool_id, state"))
