@@ -69,13 +69,13 @@ SERVER_SETTINGS = {"jit": "off", "idle_in_transaction_session_timeout": "60000",
                    # a replica killed with -9 on another host: its session (and its leader lock) ends within ~20 s
                    "tcp_keepalives_idle": "10", "tcp_keepalives_interval": "3", "tcp_keepalives_count": "3"}
 
-# The writer's statements are planned at each run: a plan cached while a table was nearly empty (a sequential
-# scan) would stay in use as the table grows. Its rebuilding reads (whole tables) need the planner's choice.
-WRITER_SETTINGS = {"plan_cache_mode": "force_custom_plan"}
-# The speculative read and commit (nearly every group of creates) only look rows up by key and append: planned
-# once per connection, and never as a sequential scan, whatever the statistics said when the plan was made.
-# Planning each run cost PostgreSQL about a third of its CPU per create (bench/replicas.py, pg_stat_statements).
-SPECULATIVE_SETTINGS = {"plan_cache_mode": "force_generic_plan", "enable_seqscan": "off"}
+# The writer's statements look rows up by key and append: planned once per connection, and never as a sequential
+# scan, whatever the statistics said when the plan was made (a plan cached while a table was nearly empty would
+# otherwise stay a sequential scan as the table grows). Planning each run cost PostgreSQL about a third of its
+# CPU per create (pg_stat_statements). Rebuilding the memory whole reads whole tables: its transaction plans each
+# statement as usual (WHOLE_READS).
+WRITER_SETTINGS = {"plan_cache_mode": "force_generic_plan", "enable_seqscan": "off"}
+WHOLE_READS = "SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL enable_seqscan = on"
 
 
 class Session(asyncpg.Connection):
@@ -257,6 +257,15 @@ SPECULATED = (
     " AND EXISTS (SELECT FROM g)),"
     f" n AS (SELECT pg_notify('berth_changes', generation::text) FROM g), {_appended(3, 'EXISTS (SELECT FROM g)')}"
     " SELECT g.generation FROM g, (SELECT count(*) FROM n) AS notified")
+# What other replicas changed since the memory's generation. Both bounds: the writer's cached plan is made
+# without the values, and an open range estimated at a third of the table becomes, past some 100,000
+# reservations, a scan of all of them in seq order; a closed one is estimated small, and read by `gen`.
+CHANGED_SINCE = "SELECT doc, seq FROM reservations WHERE gen > $1 AND gen <= $2 ORDER BY seq"
+LIVE_BOOKINGS_OF = (
+    "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib,"
+    " b.hugepages_1g FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
+    " WHERE b.reservation_id = ANY($2::text[]) AND (r.state IN ('placed', 'binding', 'active')"
+    " OR (r.state = 'released' AND b.end_ms > $1)) AND b.end_ms > b.start_ms ORDER BY b.id")
 SPECULATION_PAUSE_S = 2.0  # after another replica wrote, or a speculation failed: groups take the lock first
 
 
@@ -458,20 +467,15 @@ class PgTx(Reads, JobOutcome):
             " AND b.end_ms > b.start_ms ORDER BY b.id", now)
         return [_booking(r) for r in rows]
 
-    def changed_since(self, generation: int) -> list[Reservation]:
-        """Reservations other replicas' groups changed after `generation`, oldest first."""
-        rows = self._fetch("SELECT doc, seq FROM reservations WHERE gen > $1 ORDER BY seq", generation)
+    def changed_since(self, known: int, current: int) -> list[Reservation]:
+        """Reservations other replicas' groups changed after generation `known` (up to `current`, the one the lock
+        found), oldest first."""
+        rows = self._fetch(CHANGED_SINCE, known, current)
         return [reservation_of(doc, seq) for doc, seq in rows]
 
     def live_bookings_of(self, reservation_ids: list[str], now: int) -> list[Booking]:
         """live_bookings, of these reservations only."""
-        rows = self._fetch(
-            "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli,"
-            " b.memory_mib, b.hugepages_1g FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
-            " WHERE b.reservation_id = ANY($2::text[]) AND (r.state IN ('placed', 'binding', 'active')"
-            " OR (r.state = 'released' AND b.end_ms > $1)) AND b.end_ms > b.start_ms ORDER BY b.id",
-            now, reservation_ids)
-        return [_booking(r) for r in rows]
+        return [_booking(r) for r in self._fetch(LIVE_BOOKINGS_OF, now, reservation_ids)]
 
     def catalog_docs(self, kind: str) -> list[bytes]:
         return [r[0] for r in self._fetch("SELECT doc FROM catalog WHERE kind = $1 ORDER BY id", kind)]
@@ -591,7 +595,7 @@ class Writer:
         """A snapshot to rebuild the memory from, with the generation it shows (no lock: it writes nothing)."""
         await self._drop_ahead()
         await self._connected()
-        await self.conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        await self.conn.execute(f"BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {WHOLE_READS}")
         self.server = self.conn.server
         return await self.conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
 
@@ -643,7 +647,7 @@ class Writer:
         if conn is not None and not conn.is_closed():
             return conn
         self._api_loop = asyncio.get_running_loop()
-        return await self.connector.connect(role, **SPECULATIVE_SETTINGS)
+        return await self.connector.connect(role, **WRITER_SETTINGS)
 
     def call(self, fn: Callable[[PgTx], Any], reads: Iterable[str] = (),
              append_only: bool = False) -> "asyncio.Future[Any]":
@@ -927,14 +931,20 @@ class Writer:
         self.generation = generation  # what the hooks bring the memory to (nodes' versions)
         try:
             if known is None or catalog_generation > known or self._on_changed is None:
-                self._on_reset(tx)
+                self._rebuild(tx)
             else:
-                self._on_changed(tx, tx.changed_since(known))
+                self._on_changed(tx, tx.changed_since(known, generation))
         except BaseException:
             self.generation = None
             raise
         self._poisoned = False
         self.reloads += 1
+
+    def _rebuild(self, tx: PgTx) -> None:
+        """The memory rebuilt whole inside the open transaction, which then reads whole tables: it plans each
+        statement as usual (WHOLE_READS) instead of on the writer's cached index plans."""
+        tx._hop(lambda c: c.execute(WHOLE_READS), writes=False)
+        self._on_reset(tx)
 
     def _run_jobs(self, group) -> tuple[list, bool]:
         answers: list[tuple[Any, Any, BaseException | None]] = []
@@ -951,7 +961,7 @@ class Writer:
                     raise
                 exc = _as_answer(fn, exc)
                 if tx.dirty:
-                    self._on_reset(PgTx(self, self._appends))
+                    self._rebuild(PgTx(self, self._appends))
                 answers.append((fut, None, exc))
                 continue
             # A job's savepoint is left open (no RELEASE, one hop less): the next job's own savepoint of the

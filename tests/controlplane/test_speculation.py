@@ -10,7 +10,6 @@ import json
 import pytest
 
 from controlplane.store import postgres
-from tests import dbrows
 from tests.controlplane.conftest import T0, TOKENS, bootstrap_doc
 from tests.controlplane.test_metrics import scrape
 from tests.serverproc import ServerProcess
@@ -127,24 +126,47 @@ async def test_concurrent_creates_pipelined_over_commits_book_each_gpu_once(api)
     assert len(check_database(api)) == GPUS
 
 
-async def test_the_speculative_statements_keep_index_plans_made_while_the_tables_were_nearly_empty(api):
-    """The speculative read and commit run on plans made once per connection (each group skips the planning);
-    a plan made while the tables were nearly empty, as analyzed, still looks rows up by index, so it stays
-    right as they grow (a sequential scan there would read the whole calendar per group)."""
+async def explain(conn, sql: str, arguments: str) -> str:
+    """The plan `conn` runs `sql` with, as a prepared statement (so with its plan_cache_mode)."""
+    await conn.execute(f"PREPARE plan_check AS {sql}")
+    try:
+        return "\n".join(r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE plan_check({arguments})"))
+    finally:
+        await conn.execute("DEALLOCATE plan_check")
+
+
+async def test_the_writers_statements_keep_index_plans_made_on_nearly_empty_and_on_large_tables(api):
+    """The writer's connections plan each statement once (each group skips the planning) and never as a
+    sequential scan: a plan made while the tables were nearly empty, as analyzed, still looks rows up by index,
+    and what other replicas changed is read by its generations on a large table too (an open range there was
+    planned as a scan of every reservation)."""
     status, _ = await api.call("create", "alice", body("warm"))  # opens the reader and the sender
     assert status == 202
-    api.rows("ANALYZE")  # statistics of one reservation and one device key
     writer = api.cp.store.writer
-    statements = {  # each with arguments for its parameters: an expected generation, then empty arrays
-        "BEGUN": (postgres.BEGUN, writer.reader, "'{}'"),
-        "SPECULATED": (postgres.SPECULATED, writer.sender, ", ".join(["0"] + ["'{}'"] * 23)),
-    }
-    for name, (sql, conn, arguments) in statements.items():
-        assert conn is not None and not conn.is_closed(), name
-        await conn.execute(f"PREPARE plan_check AS {sql}")
-        try:
-            plan = "\n".join(r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE plan_check({arguments})"))
-        finally:
-            await conn.execute("DEALLOCATE plan_check")
-        assert "Index Scan using reservations_id_key" in plan or "Bitmap Index Scan on reservations_id_key" in plan
-        assert "Seq Scan" not in plan, f"{name} plans a sequential scan:\n{plan}"
+    arrays = lambda n: ", ".join(["'{}'"] * n)  # noqa: E731 - empty arrays for the appended rows' columns
+    checks = [  # (statement, its connection, arguments, the index its plan must use on a large table)
+        ("BEGUN", postgres.BEGUN, "reader", arrays(1), "reservations_id_key"),
+        ("SPECULATED", postgres.SPECULATED, "sender", f"0, {arrays(23)}", "reservations_id_key"),
+        ("BEGUN", postgres.BEGUN, "conn", arrays(1), "reservations_id_key"),
+        ("COMMIT_GROUP", postgres.COMMIT_GROUP, "conn", f"false, {arrays(23)}", "reservations_id_key"),
+        ("CHANGED_SINCE", postgres.CHANGED_SINCE, "conn", "1, 2", "reservations_by_gen"),
+        ("LIVE_BOOKINGS_OF", postgres.LIVE_BOOKINGS_OF, "conn", f"0, {arrays(1)}", "bookings_by_reservation"),
+    ]
+    for tables in ("nearly empty", "large"):
+        if tables == "large":
+            api.rows("INSERT INTO reservations (seq, id, tenant_id, principal_id, pool_id, state, doc, gen)"
+                     " SELECT (SELECT max(seq) FROM reservations) + i, 'x' || i, 'acme', 'alice', 'h100', 'released',"
+                     " '', i FROM generate_series(1, 300000) i")
+            api.rows("INSERT INTO bookings (reservation_id, pool_id, node_id, start_ms, end_ms, vcpu_milli, memory_mib,"
+                     " hugepages_1g) SELECT 'x' || i, 'h100', 'h1', 0, 0, 0, 0, 0 FROM generate_series(1, 100000) i")
+        api.rows("ANALYZE")
+        for name, sql, side, arguments, index in checks:
+            conn = getattr(writer, side)
+            assert conn is not None and not conn.is_closed(), side
+            if side == "conn":  # the locked path's connection lives on the database's thread
+                plan = await asyncio.wrap_future(writer.connector.submit(explain(conn, sql, arguments)))
+            else:
+                plan = await explain(conn, sql, arguments)
+            assert "Seq Scan" not in plan, f"{name} on {side}, {tables} tables: a sequential scan\n{plan}"
+            if tables == "large":  # (on a table of a row or two, any index will do)
+                assert index in plan, f"{name} on {side}, {tables} tables: not by {index}\n{plan}"
