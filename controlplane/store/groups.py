@@ -4,7 +4,7 @@ store/postgres.py)."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import structlog
 
@@ -35,17 +35,18 @@ class JobOutcome:
 
 
 class Appends:
-    """Rows only ever appended and never read back inside a group (bookings, events), written with one
-    executemany per statement: at the group's end, or at once before a statement that must see them. Each engine
-    writes them with its own driver (`by_statement`)."""
+    """Rows only ever appended and never read back inside a group (reservations, bookings, events), written
+    together: at the group's end, or at once before a statement that must see them. Each engine files them by
+    kind (SQLite: the statement that inserts them; PostgreSQL: the row's class) and writes them with its own
+    driver (`by_kind`)."""
 
     __slots__ = ("rows",)
 
     def __init__(self) -> None:
-        self.rows: list[tuple[str, tuple]] = []  # (statement, row), in order
+        self.rows: list[tuple[Any, Any]] = []  # (kind, row), in order
 
-    def add(self, sql: str, row: tuple) -> None:
-        self.rows.append((sql, row))
+    def add(self, kind: Any, row: Any) -> None:
+        self.rows.append((kind, row))
 
     def extend(self, other: "Appends") -> None:
         self.rows.extend(other.rows)
@@ -55,10 +56,10 @@ class Appends:
         taken.rows, self.rows = self.rows, taken.rows
         return taken
 
-    def by_statement(self) -> dict[str, list[tuple]]:
-        grouped: dict[str, list[tuple]] = {}
-        for sql, row in self.rows:
-            grouped.setdefault(sql, []).append(row)
+    def by_kind(self) -> dict[Any, list]:
+        grouped: dict[Any, list] = {}
+        for kind, row in self.rows:
+            grouped.setdefault(kind, []).append(row)
         return grouped
 
     def __bool__(self) -> bool:

@@ -44,6 +44,7 @@ from decimal import Decimal
 from typing import Any, Awaitable, Callable, Iterable
 
 import asyncpg
+import msgspec
 import structlog
 
 from common.share import Share
@@ -198,44 +199,77 @@ LOCKED = f"BEGIN; SELECT pg_advisory_xact_lock({WRITE_LOCK:d})"  # a group's tra
 BEGUN = ("SELECT generation, catalog_generation, (SELECT COALESCE(MAX(seq), 0) FROM reservations), NULL, NULL::bytea,"
          " NULL::bigint FROM replica_state WHERE id = 1"
          " UNION ALL SELECT NULL, NULL, NULL, id, doc, seq FROM reservations WHERE id = ANY($1::text[])")
-# The rows a job appends, one statement per row as a job adds them (controlplane/store/move.py copies bookings with
-# INSERT_BOOKING too); a group writes them all at once (APPENDED).
-INSERT_RESERVATION = ("INSERT INTO reservations (seq, id, tenant_id, principal_id, pool_id, state, doc, gen)"
-                      " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)")
 # A booking's devices (from `ab`, the booking's RETURNING, and `u`, a device): each with its key, looked up here
 # (the schema's trigger keys a device that has none yet).
 INSERT_UNITS = (
     "INSERT INTO booked_units (booking_id, node_id, unit, unit_id, during)"
     " SELECT ab.id, ab.node_id, u, (SELECT k.id FROM unit_keys k WHERE k.node_id = ab.node_id AND k.unit = u),"
     " int8range(ab.start_ms, ab.end_ms)")
+# One booking with its devices (controlplane/store/move.py copies bookings with it).
 INSERT_BOOKING = (
     "WITH ab AS (INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
     " memory_mib, hugepages_1g) VALUES ($1, $2, $3, $4::text[], $5, $6, $7, $8, $9)"
     " RETURNING id, node_id, start_ms, end_ms)"
     f" {INSERT_UNITS} FROM ab, unnest($4::text[]) AS u")
-INSERT_EVENT = "INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES ($1, $2, $3, $4, $5)"
-APPENDED_TYPES = ((INSERT_RESERVATION, ("int8", "text", "text", "text", "text", "text", "bytea", "int8")),
-                  (INSERT_BOOKING, ("text", "text", "text", "text", "int8", "int8", "int8", "int8", "int8")),
-                  (INSERT_EVENT, ("text", "text", "text", "int8", "bytea")))
+
+
+# The rows a job appends, as a group's statement reads them: each kind's columns a JSON array of objects
+# (json_to_recordset), and the documents (a reservation's, an event's data: any text, \u0000 included, which a
+# JSON parameter cannot carry into PostgreSQL) beside it as bytes, zipped back by ROWS FROM. Column arrays cost
+# asyncpg two type checks per value; this, two per document.
+class ReservationRow(msgspec.Struct):
+    seq: int
+    id: str
+    tenant_id: str
+    principal_id: str
+    pool_id: str
+    state: str
+    gen: int
+
+
+class BookingRow(msgspec.Struct):
+    reservation_id: str
+    pool_id: str
+    node_id: str
+    units: list[str]
+    start_ms: int
+    end_ms: int
+    vcpu_milli: int
+    memory_mib: int
+    hugepages_1g: int
+
+
+class EventRow(msgspec.Struct):
+    tenant_id: str
+    reservation_id: str | None
+    type: str
+    at: int
+
+
+_ROWS = msgspec.json.Encoder()
 
 
 def _appended(first: int, only_if: str = "") -> str:
-    """Every appended row in one statement, as CTEs over column arrays (parameters from $first on): the database
-    plans and runs each insert once for the group, where an executemany runs it per row. A booking's units
-    travel as one JSON array (they may hold any text). only_if: a condition every insert waits for and needs
-    (SPECULATED's compare-and-set: evaluated once, before any row, so events take their seq under the lock)."""
-    numbers = iter(range(first, first + sum(len(types) for _, types in APPENDED_TYPES)))
-    arrays = [", ".join(f"${next(numbers)}::{t}[]" for t in types) for _, types in APPENDED_TYPES]
+    """Every appended row in one statement, as CTEs over the parameters PgAppends.parameters() gives (from $first
+    on): the database plans and runs each insert once for the group, where an executemany runs it per row.
+    only_if: a condition every insert waits for and needs (SPECULATED's compare-and-set: evaluated once, before
+    any row, so events take their seq under the lock)."""
+    n = [f"${first + i}" for i in range(5)]
     where = f" WHERE {only_if}" if only_if else ""
     return (
-        "ar AS (INSERT INTO reservations (seq, id, tenant_id, principal_id, pool_id, state, doc, gen)"
-        f" SELECT * FROM unnest({arrays[0]}){where}),"
+        "ar AS (INSERT INTO reservations (seq, id, tenant_id, principal_id, pool_id, state, gen, doc)"
+        f" SELECT * FROM ROWS FROM (json_to_recordset({n[0]}::json) AS (seq int8, id text, tenant_id text,"
+        f" principal_id text, pool_id text, state text, gen int8), unnest({n[1]}::bytea[])){where}),"
         " ab AS (INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
-        " memory_mib, hugepages_1g) SELECT rid, pool, node, ARRAY(SELECT jsonb_array_elements_text(units::jsonb)),"
-        f" st, en, vcpu, mem, hp FROM unnest({arrays[1]}) AS s (rid, pool, node, units, st, en, vcpu, mem, hp){where}"
-        " RETURNING id, node_id, units, start_ms, end_ms),"
+        " memory_mib, hugepages_1g) SELECT b.reservation_id, b.pool_id, b.node_id,"
+        " ARRAY(SELECT json_array_elements_text(b.units)), b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib,"
+        f" b.hugepages_1g FROM json_to_recordset({n[2]}::json) AS b (reservation_id text, pool_id text,"
+        f" node_id text, units json, start_ms int8, end_ms int8, vcpu_milli int8, memory_mib int8, hugepages_1g int8)"
+        f"{where} RETURNING id, node_id, units, start_ms, end_ms),"
         f" au AS ({INSERT_UNITS} FROM ab, unnest(ab.units) AS u),"
-        f" ae AS (INSERT INTO events (tenant_id, reservation_id, type, at, data) SELECT * FROM unnest({arrays[2]}){where})")
+        " ae AS (INSERT INTO events (tenant_id, reservation_id, type, at, data)"
+        f" SELECT * FROM ROWS FROM (json_to_recordset({n[3]}::json) AS (tenant_id text, reservation_id text,"
+        f" type text, at int8), unnest({n[4]}::bytea[])){where})")
 
 
 APPENDED = f"WITH {_appended(1)} SELECT 1"
@@ -281,24 +315,23 @@ MOVE_END = (
 
 
 class PgAppends(Appends):
-    """Appends written through the asyncpg connection, all in one statement (APPENDED, or COMMIT_GROUP's)."""
+    """Appends written through the asyncpg connection, all in one statement (APPENDED, or COMMIT_GROUP's), filed
+    by their row's class: a BookingRow, or a ReservationRow or EventRow with its document's bytes."""
 
     __slots__ = ()
 
-    def columns(self) -> list[list]:
-        """The rows as APPENDED's column arrays."""
-        grouped = self.by_statement()
-        assert set(grouped) <= {sql for sql, _ in APPENDED_TYPES}, set(grouped)
-        out: list[list] = []
-        for sql, types in APPENDED_TYPES:
-            rows = grouped.get(sql, ())
-            if sql is INSERT_BOOKING:
-                rows = [row[:3] + (codec.encode(row[3]).decode(),) + row[4:] for row in rows]
-            out.extend(map(list, zip(*rows)) if rows else ([] for _ in types))
-        return out
+    def parameters(self) -> list:
+        """The rows as APPENDED's five parameters: reservations and their documents, bookings, events and their
+        data."""
+        grouped = self.by_kind()
+        assert set(grouped) <= {ReservationRow, BookingRow, EventRow}, set(grouped)
+        reservations, events = grouped.get(ReservationRow, []), grouped.get(EventRow, [])
+        return [_ROWS.encode([row for row, _ in reservations]).decode(), [doc for _, doc in reservations],
+                _ROWS.encode(grouped.get(BookingRow, [])).decode(),
+                _ROWS.encode([row for row, _ in events]).decode(), [data for _, data in events]]
 
     async def write(self, conn: asyncpg.Connection) -> None:
-        await conn.execute(APPENDED, *self.columns())
+        await conn.execute(APPENDED, *self.parameters())
 
 
 class PgTx(Reads, JobOutcome):
@@ -320,7 +353,7 @@ class PgTx(Reads, JobOutcome):
 
     # statements: each one hop to the database's thread, which first writes the rows appended so far (earlier
     # jobs' before this job's savepoint, this job's inside it), so a job that only appends (a create) costs the
-    # one read it makes, and the rest goes in the group's executemany at its end.
+    # one read it makes, and its rows go in the group's one statement at its end.
     def _hop(self, statement: Callable[[asyncpg.Connection], Awaitable[Any]], writes: bool) -> Any:
         if self.speculative:
             raise Unspeculative()
@@ -356,9 +389,9 @@ class PgTx(Reads, JobOutcome):
         self.wrote = True
         return self._hop(lambda c: c.execute(sql, *args), writes=True)
 
-    def _append(self, sql: str, row: tuple) -> None:
+    def _append(self, kind: type, row: Any) -> None:
         self.wrote = True
-        self.appends.add(sql, row)
+        self.appends.add(kind, row)
 
     def flush(self) -> None:
         """Write every appended row now."""
@@ -372,8 +405,8 @@ class PgTx(Reads, JobOutcome):
         if res.seq == 0:  # seqs are handed out under the write lock: list order is commit order
             res.seq = self.w.next_seq
             self.w.next_seq += 1
-            self._append(INSERT_RESERVATION, (res.seq, res.id, res.tenant_id, res.principal_id, res.pool_id,
-                                              res.state, codec.encode(res), self.w.stamp))
+            self._append(ReservationRow, (ReservationRow(res.seq, res.id, res.tenant_id, res.principal_id, res.pool_id,
+                                                         res.state, self.w.stamp), codec.encode(res)))
         else:
             self._execute("UPDATE reservations SET state = $1, doc = $2, gen = $4 WHERE id = $3",
                           res.state, codec.encode(res), res.id, self.w.stamp)
@@ -391,8 +424,8 @@ class PgTx(Reads, JobOutcome):
     def insert_bookings(self, bookings: Iterable[Booking]) -> None:
         for b in bookings:
             self._touch(b.reservation_id)
-            self._append(INSERT_BOOKING, (b.reservation_id, b.pool_id, b.node_id, list(b.units), b.start, b.end,
-                                              b.share.vcpu_milli, b.share.memory_mib, b.share.hugepages_1g))
+            self._append(BookingRow, BookingRow(b.reservation_id, b.pool_id, b.node_id, list(b.units), b.start, b.end,
+                                                b.share.vcpu_milli, b.share.memory_mib, b.share.hugepages_1g))
 
     def end_bookings(self, reservation_id: str, at: int) -> None:
         self._touch(reservation_id)
@@ -406,7 +439,7 @@ class PgTx(Reads, JobOutcome):
 
     # events, confirmations
     def event(self, tenant_id: str, reservation_id: str | None, type_: str, at: int, data: dict[str, Any]) -> None:
-        self._append(INSERT_EVENT, (tenant_id, reservation_id, type_, at, codec.encode(data)))
+        self._append(EventRow, (EventRow(tenant_id, reservation_id, type_, at), codec.encode(data)))
 
     def put_confirmation(self, conf) -> None:
         self._execute(
@@ -603,7 +636,7 @@ class Writer:
         conn = self.conn
         assert conn is not None
         if wrote or appends:
-            generation = await conn.fetchval(COMMIT_GROUP, catalog, list(touched), *appends.columns())
+            generation = await conn.fetchval(COMMIT_GROUP, catalog, list(touched), *appends.parameters())
         else:
             generation = await conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
         await conn.execute("COMMIT")
@@ -640,7 +673,7 @@ class Writer:
         self.sender = await self._speculative_conn(self.sender, "writer commits")
         if self.sender.server != self.server:
             return None
-        return await self.sender.fetchval(SPECULATED, expected, list(touched), *appends.columns())
+        return await self.sender.fetchval(SPECULATED, expected, list(touched), *appends.parameters())
 
     async def _speculative_conn(self, conn: Session | None, role: str) -> Session:
         """conn while it is open, else a new connection on this loop (the API's: _close_on_api_loop closes it)."""

@@ -143,7 +143,7 @@ class SqliteAppends(Appends):
     __slots__ = ()
 
     def write(self, conn: sqlite3.Connection) -> None:
-        for sql, rows in self.by_statement().items():
+        for sql, rows in self.by_kind().items():
             conn.executemany(sql, rows)
 
 

@@ -129,6 +129,24 @@ async def test_same_key_same_request_returns_the_stored_reservation(api):
     assert [e["type"] for e in await api.events()] == ["reservation.placed"]
 
 
+@pytest.mark.parametrize("key", ['q"uote \\ back/slash', "ünïcödé ✓ 日本", "nul \u0000 tab \t newline \n",
+                                 '{"looks": ["like", "json"]}', "x" * 255])
+async def test_a_key_of_any_text_is_stored_and_replayed_as_sent(api, key):
+    """The key travels inside the reservation's stored document (one JSON document per row kind on PostgreSQL):
+    any text comes back as sent, from the database, and replays the one reservation."""
+    status, first = await api.create(key=key, gpuCount=1)
+    assert status == 202 and first["reservation"]["idempotencyKey"] == key, first
+    rid = first["reservation"]["id"]
+    assert [(rid,)] == api.rows("SELECT id FROM reservations WHERE id = ?", rid)
+    stored = api.cp.store.reservation(rid)  # read from the database, not the writer's memory
+    assert (stored.idempotency_key, stored.state) == (key, "placed")
+    assert [(p.node_id, list(p.units)) for p in stored.placements] == \
+        [(p["nodeId"], p["devices"]) for p in first["reservation"]["placements"]]
+    status, again = await api.create(key=key, gpuCount=1)
+    assert (status, again) == (202, first)
+    assert [e["type"] for e in await api.events()] == ["reservation.placed"]
+
+
 async def test_header_key_and_body_key_are_one_key(api):
     body = {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1}
     s1, a = await api.call("create", "alice", body, headers={"Idempotency-Key": "hk"})
