@@ -274,8 +274,9 @@ def main() -> int:
                     results[label] = measure(urls, args.seconds, args.connections,
                                              f"round {n + 1}/{args.rounds}: {label}", start, 100_000 + n * 10_000_000,
                                              procs, cluster if label != "sqlite" else None)
-                    for key in (counters(urls[0]) if berth else ()):
-                        results[label][key] = sum(counters(u)[key] - x[key] for u, x in zip(urls, before))
+                    after = [counters(u) for u in urls] if berth else []
+                    for key in (after[0] if after else ()):
+                        results[label][key] = sum(a[key] - b[key] for a, b in zip(after, before))
                 rounds.append(results)
             seen = watch_latency(url_a, url_b, args.watches)
     finally:
