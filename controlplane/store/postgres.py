@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from decimal import Decimal
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Collection, Iterable
 
 import asyncpg
 import msgspec
@@ -554,6 +554,7 @@ class Writer:
         self._busy = False  # a _drive runs
         self._sync = threading.RLock()  # the memory and the writer's connection, against call_sync
         self._committing: Commit | None = None  # the speculative commit on its way
+        self._wake: asyncio.Future | None = None  # an open speculative group waits on it (_while_committing)
         self._poisoned = False  # the memory holds a failed speculation's changes: rebuild it first
         self._speculate_after = 0.0  # monotonic time before which groups take the lock first
         # A speculative group's read and its commit, on the API's loop: one thread hop less each way, per round
@@ -687,6 +688,7 @@ class Writer:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append(Job(fn, fut, tuple(reads), append_only))
+        self._wake_up()
         if not self._busy:
             self._busy = True
             loop.create_task(self._drive())
@@ -701,6 +703,9 @@ class Writer:
         self._sync.acquire()
         try:
             while True:
+                if not self._pending and self._in_flight():  # the next job to come joins the next group now
+                    await self._woken()
+                    continue
                 if not self._pending:
                     await self._settle()
                     if not self._pending:
@@ -775,81 +780,128 @@ class Writer:
     def _pause_speculation(self) -> None:
         self._speculate_after = time.monotonic() + SPECULATION_PAUSE_S
 
-    def _speculable(self) -> list["Job"]:
+    def _speculable(self, reading: Collection[str] = (), limit: int = GROUP_MAX) -> list["Job"]:
         """The leading jobs a speculative group may take: append-only ones that read nothing the group still
-        committing wrote."""
+        committing wrote, nor anything a job of the open group read (`reading`)."""
         if not self._may_speculate() or self._ahead is not None:
             return []
         busy = self._committing.touched if self._committing is not None else ()
         n = 0
-        for job in self._pending[:GROUP_MAX]:
-            if not job.append_only or any(r in busy for r in job.reads):
+        for job in self._pending[:limit]:
+            if not job.append_only or any(r in busy or r in reading for r in job.reads):
                 break
             n += 1
         taken, self._pending = self._pending[:n], self._pending[n:]
         return taken
 
     async def _speculate(self, group: list["Job"]) -> None:
-        """Read the group's reservations, run its jobs on the memory, and send its commit (answered when it
-        lands, while the next group runs). A job that reads an existing reservation, asks the database for more
-        (Unspeculative), or a commit that finds the generation moved: the group goes back to be run under the
-        lock, after the memory is rebuilt where jobs changed it."""
-        # What the read may find: the generation as it is sent, or that of the commit on its way (landing meanwhile)
-        known = {self.generation, self._committing.stamp if self._committing is not None else None}
-        try:
-            generation, rows = await self._speculation_read([r for job in group for r in job.reads])
-        except BaseException as exc:  # noqa: BLE001 - the ordinary path reports what is wrong
-            log.info("a speculative group's read failed; taking the lock", error=f"{type(exc).__name__}: {exc}")
-            self._redo(group)
-            return
-        if generation is None or generation not in known:  # another replica wrote meanwhile, or a failover
-            self._redo(group)
-            return
-        base = self._committing.stamp if self._committing is not None else self.generation  # (one of `known`)
-        fresh = 0
-        for job in group:  # a reservation that exists: a replay or a draft continued, run the ordinary way
-            if any(rows.get(r) is not None for r in job.reads):
-                break
-            fresh += 1
-        if fresh < len(group):
-            self._redo(group[fresh:], pause=False)
-            group = group[:fresh]
-            if not group:
-                return
-        self.prefetched = rows
+        """Run the group's jobs on the memory, and those that arrive while the commit before it is still on its
+        way, and send their commit when that one has landed (answered when this one lands, while the next group
+        runs). Jobs are taken in batches, each read (its reservations) before it runs. A job that reads an
+        existing reservation, asks the database for more (Unspeculative), or a commit that finds the generation
+        moved: its jobs go back to be run under the lock, after the memory is rebuilt where jobs changed it."""
+        committing = self._committing
+        base = committing.stamp if committing is not None else self.generation
+        # What a batch's read may find: the generation as the group began, or that of the commit on its way
+        known = {self.generation, base}
         self.stamp = base + 1
+        run: list[Job] = []
+        reading: set[str] = set()
         answers: list[tuple[Any, Any, BaseException | None]] = []
-        for job in group:
-            tx = PgTx(self, self._appends, speculative=True)
-            try:
-                value = job.fn(tx)
-            except Unspeculative:
-                self._spoil("a speculative job needed the database")
-                self._redo(group)
+        batch = group
+        while batch:
+            ran = await self._speculate_batch(batch, run, known, answers)
+            if ran is None:  # the batch, and with it the open group, went back
                 return
-            except BaseException as exc:  # noqa: BLE001 - as _run_jobs: every job gets an answer
-                exc = _as_answer(job.fn, exc)
-                if tx.dirty:  # its changes to the memory are undone by rebuilding it, so the group is run again
-                    self._spoil("a speculative job failed after changing the memory")
-                    self._redo(group)
-                    return
-                answers.append((job.fut, None, exc))
-                continue
-            self._collect(tx)
-            answers.append((job.fut, None, tx.refused) if tx.refused is not None else (job.fut, value, None))
+            run += batch[:ran]
+            reading.update(r for job in batch[:ran] for r in job.reads)
+            if ran < len(batch) or len(run) >= GROUP_MAX:
+                break
+            batch = await self._while_committing(committing, reading, GROUP_MAX - len(run))
+        if not run:
+            return
         touched, catalog = self._take_touched()
         assert not catalog  # a catalog write is a statement: Unspeculative
         hooks, self._hooks = self._hooks, []
         appends = self._appends.take()
         await self._settle()
         if self._poisoned:  # the group before failed: this one was run on memory that is being rebuilt
-            self._redo(group)
+            self._redo(run)
             return
-        commit = Commit(group, answers, hooks, self.stamp, {r for job in group for r in job.reads} | touched)
+        commit = Commit(run, answers, hooks, self.stamp, reading | touched)
         self.sent = max(self.sent, self.stamp)
         commit.future = asyncio.ensure_future(self._commit_speculated(self.stamp - 1, appends, touched))
-        commit.future.add_done_callback(lambda f: self._landed(commit))
+        commit.future.add_done_callback(lambda f: (self._landed(commit), self._wake_up()))
         self._committing = commit
+
+    async def _speculate_batch(self, batch: list["Job"], run: list["Job"], known: set[int | None],
+                               answers: list) -> int | None:
+        """Read the batch's reservations and run its leading jobs that create (their answers join `answers`):
+        how many ran; the others went back to run under the lock. None when the open group (`run` and the batch)
+        went back whole: another replica wrote, or a job needed the database or failed after changing the memory."""
+        try:
+            generation, rows = await self._speculation_read([r for job in batch for r in job.reads])
+        except BaseException as exc:  # noqa: BLE001 - the ordinary path reports what is wrong
+            log.info("a speculative group's read failed; taking the lock", error=f"{type(exc).__name__}: {exc}")
+            generation, rows = None, {}
+        if generation is None or generation not in known:  # another replica wrote meanwhile, or a failover
+            if run:  # the open group's commit would not land: its jobs were run on memory that is behind
+                self._spoil("another replica wrote while a speculative group was open")
+            self._redo(run + batch)
+            return None
+        fresh = 0
+        for job in batch:  # a reservation that exists: a replay or a draft continued, run the ordinary way
+            if any(rows.get(r) is not None for r in job.reads):
+                break
+            fresh += 1
+        if fresh < len(batch):
+            self._redo(batch[fresh:], pause=False)
+        self.prefetched = rows
+        for job in batch[:fresh]:
+            tx = PgTx(self, self._appends, speculative=True)
+            try:
+                value = job.fn(tx)
+            except Unspeculative:
+                self._spoil("a speculative job needed the database")
+                self._redo(run + batch[:fresh])
+                return None
+            except BaseException as exc:  # noqa: BLE001 - as _run_jobs: every job gets an answer
+                exc = _as_answer(job.fn, exc)
+                if tx.dirty:  # its changes to the memory are undone by rebuilding it, so the group is run again
+                    self._spoil("a speculative job failed after changing the memory")
+                    self._redo(run + batch[:fresh])
+                    return None
+                answers.append((job.fut, None, exc))
+                continue
+            self._collect(tx)
+            answers.append((job.fut, None, tx.refused) if tx.refused is not None else (job.fut, value, None))
+        return fresh
+
+    async def _while_committing(self, committing: "Commit | None", reading: Collection[str],
+                                limit: int) -> list["Job"]:
+        """The next batch for the open group: jobs that arrive before the commit on its way lands (the group is
+        sent then); none once it has landed, or when the next job waiting must take the lock."""
+        while self._in_flight(committing):
+            batch = self._speculable(reading, limit)
+            if batch or self._pending:
+                return batch
+            await self._woken()
+        return []
+
+    def _in_flight(self, commit: "Commit | None" = ...) -> bool:
+        """Whether the speculative commit on its way (or `commit`) has yet to land, and the writer goes on."""
+        commit = self._committing if commit is ... else commit
+        return commit is not None and not commit.future.done() and not self.closing
+
+    async def _woken(self) -> None:
+        self._wake = asyncio.get_running_loop().create_future()
+        await self._wake
+
+    def _wake_up(self) -> None:
+        """A job arrived, or the commit on its way landed: an open group waiting in _while_committing goes on."""
+        wake, self._wake = self._wake, None
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     def _landed(self, commit: "Commit") -> None:
         """A speculative commit came back: answered at once when it landed; otherwise _settle runs it again.
@@ -873,6 +925,9 @@ class Writer:
             return
         try:
             await asyncio.shield(commit.future)
+        except asyncio.CancelledError:
+            if not commit.future.done():
+                raise  # the writer's task is cancelled (the loop stops), not the commit: it lands or not by itself
         except BaseException:  # noqa: BLE001 - read from the future below
             pass
         self._landed(commit)

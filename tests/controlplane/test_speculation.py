@@ -126,6 +126,57 @@ async def test_concurrent_creates_pipelined_over_commits_book_each_gpu_once(api)
     assert len(check_database(api)) == GPUS
 
 
+async def until(condition, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+async def test_creates_arriving_while_a_commit_is_on_its_way_are_run_as_they_come_and_sent_as_one_group(api):
+    """While a group commits, creates that arrive are read and run batch by batch, and all sent in one commit
+    when it lands. A second request with a key the open group already holds is not run in it: it waits for
+    that commit and replays the reservation."""
+    writer = api.cp.store.writer
+    status, _ = await api.call("create", "alice", body("warm"))
+    assert status == 202
+    await asyncio.sleep(0.3)  # the pause after the start is over: groups of creates speculate
+    commit, read, held, batches, sent = writer._commit_speculated, writer._speculation_read, asyncio.Event(), [], []
+
+    async def held_commit(*args):
+        sent.append(args)
+        await held.wait()
+        return await commit(*args)
+
+    async def logged_read(reads):
+        batches.append(list(reads))
+        return await read(reads)
+
+    writer._commit_speculated, writer._speculation_read = held_commit, logged_read
+    try:
+        first = asyncio.ensure_future(api.call("create", "alice", body("first")))
+        await until(lambda: len(sent) == 1)
+        groups, speculated = writer.groups, writer.speculated
+        later = []
+        for i in range(3):  # each arrives after the one before it was run, and the open group waits for more
+            later.append(asyncio.ensure_future(api.call("create", "alice", body(f"later-{i}"))))
+            await until(lambda: len(batches) == i + 2 and writer._wake is not None)
+        again = asyncio.ensure_future(api.call("create", "alice", body("later-0")))
+        await asyncio.sleep(0.2)
+        assert len(batches) == 4 and len(sent) == 1 and not any(t.done() for t in (first, *later, again))
+        held.set()
+        answers = await asyncio.gather(first, *later, again)
+    finally:
+        writer._commit_speculated, writer._speculation_read = commit, read
+    assert all(status == 202 for status, _ in answers), answers
+    ids = [doc["reservation"]["id"] for _, doc in answers]
+    assert ids[-1] == ids[1] and len(set(ids)) == 4
+    assert writer.speculated == speculated + 2  # first's group, then the three later ones together
+    assert writer.groups == groups + 3  # and the replay's, under the lock
+    placed = check_database(api)
+    assert set(ids) <= set(placed) and len(placed) == 5  # warm, first and the three later ones
+
+
 async def explain(conn, sql: str, arguments: str) -> str:
     """The plan `conn` runs `sql` with, as a prepared statement (so with its plan_cache_mode)."""
     await conn.execute(f"PREPARE plan_check AS {sql}")
