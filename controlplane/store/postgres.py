@@ -837,8 +837,9 @@ class Writer:
     async def _speculate_batch(self, batch: list["Job"], run: list["Job"], known: set[int | None],
                                answers: list) -> int | None:
         """Read the batch's reservations and run its leading jobs that create (their answers join `answers`):
-        how many ran; the others went back to run under the lock. None when the open group (`run` and the batch)
-        went back whole: another replica wrote, or a job needed the database or failed after changing the memory."""
+        how many ran; the others went back to run under the lock (from a replay, or from a job that needed the
+        database before it changed the memory). None when the open group (`run` and the batch) went back whole:
+        another replica wrote, or a job needed the database or failed after changing the memory."""
         try:
             generation, rows = await self._speculation_read([r for job in batch for r in job.reads])
         except BaseException as exc:  # noqa: BLE001 - the ordinary path reports what is wrong
@@ -857,11 +858,14 @@ class Writer:
         if fresh < len(batch):
             self._redo(batch[fresh:], pause=False)
         self.prefetched = rows
-        for job in batch[:fresh]:
+        for i, job in enumerate(batch[:fresh]):
             tx = PgTx(self, self._appends, speculative=True)
             try:
                 value = job.fn(tx)
             except Unspeculative:
+                if not tx.dirty:  # it asked before it changed anything (a create naming a quote): it, and the
+                    self._redo(batch[i:fresh], pause=False)  # batch's rest, run under the lock; the group stands
+                    return i
                 self._spoil("a speculative job needed the database")
                 self._redo(run + batch[:fresh])
                 return None

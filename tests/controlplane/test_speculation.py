@@ -221,3 +221,22 @@ async def test_the_writers_statements_keep_index_plans_made_on_nearly_empty_and_
             assert "Seq Scan" not in plan, f"{name} on {side}, {tables} tables: a sequential scan\n{plan}"
             if tables == "large":  # (on a table of a row or two, any index will do)
                 assert index in plan, f"{name} on {side}, {tables} tables: not by {index}\n{plan}"
+
+
+async def test_a_create_naming_a_quote_runs_under_the_lock_without_rebuilding_the_memory(api):
+    """A create with a quoteId reads its quote from the database before it changes anything: that create alone
+    is run again under the lock; the memory is not rebuilt, and the creates after it speculate again at once."""
+    writer = api.cp.store.writer
+    status, _ = await api.call("create", "alice", body("warm"))
+    assert status == 202
+    await asyncio.sleep(0.3)
+    status, doc = await api.call("quote", "alice", {k: v for k, v in body("q").items() if k != "idempotencyKey"})
+    assert status == 200, doc
+    quote = doc["quote"]
+    reloads, speculated = writer.reloads, writer.speculated
+    status, doc = await api.call("create", "alice", {**body("quoted"), "quoteId": quote["id"]})
+    assert status == 202 and doc["reservation"]["state"] == "placed", doc
+    assert writer.reloads == reloads  # nothing to undo: the memory stands
+    assert await fill(api, "after") == GPUS - 2
+    assert writer.speculated > speculated
+    assert len(check_database(api)) == GPUS
