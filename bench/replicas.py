@@ -1,7 +1,7 @@
 """Creates per second on PostgreSQL with one and two control-plane replicas, the SQLite engine and a baseline,
 all in one run on one throwaway PostgreSQL cluster (fsync on: every engine's commits are durable).
 
-    python bench/replicas.py [--seconds 8] [--rounds 3] [--connections 32] [--watches 20] [--commit-delay-us 0]
+    python bench/replicas.py [--seconds 8] [--rounds 5] [--connections 32] [--watches 20] [--commit-delay-us 0]
 
 Baseline: an aiohttp handler that decodes the JSON body and does one INSERT and commit per request on the same
 PostgreSQL (asyncpg, a pool of 32). Berth: `berth controlplane serve` (bench/create_throughput.py's fleet of
@@ -79,6 +79,11 @@ FLOOR = BASELINE.replace("""        async with pool.acquire() as c:
 """, "")  # the same handler without the database (the pool is made, and left unused)
 assert FLOOR != BASELINE
 HANDLERS = {"baseline": BASELINE, "floor (no database)": FLOOR}
+# Creates each round's windows leave room for (a server's clients book from offset + i * 1,000,000): with
+# NODES * GPUS creates per two-hour slot, a round spans some 31 days of windows, and a create's start must lie
+# within 366 days.
+ROUND_CREATES = 3_000_000
+MAX_ROUNDS = 11
 
 
 def bootstrap(path: Path) -> None:
@@ -223,11 +228,15 @@ def watch_latency(a: str, b: str, rounds: int) -> list[float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8, help="of each measurement (default 8)")
-    parser.add_argument("--rounds", type=int, default=3, help="each server measured once per round (default 3)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help=f"each server measured once per round (default 5, at most {MAX_ROUNDS})")
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--watches", type=int, default=20)
     parser.add_argument("--commit-delay-us", type=int, default=0, help="PostgreSQL's commit_delay, in every commit")
     args = parser.parse_args()
+    if not 1 <= args.rounds <= MAX_ROUNDS:
+        parser.error(f"--rounds: from 1 to {MAX_ROUNDS} (each round books its own month of windows, and a create's "
+                     "start must lie within 366 days)")
     start = (int(time.time()) // 3600 + 1) * ct.HOUR
     rounds: list[dict[str, dict]] = []
     try:
@@ -272,7 +281,7 @@ def main() -> int:
                 for label, (urls, procs, berth) in servers.items():
                     before = [counters(u) for u in urls] if berth else []
                     results[label] = measure(urls, args.seconds, args.connections,
-                                             f"round {n + 1}/{args.rounds}: {label}", start, 100_000 + n * 10_000_000,
+                                             f"round {n + 1}/{args.rounds}: {label}", start, 100_000 + n * ROUND_CREATES,
                                              procs, cluster if label != "sqlite" else None)
                     after = [counters(u) for u in urls] if berth else []
                     for key in (after[0] if after else ()):
