@@ -394,8 +394,10 @@ class ReservationService:
             conf = confirmations.open_for(res, principal, verdict.approver, plan, now)
             res.confirmation_id = conf.id
             states.move(res, states.AWAITING_CONFIRMATION, now)
-            self.moves.save(tx, res)
+            # The confirmation's row before the reservation is saved: a speculative run (store/postgres.py) stops
+            # at that statement having changed nothing, and runs again under the lock without rebuilding memory.
             tx.put_confirmation(conf)
+            self.moves.save(tx, res)
             self.moves.event(tx, res, "reservation.awaiting-confirmation", now, confirmationId=conf.id,
                              approver=conf.user_id)
             tx.refuse(confirmations.required(conf))

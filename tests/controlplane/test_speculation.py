@@ -98,10 +98,13 @@ async def test_a_create_that_needs_the_database_mid_job_is_run_again_under_the_l
     assert status == 202
     speculated = writer.speculated
     assert speculated >= 1
-    # An agent's create beyond what it may book alone opens a confirmation: a row written mid-job, so the
-    # speculative run stops, the memory is rebuilt, and the create runs again inside the locked transaction.
+    # An agent's create beyond what it may book alone opens a confirmation: a row written mid-job, before the
+    # create changes the memory, so the speculative run stops and the create runs again inside the locked
+    # transaction, with nothing to rebuild.
+    reloads = writer.reloads
     status, doc = await api.call("create", "agent", {**body("big"), "gpuCount": 4})
     assert (status, doc["error"]["code"]) == (403, "CONFIRMATION_REQUIRED"), doc
+    assert writer.reloads == reloads
     assert [(1,)] == api.rows("SELECT count(*) FROM confirmations")
     assert [e["type"] for e in await api.events()] == ["reservation.placed", "reservation.awaiting-confirmation"]
     await asyncio.sleep(0.3)
