@@ -414,9 +414,11 @@ class ReservationService:
         # Allowed and charged: the draft becomes a reservation.
         res.decision = "allow"
         op = res.add_operation("create", "running", now)
+        # Placed (or queued) before the charge is held: what placing reads from the database (the spot work it
+        # preempts) it reads before anything in memory changes, so a speculative run can stop there cleanly.
+        self.moves.place_or_queue(tx, res, now)
         tx.touch()
         self.state.ledger.hold(res.tenant_id, res.charge)
-        self.moves.place_or_queue(tx, res, now)
         return Answer(res, op)
 
     def _check_spend(self, tenant: Tenant, plan: Plan) -> None:
