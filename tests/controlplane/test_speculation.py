@@ -194,9 +194,12 @@ async def test_the_writers_statements_keep_index_plans_made_on_nearly_empty_and_
     sequential scan: a plan made while the tables were nearly empty, as analyzed, still looks rows up by index,
     and what other replicas changed is read by its generations on a large table too (an open range there was
     planned as a scan of every reservation)."""
-    status, _ = await api.call("create", "alice", body("warm"))  # opens the reader and the sender
-    assert status == 202
     writer = api.cp.store.writer
+    status, _ = await api.call("create", "alice", body("warm"))
+    assert status == 202
+    await asyncio.sleep(0.3)  # past the pause after the start (a loaded machine may have sent "warm" under the lock)
+    status, _ = await api.call("create", "alice", body("warm-2"))  # speculates: opens the reader and the sender
+    assert status == 202 and writer.speculated >= 1
     rows = "'[]', '{}', '[]', '[]', '{}'"  # no appended rows of any kind (PgAppends.parameters)
     checks = [  # (statement, its connection, arguments, the index its plan must use on a large table)
         ("BEGUN", postgres.BEGUN, "reader", "'{}'", "reservations_id_key"),
@@ -243,3 +246,27 @@ async def test_a_create_naming_a_quote_runs_under_the_lock_without_rebuilding_th
     assert await fill(api, "after") == GPUS - 2
     assert writer.speculated > speculated
     assert len(check_database(api)) == GPUS
+
+
+async def test_a_create_that_preempts_spot_work_runs_under_the_lock_without_rebuilding_the_memory(api):
+    """A create that fits only by preempting spot work reads its victims before it changes anything: it goes
+    to the lock alone, preempts exactly what it needs there, and the memory is not rebuilt."""
+    writer = api.cp.store.writer
+    spots = []
+    for i in range(4):  # the two nodes' 16 GPUs, as spot work
+        status, doc = await api.call("create", "alice", {**body(f"spot-{i}"), "gpuCount": 4, "spot": True})
+        assert status == 202 and doc["reservation"]["state"] == "placed", doc
+        spots.append(doc["reservation"]["id"])
+    await asyncio.sleep(0.3)
+    reloads, speculated = writer.reloads, writer.speculated
+    status, doc = await api.call("create", "alice", {**body("firm"), "gpuCount": 4})
+    assert status == 202 and doc["reservation"]["state"] == "placed", doc
+    assert writer.reloads == reloads  # nothing to undo: the memory stands
+    states = [(await api.call("get", "alice", {"reservationId": rid}))[1]["reservation"] for rid in spots]
+    assert sorted(s["state"] for s in states) == ["placed", "placed", "placed", "released"]
+    assert [s["reason"] for s in states if s["state"] == "released"] == ["preempted"]
+    later = {**body("next"), "start": START + 7_200_000, "end": START + 10_800_000}  # free: speculates again
+    status, doc = await api.call("create", "alice", later)
+    assert status == 202 and doc["reservation"]["state"] == "placed" and writer.speculated > speculated, doc
+    assert api.cp.state.calendar.overlaps() == []
+    assert len(check_database(api)) == 5  # the firm one, three spot reservations and the later one
