@@ -119,14 +119,15 @@ class Transitions:
         read: dict[str, Reservation | None] = {}
         if placements is None and may_preempt and not res.spot:
             spot = list(self.state.spot.get(res.pool_id, ()))
-            # The victims read before the calendar changes: a job that cannot read them (a speculative one,
-            # store/postgres.py) then stops with the memory as it was.
-            read = {v: tx.reservation(v) for v in would_preempt(self.state.calendar, res.pool_id, catalog.nodes,
-                                                                 ask, spot) or ()}
-            tx.touch()  # preemption takes victims out of the calendar
-            found = preempt_for(self.state.calendar, res.pool_id, catalog.nodes, ask, spot)
-            if found is not None:
-                placements, victims = found
+            # The victims found by a dry run and read before the calendar changes: a job that cannot read them
+            # (a speculative one, store/postgres.py) then stops with the memory as it was.
+            would = would_preempt(self.state.calendar, res.pool_id, catalog.nodes, ask, spot)
+            if would is not None:
+                read = {v: tx.reservation(v) for v in would}
+                tx.touch()  # preemption takes victims out of the calendar
+                found = preempt_for(self.state.calendar, res.pool_id, catalog.nodes, ask, spot)
+                if found is not None:
+                    placements, victims = found
         if placements is None:
             return None
         for victim_id in victims:
