@@ -295,11 +295,15 @@ SPECULATED = (
 # without the values, and an open range estimated at a third of the table becomes, past some 100,000
 # reservations, a scan of all of them in seq order; a closed one is estimated small, and read by `gen`.
 CHANGED_SINCE = "SELECT doc, seq FROM reservations WHERE gen > $1 AND gen <= $2 ORDER BY seq"
-LIVE_BOOKINGS_OF = (
+# The bookings that still block someone at $1 (of live reservations, or a released one's turnaround), of every
+# reservation (rebuilding the memory) or only of $2's (bringing it up to other replicas' writes).
+_LIVE_BOOKINGS = (
     "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib,"
     " b.hugepages_1g FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
-    " WHERE b.reservation_id = ANY($2::text[]) AND (r.state IN ('placed', 'binding', 'active')"
-    " OR (r.state = 'released' AND b.end_ms > $1)) AND b.end_ms > b.start_ms ORDER BY b.id")
+    " WHERE (r.state IN ('placed', 'binding', 'active') OR (r.state = 'released' AND b.end_ms > $1))"
+    " AND b.end_ms > b.start_ms{only} ORDER BY b.id")
+LIVE_BOOKINGS = _LIVE_BOOKINGS.format(only="")
+LIVE_BOOKINGS_OF = _LIVE_BOOKINGS.format(only=" AND b.reservation_id = ANY($2::text[])")
 SPECULATION_PAUSE_S = 2.0  # after another replica wrote, or a speculation failed: groups take the lock first
 
 
@@ -493,12 +497,7 @@ class PgTx(Reads, JobOutcome):
 
     def live_bookings(self, now: int) -> list[Booking]:
         self.flush()
-        rows = self._fetch(
-            "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli,"
-            " b.memory_mib, b.hugepages_1g FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
-            " WHERE (r.state IN ('placed', 'binding', 'active') OR (r.state = 'released' AND b.end_ms > $1))"
-            " AND b.end_ms > b.start_ms ORDER BY b.id", now)
-        return [_booking(r) for r in rows]
+        return [_booking(r) for r in self._fetch(LIVE_BOOKINGS, now)]
 
     def changed_since(self, known: int, current: int) -> list[Reservation]:
         """Reservations other replicas' groups changed after generation `known` (up to `current`, the one the lock
