@@ -161,8 +161,10 @@ def client(args) -> None:
         # Odd hour slots, so these never collide with the prefilled even ones; each slot holds NODES*GPUS.
         slot = (args.offset + i) // (NODES * GPUS)
         start = base + (2 * slot + 1) * HOUR
+        # The key names the window's place (offset + i) too: a later load with the same label books other windows,
+        # and the same key with another window would be a CONFLICT, measured as a cheap refusal.
         return {"poolId": "fleet", "gpuModel": "H100_80GB", "gpuCount": 1, "start": start, "end": start + HOUR,
-                "idempotencyKey": f"{args.label}-{args.seed}-{i}-{rng.random()}"}
+                "idempotencyKey": f"{args.label}-{args.seed}-{args.offset + i}-{rng.random()}"}
 
     result = asyncio.run(load(args.url, args.seconds, args.connections, body_of, args.label))
     print(json.dumps(result))
