@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import subprocess
 import sys
@@ -54,19 +53,6 @@ def tree(spec: str, stack: contextlib.ExitStack) -> Path:
     return where
 
 
-def serve(root: Path, db: str, boot: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    """`berth controlplane serve` from the tree at root (its packages first on the path, whatever is installed)."""
-    port = ct.free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", f"127.0.0.1:{port}", "--db", db,
-         "--bootstrap", str(boot), "--log-level", "warning"],
-        cwd=root, env={**os.environ, **env, "PYTHONPATH": os.pathsep.join(
-            p for p in (env.get("PYTHONPATH"), str(root)) if p)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ct.wait_port(port, proc)
-    return proc, f"http://127.0.0.1:{port}"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("a", help="git revision or directory: the reference")
@@ -100,7 +86,9 @@ def main() -> int:
         rb.bootstrap(boot)
         servers = {}
         for side, root in roots.items():
-            proc, url = serve(root, cluster.createdb(side.lower()), boot, env_b if side == "B" else {})
+            port = ct.free_port()
+            proc = ct.serve_berth(cluster.createdb(side.lower()), boot, port, root, env_b if side == "B" else None)
+            url = f"http://127.0.0.1:{port}"
             stack.callback(ct.stop, proc)
             servers[side] = (proc, url)
             rb.measure([url], 1, args.connections, f"{side} warm-up", start, 0)

@@ -194,13 +194,18 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
     raise RuntimeError("server did not start")
 
 
-def serve_berth(db: Path | str, boot: Path, port: int) -> subprocess.Popen:
-    """`berth controlplane serve` on db: a SQLite file's path, or a database URL."""
+def serve_berth(db: Path | str, boot: Path, port: int, root: Path = ROOT,
+                env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`berth controlplane serve` on db (a SQLite file's path, or a database URL), run from the source tree at root
+    (its packages first on the path, whatever is installed), with env added to the environment."""
     url = db if isinstance(db, str) else f"sqlite:///{db}"
+    env = env or {}
+    path = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(root)) if p)
     proc = subprocess.Popen(
         [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", f"127.0.0.1:{port}",
          "--db", url, "--bootstrap", str(boot), "--log-level", "warning"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=root, env={**os.environ, **env, "PYTHONPATH": path}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     wait_port(port, proc)
     return proc
