@@ -125,9 +125,9 @@ class Cleaner:
         except BmcError as exc:
             error = str(exc)
             log.error("node reset failed", node_id=node_id, reservation_id=reservation_id, error=error)
-            await self.store.call(lambda tx: self._reset_failed(tx, node_id, reservation_id, error))
+            await self.store.call(lambda tx: self._reset_failed(tx, node_id, reservation_id, error), background=True)
             return
-        await self.store.call(lambda tx: self._reset_done(tx, node_id, reservation_id, result))
+        await self.store.call(lambda tx: self._reset_done(tx, node_id, reservation_id, result), background=True)
 
     def _current(self, node_id: str, reservation_id: str) -> Node | None:
         node = self.catalog.current.nodes.get(node_id)

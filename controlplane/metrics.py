@@ -97,6 +97,9 @@ class _Snapshot:
         yield CounterMetricFamily("berth_store_speculative_groups", "Store groups of creates run while the previous "
                                   "group committed, and committed by one statement (PostgreSQL).",
                                   value=getattr(writer, "speculated", 0))
+        yield CounterMetricFamily("berth_store_commit_waits_expired", "Requests answered PROVIDER_UNAVAILABLE "
+                                  "because their change was not committed within --commit-wait (PostgreSQL).",
+                                  value=getattr(writer, "expired", 0))
         yield GaugeMetricFamily("berth_replica_leader", "1 while this replica leads: drives the timers and "
                                 "watches for lost nodes (always 1 on SQLite).", value=int(self.cp.replicas.leads()))
         yield CounterMetricFamily("berth_reconciler_passes", "Reconciler passes run.",

@@ -394,7 +394,7 @@ class NodeService:
         lost = [nid for nid, live in self.live.items()
                 if live.last_seen is not None and not live.lost and now - live.last_seen > self.grace_s]
         for node_id in lost:
-            for pool_id in await self.store.call(lambda tx, n=node_id: self._lose(tx, n)):
+            for pool_id in await self.store.call(lambda tx, n=node_id: self._lose(tx, n), background=True):
                 self.reconciler.capacity_freed(pool_id)
             self.live[node_id].lost = True
             log.warning("node lost", node_id=node_id, silent_s=round(now - (self.live[node_id].last_seen or now), 1))

@@ -62,7 +62,7 @@ class Reconciler:
         """Freed capacity: try the pool's pending reservations now."""
         if not self.state.pending.get(pool_id):
             return
-        self.background(self.store.call(lambda tx: self.moves.place_pending(tx, pool_id)))
+        self.background(self.store.call(lambda tx: self.moves.place_pending(tx, pool_id), background=True))
 
     def background(self, work) -> asyncio.Future:
         """Run work (a coroutine or future) beside the loop; drain() waits for it."""
@@ -79,7 +79,7 @@ class Reconciler:
     async def run_once(self) -> int:
         """One pass over what is due now; the number of reservations it moved."""
         started = time.perf_counter()
-        moved, freed, more = await self.store.call(self._pass)
+        moved, freed, more = await self.store.call(self._pass, background=True)
         self.pass_took(time.perf_counter() - started)
         self.passes += 1
         self.transitions += moved

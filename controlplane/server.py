@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a remote decision slower than this is a deny (default 2)")
     serve.add_argument("--node-grace", type=float, default=30.0, metavar="SECONDS",
                        help="a node whose agent is silent for longer is lost (default 30)")
+    serve.add_argument("--commit-wait", type=positive_seconds, default=30.0, metavar="SECONDS",
+                       help="PostgreSQL: a request whose change is not committed within this (a synchronous standby "
+                       "away, a stuck replica holding the write lock) is answered PROVIDER_UNAVAILABLE; the change "
+                       "may still commit, so the client retries with the same idempotency key (default 30)")
     limits = guard.Limits()
     serve.add_argument("--request-timeout", type=positive_seconds, default=limits.request_timeout_s,
                        metavar="SECONDS", help="a request's headers must arrive within this of its first byte, and "
@@ -217,7 +221,8 @@ def main(argv: list[str]) -> int:
         return migrate_main(args)
     logs.configure(args.log_format, args.log_level)
     config = Config(db=args.db or default_db_url(), bootstrap=args.bootstrap, synchronous=args.synchronous,
-                    authzen=args.authzen, authzen_timeout_s=args.authzen_timeout, node_grace_s=args.node_grace)
+                    authzen=args.authzen, authzen_timeout_s=args.authzen_timeout, node_grace_s=args.node_grace,
+                    commit_wait_s=args.commit_wait)
     limits = guard.Limits(request_timeout_s=args.request_timeout, idle_timeout_s=args.idle_timeout,
                           max_connections=args.max_connections)
     try:

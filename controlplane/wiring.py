@@ -80,6 +80,7 @@ class Config:
     authzen_timeout_s: float = 2.0
     reconcile: bool = True  # run the reconciler loop (tests of a fake clock may drive passes themselves)
     node_grace_s: float = 30.0  # a node silent for longer is lost
+    commit_wait_s: float = 30.0  # PostgreSQL: a change not committed by then is answered PROVIDER_UNAVAILABLE
 
 
 def open_store(config: Config) -> Store:
@@ -88,7 +89,7 @@ def open_store(config: Config) -> Store:
         from controlplane.store.postgres import PgStore, StoreError as PgStoreError
 
         try:
-            return PgStore(config.db)
+            return PgStore(config.db, commit_wait_s=config.commit_wait_s)
         except PgStoreError as exc:
             raise ConfigError(f"--db {logs.redact_url(config.db)}: {exc}") from None
     try:
@@ -168,7 +169,7 @@ class ControlPlane:
             self._refresh_again = True
             return
         self._refresh_again = False
-        self._refreshing = asyncio.ensure_future(self.store.call(lambda tx: None))
+        self._refreshing = asyncio.ensure_future(self.store.call(lambda tx: None, background=True))
         self._refreshing.add_done_callback(self._refreshed)
 
     def _refreshed(self, fut: asyncio.Future) -> None:

@@ -112,11 +112,15 @@ class Store(Reads, Protocol):
         writers (replicas on one database) changed, when only reservations changed (tx.live_bookings_of gives
         their bookings); an engine with one writer never calls it."""
 
-    def call(self, job: Callable[[Tx], T], reads: Iterable[str] = (), append_only: bool = False) -> Awaitable[T]:
+    def call(self, job: Callable[[Tx], T], reads: Iterable[str] = (), append_only: bool = False,
+             background: bool = False) -> Awaitable[T]:
         """Run job(tx) in the writer's next group; the answer comes after the group's commit. reads: the
         reservations the job reads first (an engine across a network fetches a group's together). append_only:
         the job usually reads only those and appends rows (a create), so an engine may run it before the
-        previous group has committed, and run it again the ordinary way if it does more."""
+        previous group has committed, and run it again the ordinary way if it does more. An engine whose commit
+        can be held (PostgreSQL) answers a request's caller PROVIDER_UNAVAILABLE once it has waited its commit
+        wait, and the job goes on; background: the platform's own work (the reconciler, a node's loss, a reset's
+        outcome), which waits for its commit however long that takes."""
 
     def call_sync(self, job: Callable[[Tx], T]) -> T:
         """Run one job now, outside any event loop (start-up, tools); returns once committed."""

@@ -35,6 +35,7 @@ and is reconnected with backoff.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import sys
@@ -62,6 +63,10 @@ WRITE_LOCK = 0x62657274_0002  # "bert" and 2: the advisory lock every replica's 
 GROUP_MAX = 256
 RETRIES = 3  # attempts of a group that lost a race before its callers hear PROVIDER_UNAVAILABLE
 STATEMENT_TIMEOUT_S = 30.0
+# A change whose commit has not come back by then is answered PROVIDER_UNAVAILABLE (it may still commit: the caller
+# retries with the same key): PostgreSQL holds a commit while a synchronous standby it waits for is away, and an
+# advisory lock held by a stuck replica holds every group; the caller hears why instead of hanging.
+COMMIT_WAIT_S = 30.0
 RACES = (asyncpg.ExclusionViolationError, asyncpg.UniqueViolationError, asyncpg.DeadlockDetectedError,
          asyncpg.SerializationError)
 UNREACHABLE = (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.CannotConnectNowError,
@@ -579,6 +584,10 @@ class Writer:
         self.sent = 0  # the highest generation this replica's commits moved the database to, or are moving it to
         self.server: Any = None  # the server run the memory was read from (Session.server)
         self.group_committed: Callable[[int], None] = lambda jobs: None
+        self.commit_wait_s = COMMIT_WAIT_S
+        self.expired = 0  # callers answered PROVIDER_UNAVAILABLE because their commit took longer than that
+        self._waiting: collections.deque[tuple[float, asyncio.Future]] = collections.deque()  # (deadline, caller)
+        self._expiry: asyncio.TimerHandle | None = None
 
     # ---- on the database's thread -----------------------------------------------------------------
     async def _begin(self, reads: list[str] = ()) -> tuple[int, int, Any]:
@@ -683,15 +692,47 @@ class Writer:
         return await self.connector.connect(role, **WRITER_SETTINGS)
 
     def call(self, fn: Callable[[PgTx], Any], reads: Iterable[str] = (),
-             append_only: bool = False) -> "asyncio.Future[Any]":
+             append_only: bool = False, background: bool = False) -> "asyncio.Future[Any]":
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append(Job(fn, fut, tuple(reads), append_only))
         self._wake_up()
+        if not background:
+            self._expect(loop, fut)
         if not self._busy:
             self._busy = True
             loop.create_task(self._drive())
         return fut
+
+    def _expect(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
+        """The caller waits for fut at most commit_wait_s (_expire). Callers are kept in the order they came, so
+        the answered ones at the head leave at each call, and the head's deadline is the next to check."""
+        waiting = self._waiting
+        while waiting and waiting[0][1].done():
+            waiting.popleft()
+        waiting.append((loop.time() + self.commit_wait_s, fut))
+        if self._expiry is None:
+            self._expiry = loop.call_at(waiting[0][0], self._expire)
+
+    def _expire(self) -> None:
+        """Answer PROVIDER_UNAVAILABLE to the callers whose wait is over; their jobs go on (resolve() skips an
+        answered caller), so what commits later is there for the retry with the same key to replay."""
+        self._expiry = None
+        waiting = self._waiting
+        if not waiting:
+            return
+        loop = waiting[0][1].get_loop()
+        now = loop.time()
+        while waiting and (waiting[0][1].done() or waiting[0][0] <= now):
+            fut = waiting.popleft()[1]
+            if not fut.done():
+                self.expired += 1
+                fut.set_exception(unavailable(
+                    f"the database has not committed this change within {self.commit_wait_s:g} s (a synchronous "
+                    "standby it waits for may be away, or another replica holds the write lock); it may still "
+                    "commit: retry with the same idempotency key"))
+        if waiting:
+            self._expiry = loop.call_at(waiting[0][0], self._expire)
 
     async def _drive(self) -> None:
         """Groups until no job waits. A group of jobs that only append (creates) is run speculatively when
@@ -1138,8 +1179,9 @@ class PgStore(CommittedReads):
 
     placeholders = staticmethod(numbered)  # the shared reads' statements (store/reads.py)
 
-    def __init__(self, dsn: str, application: str = "berth-controlplane"):
+    def __init__(self, dsn: str, application: str = "berth-controlplane", commit_wait_s: float = COMMIT_WAIT_S):
         self.dsn = dsn
+        self.commit_wait_s = commit_wait_s
         self.connector = Connector(dsn, application)
         try:
             self.connector.run(self._open(), timeout=60)
@@ -1166,13 +1208,14 @@ class PgStore(CommittedReads):
     def start(self, on_reset: Callable[[PgTx], None], on_group: Callable[[int], None] | None = None,
               on_changed: Callable[[PgTx, list[Reservation]], None] | None = None) -> None:
         self.writer = Writer(self.connector, on_reset, on_changed)
+        self.writer.commit_wait_s = self.commit_wait_s
         if on_group is not None:
             self.writer.group_committed = on_group
 
     def call(self, job: Callable[[PgTx], Any], reads: Iterable[str] = (),
-             append_only: bool = False) -> "asyncio.Future[Any]":
+             append_only: bool = False, background: bool = False) -> "asyncio.Future[Any]":
         assert self.writer is not None, "start() the store first"
-        return self.writer.call(job, reads, append_only)
+        return self.writer.call(job, reads, append_only, background)
 
     def call_sync(self, job: Callable[[PgTx], Any]) -> Any:
         assert self.writer is not None, "start() the store first"

@@ -523,8 +523,9 @@ class SqliteStore(SqliteReads, CommittedReads):
             self.writer.group_committed = on_group
 
     def call(self, job: Callable[[SqliteTx], Any], reads: Iterable[str] = (),
-             append_only: bool = False) -> "asyncio.Future[Any]":
-        """reads, append_only: unused (a read of the file costs no round trip; one group at a time is enough)."""
+             append_only: bool = False, background: bool = False) -> "asyncio.Future[Any]":
+        """reads, append_only: unused (a read of the file costs no round trip; one group at a time is enough);
+        background: unused (nothing holds a commit of this process's own file)."""
         assert self.writer is not None, "start() the store first"
         return self.writer.call(job)
 

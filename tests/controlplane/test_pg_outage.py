@@ -5,6 +5,9 @@ other's commits again, and the creates retried with their keys are booked exactl
 from __future__ import annotations
 
 import json
+import re
+import time
+import urllib.request
 import uuid
 from collections import Counter
 
@@ -80,4 +83,52 @@ def test_a_database_outage_answers_provider_unavailable_and_the_replicas_recover
     ids = Counter(r[0] for r in dbrows.rows(db, "SELECT id FROM reservations"))
     assert set(ids) == set(acked) and all(n == 1 for n in ids.values()), (ids, acked)
     tracebacks = [line for line in a.lines + b.lines if "Traceback" in line]
+    assert not tracebacks, tracebacks
+
+
+def test_a_commit_the_database_holds_is_answered_provider_unavailable_and_replayed_once_it_lands(cluster, tmp_path):
+    """A lone synchronous standby away: PostgreSQL holds every commit until it is back (or no longer asked for).
+    A create waits at most --commit-wait for its commit, then hears PROVIDER_UNAVAILABLE (actor platform); reads
+    are served meanwhile; once the commits are let go, each create retried with its key replays the one
+    reservation its held commit made."""
+    db = cluster.createdb(f"berth_{uuid.uuid4().hex[:12]}")
+    boot = tmp_path / "b.json"
+    boot.write_text(json.dumps(bootstrap_doc()))
+    with ServerProcess(db, boot, extra=["--commit-wait", "1"]) as server:
+        status, before = server.post(CREATE, ALICE, create_body("before"))
+        assert status == 202, before
+        cluster.psql("ALTER SYSTEM SET synchronous_standby_names = 'berth_absent_standby'")
+        cluster.psql("SELECT pg_reload_conf()")
+        try:
+            held = []
+            for key in ("held-1", "held-2"):
+                started = time.monotonic()
+                answer = server.post(CREATE, ALICE, create_body(key), timeout=40)
+                held.append((answer, time.monotonic() - started))
+            assert all(unavailable(*answer) for answer, _ in held), held
+            assert all(0.9 < took < 10 for _, took in held), held  # --commit-wait 1: not the statement timeout
+            assert "same idempotency key" in held[0][0][1]["error"]["message"]
+            assert int(cluster.psql("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'", db)) >= 1
+            status, got = server.post("/api/compute/reservations/get", ALICE,
+                                      {"reservationId": before["reservation"]["id"]})
+            assert status == 200 and got["reservation"]["id"] == before["reservation"]["id"], got
+        finally:
+            cluster.psql("ALTER SYSTEM RESET synchronous_standby_names")
+            cluster.psql("SELECT pg_reload_conf()")
+        acked = {before["reservation"]["id"]: "before"}
+        for key in ("held-1", "held-2"):  # retried: the held commit has landed, or lands now; one reservation each
+            status, created = wait_for(lambda: (lambda got: got if got[0] == 202 else None)(
+                server.post(CREATE, ALICE, create_body(key), timeout=40)), timeout=30, every=0.2)
+            acked[created["reservation"]["id"]] = key
+        assert server.post(CREATE, ALICE, create_body("held-1"))[1]["reservation"]["id"] in acked
+        metrics = urllib.request.urlopen(urllib.request.Request(
+            server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}), timeout=10).read().decode()
+        # the two creates; not the reconciler's passes meanwhile (the platform's own work waits for its commits)
+        assert re.search(r"^berth_store_commit_waits_expired_total 2\.0$", metrics, re.M), metrics
+        lines = server.lines
+
+    ids = Counter(r[0] for r in dbrows.rows(db, "SELECT id FROM reservations"))
+    assert set(ids) == set(acked) and all(n == 1 for n in ids.values()), (ids, acked)
+    assert len(acked) == 3
+    tracebacks = [line for line in lines if "Traceback" in line]
     assert not tracebacks, tracebacks
