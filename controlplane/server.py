@@ -61,10 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a remote decision slower than this is a deny (default 2)")
     serve.add_argument("--node-grace", type=float, default=30.0, metavar="SECONDS",
                        help="a node whose agent is silent for longer is lost (default 30)")
-    serve.add_argument("--commit-wait", type=positive_seconds, default=30.0, metavar="SECONDS",
+    serve.add_argument("--commit-wait", type=positive_seconds, default=Config.commit_wait_s, metavar="SECONDS",
                        help="PostgreSQL: a request whose change is not committed within this (a synchronous standby "
                        "away, a stuck replica holding the write lock) is answered PROVIDER_UNAVAILABLE; the change "
-                       "may still commit, so the client retries with the same idempotency key (default 30)")
+                       "may still commit, so the client retries with the same idempotency key "
+                       f"(default {Config.commit_wait_s:g})")
     limits = guard.Limits()
     serve.add_argument("--request-timeout", type=positive_seconds, default=limits.request_timeout_s,
                        metavar="SECONDS", help="a request's headers must arrive within this of its first byte, and "

@@ -28,6 +28,7 @@ from controlplane.quotes import Quotes
 from controlplane.reconciler import Reconciler
 from controlplane.reservations import ReservationService
 from controlplane.state import WriterState
+from controlplane.store.groups import COMMIT_WAIT_S
 from controlplane.store.port import Store, Tx
 from controlplane.store.sqlite import SqliteStore, StoreError
 from controlplane.tokens import Tokens
@@ -80,7 +81,7 @@ class Config:
     authzen_timeout_s: float = 2.0
     reconcile: bool = True  # run the reconciler loop (tests of a fake clock may drive passes themselves)
     node_grace_s: float = 30.0  # a node silent for longer is lost
-    commit_wait_s: float = 30.0  # PostgreSQL: a change not committed by then is answered PROVIDER_UNAVAILABLE
+    commit_wait_s: float = COMMIT_WAIT_S  # PostgreSQL: a change not committed by then: PROVIDER_UNAVAILABLE
 
 
 def open_store(config: Config) -> Store:

@@ -12,6 +12,10 @@ from controlplane.domain.errors import PROVIDER_UNAVAILABLE, DomainError
 
 log = structlog.get_logger("berth.store")
 
+# How long a request's caller waits for its commit before it hears PROVIDER_UNAVAILABLE (`--commit-wait`), where an
+# engine's commits can be held (PostgreSQL's, by a synchronous standby away or a replica stuck with the write lock).
+COMMIT_WAIT_S = 30.0
+
 
 class JobOutcome:
     """What a job's transaction (port.Tx) keeps for its writer: whether it changed the memory, its on-commit

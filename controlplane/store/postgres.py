@@ -54,7 +54,7 @@ from controlplane.domain.errors import DomainError
 from controlplane.domain.model import Reservation
 from controlplane.domain.states import TERMINAL
 from controlplane.store import codec, pg_schema
-from controlplane.store.groups import Appends, JobOutcome, resolve, run_hooks, unavailable
+from controlplane.store.groups import COMMIT_WAIT_S, Appends, JobOutcome, resolve, run_hooks, unavailable
 from controlplane.store.reads import CommittedReads, Reads, numbered, reservation_of
 
 log = structlog.get_logger("berth.store")
@@ -63,10 +63,6 @@ WRITE_LOCK = 0x62657274_0002  # "bert" and 2: the advisory lock every replica's 
 GROUP_MAX = 256
 RETRIES = 3  # attempts of a group that lost a race before its callers hear PROVIDER_UNAVAILABLE
 STATEMENT_TIMEOUT_S = 30.0
-# A change whose commit has not come back by then is answered PROVIDER_UNAVAILABLE (it may still commit: the caller
-# retries with the same key): PostgreSQL holds a commit while a synchronous standby it waits for is away, and an
-# advisory lock held by a stuck replica holds every group; the caller hears why instead of hanging.
-COMMIT_WAIT_S = 30.0
 RACES = (asyncpg.ExclusionViolationError, asyncpg.UniqueViolationError, asyncpg.DeadlockDetectedError,
          asyncpg.SerializationError)
 UNREACHABLE = (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.CannotConnectNowError,
@@ -548,7 +544,8 @@ class Writer:
     COMMIT. While a group waits for the lock or commits, the API's loop goes on and new jobs queue."""
 
     def __init__(self, connector: Connector, on_reset: Callable[[PgTx], None],
-                 on_changed: Callable[[PgTx, list[Reservation]], None] | None = None):
+                 on_changed: Callable[[PgTx, list[Reservation]], None] | None = None,
+                 commit_wait_s: float = COMMIT_WAIT_S):
         self.connector = connector
         self._on_reset = on_reset
         self._on_changed = on_changed
@@ -584,7 +581,7 @@ class Writer:
         self.sent = 0  # the highest generation this replica's commits moved the database to, or are moving it to
         self.server: Any = None  # the server run the memory was read from (Session.server)
         self.group_committed: Callable[[int], None] = lambda jobs: None
-        self.commit_wait_s = COMMIT_WAIT_S
+        self.commit_wait_s = commit_wait_s  # a request's caller waits that long, then hears why (_expire)
         self.expired = 0  # callers answered PROVIDER_UNAVAILABLE because their commit took longer than that
         self._waiting: collections.deque[tuple[float, asyncio.Future]] = collections.deque()  # (deadline, caller)
         self._expiry: asyncio.TimerHandle | None = None
@@ -1207,8 +1204,7 @@ class PgStore(CommittedReads):
 
     def start(self, on_reset: Callable[[PgTx], None], on_group: Callable[[int], None] | None = None,
               on_changed: Callable[[PgTx, list[Reservation]], None] | None = None) -> None:
-        self.writer = Writer(self.connector, on_reset, on_changed)
-        self.writer.commit_wait_s = self.commit_wait_s
+        self.writer = Writer(self.connector, on_reset, on_changed, self.commit_wait_s)
         if on_group is not None:
             self.writer.group_committed = on_group
 
