@@ -23,7 +23,7 @@ from controlplane.domain.calendar import Booking
 from controlplane.domain.clock import Clock
 from controlplane.domain.model import Failure, Hold, Node, Operation, Placement, Reservation
 from controlplane.domain.placement import Ask, place
-from controlplane.domain.preemption import preempt_for, would_preempt
+from controlplane.domain.preemption import preempt, would_preempt
 from controlplane.domain.timers import RETRY_MS
 from controlplane.state import WriterState
 from controlplane.store.port import Tx
@@ -116,22 +116,19 @@ class Transitions:
         ask = ask_of(res, start, end)
         placements = place(self.state.calendar.pool(res.pool_id), catalog.nodes, ask)
         victims: list[str] = []
-        read: dict[str, Reservation | None] = {}
+        read: list[Reservation | None] = []
         if placements is None and may_preempt and not res.spot:
-            spot = list(self.state.spot.get(res.pool_id, ()))
             # The victims found by a dry run and read before the calendar changes: a job that cannot read them
             # (a speculative one, store/postgres.py) then stops with the memory as it was.
-            would = would_preempt(self.state.calendar, res.pool_id, catalog.nodes, ask, spot)
-            if would is not None:
-                read = {v: tx.reservation(v) for v in would}
+            victims = would_preempt(self.state.calendar, res.pool_id, catalog.nodes, ask,
+                                    self.state.spot.get(res.pool_id, ())) or []
+            if victims:
+                read = [tx.reservation(v) for v in victims]
                 tx.touch()  # preemption takes victims out of the calendar
-                found = preempt_for(self.state.calendar, res.pool_id, catalog.nodes, ask, spot)
-                if found is not None:
-                    placements, victims = found
+                placements = preempt(self.state.calendar, res.pool_id, catalog.nodes, ask, victims)
         if placements is None:
             return None
-        for victim_id in victims:
-            victim = read[victim_id] if victim_id in read else tx.reservation(victim_id)
+        for victim in read:
             if victim is not None and victim.state not in states.TERMINAL:
                 self.end(tx, victim, now, "preempted", actor="provider", preempted_by=res.id)
         self.book(tx, res, placements, start, end, catalog)
