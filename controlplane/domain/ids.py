@@ -1,6 +1,7 @@
 """Identifiers: a reservation's id derives from tenant, principal and idempotency key; operations from their reservation."""
 from __future__ import annotations
 
+import functools
 import hashlib
 
 
@@ -9,6 +10,7 @@ def _digest(*parts: str) -> str:
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=13, person=b"berth-ids").hexdigest()
 
 
+@functools.lru_cache(maxsize=4096)  # a create asks for its id three times (its read, the replay check, the draft)
 def reservation_id(tenant_id: str, principal_id: str, idempotency_key: str) -> str:
     return "rsv_" + _digest("reservation", tenant_id, principal_id, idempotency_key)
 

@@ -75,7 +75,10 @@ class QuotaLedger:
         self.used: dict[str, Counter] = {}
 
     def usage(self, tenant_id: str) -> Counter:
-        return self.used.setdefault(tenant_id, Counter())
+        used = self.used.get(tenant_id)
+        if used is None:  # (not setdefault: that would build a Counter at every call, twice per create)
+            used = self.used[tenant_id] = Counter()
+        return used
 
     def check(self, tenant: Tenant, pools: Mapping[str, Pool], charge: Mapping[str, int],
               included: Mapping[str, int] | None = None) -> None:
