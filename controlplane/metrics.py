@@ -35,9 +35,13 @@ class ControlPlaneMetrics:
         self.pass_seconds = Histogram(
             "berth_reconciler_pass_duration_seconds", "One reconciler pass over the timers due.",
             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._create_by_outcome: dict[str, Histogram] = {}  # (labels() takes a lock and checks its values per call)
 
     def created(self, outcome: str, seconds: float) -> None:
-        self.create_seconds.labels(outcome).observe(seconds)
+        child = self._create_by_outcome.get(outcome)
+        if child is None:
+            child = self._create_by_outcome[outcome] = self.create_seconds.labels(outcome)
+        child.observe(seconds)
 
     def group_committed(self, jobs: int) -> None:
         self.group_jobs.observe(jobs)
