@@ -23,10 +23,10 @@ create answered by replica B to the binding in the answer of an agent's watch lo
 clients' (they share this machine's cores), with the cores left idle; a run that leaves none idle is bound by
 this machine's CPU, not by its commits. From one replica's costs per create two upper bounds are printed: its
 event loop (one thread, the server's main one: the "its loop" column) on one whole core, and every core of this
-machine busy with servers, PostgreSQL and clients; and the ratio of the two loops' ceilings (the
-baseline's loop CPU per request over one replica's per create): what one replica / baseline comes to where both
-run their loops flat out, on a machine with cores to spare for PostgreSQL and the clients. Needs root (the cluster runs as `nobody`) and PostgreSQL's
-binaries (apt-get install postgresql).
+machine busy with servers, PostgreSQL and clients; then the ratio of the two loops' ceilings (the baseline's loop
+CPU per request over one replica's per create): what one replica / baseline comes to where both run their loops
+flat out, on a machine with cores to spare for PostgreSQL and the clients. Needs root (the cluster runs as
+`nobody`) and PostgreSQL's binaries (apt-get install postgresql).
 """
 from __future__ import annotations
 
@@ -351,8 +351,8 @@ def report(rounds: list[dict[str, dict]], seen: list[float], args: argparse.Name
           f"this machine busy {cores_bound:.2f}x (of its loop's {per['cpu_loop'] * 1e6:.0f} us per create, "
           f"{floor['cpu_loop'] / max(1, floor['requests']) * 1e6:.0f} are HTTP and the JSON body: the floor)")
     # With cores to spare for PostgreSQL and the clients, each server runs into its own loop's thread.
-    print(f"with cores to spare, both servers' loops flat out: one replica / baseline {base_loop / per['cpu_loop']:.2f}x "
-          f"(the baseline's loop {base_loop * 1e6:.0f} us per request)")
+    print(f"with cores to spare, both servers' loops flat out: one replica / baseline "
+          f"{base_loop / per['cpu_loop']:.2f}x (the baseline's loop {base_loop * 1e6:.0f} us per request)")
     one = ratio["postgresql, 1 replica"]
     print(f"one replica / baseline: {one:.2f}x (target >= 1.0x); two replicas errors: {two['errors']:.0f} (target 0)")
     return 0 if one >= 1.0 and two["errors"] == 0 else 1
