@@ -247,6 +247,12 @@ class EventRow(msgspec.Struct):
     at: int
 
 
+class Span(msgspec.Struct):
+    """Where a row's document lies in a group's blob (PgAppends.parameters): from byte o (1-based), l bytes."""
+    o: int
+    l: int  # noqa: E741 - the column's name in the statement
+
+
 _ROWS = msgspec.json.Encoder()
 
 
@@ -255,22 +261,26 @@ def _appended(first: int, only_if: str = "") -> str:
     on): the database plans and runs each insert once for the group, where an executemany runs it per row.
     only_if: a condition every insert waits for and needs (SPECULATED's compare-and-set: evaluated once, before
     any row, so events take their seq under the lock)."""
-    n = [f"${first + i}" for i in range(5)]
+    rows, spans, bookings, event_rows, event_spans, blob = (f"${first + i}" for i in range(6))
     where = f" WHERE {only_if}" if only_if else ""
+    span = f"(o int4, l int4)) AS x{where}),"
     return (
         "ar AS (INSERT INTO reservations (seq, id, tenant_id, principal_id, pool_id, state, gen, doc)"
-        f" SELECT * FROM ROWS FROM (json_to_recordset({n[0]}::json) AS (seq int8, id text, tenant_id text,"
-        f" principal_id text, pool_id text, state text, gen int8), unnest({n[1]}::bytea[])){where}),"
+        f" SELECT x.seq, x.id, x.tenant_id, x.principal_id, x.pool_id, x.state, x.gen,"
+        f" substring({blob}::bytea FROM x.o FOR x.l) FROM ROWS FROM (json_to_recordset({rows}::json) AS (seq int8,"
+        f" id text, tenant_id text, principal_id text, pool_id text, state text, gen int8),"
+        f" json_to_recordset({spans}::json) AS {span}"
         " ab AS (INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
         " memory_mib, hugepages_1g) SELECT b.reservation_id, b.pool_id, b.node_id,"
         " ARRAY(SELECT json_array_elements_text(b.units)), b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib,"
-        f" b.hugepages_1g FROM json_to_recordset({n[2]}::json) AS b (reservation_id text, pool_id text,"
+        f" b.hugepages_1g FROM json_to_recordset({bookings}::json) AS b (reservation_id text, pool_id text,"
         f" node_id text, units json, start_ms int8, end_ms int8, vcpu_milli int8, memory_mib int8, hugepages_1g int8)"
         f"{where} RETURNING id, node_id, units, start_ms, end_ms),"
         f" au AS ({INSERT_UNITS} FROM ab, unnest(ab.units) AS u),"
         " ae AS (INSERT INTO events (tenant_id, reservation_id, type, at, data)"
-        f" SELECT * FROM ROWS FROM (json_to_recordset({n[3]}::json) AS (tenant_id text, reservation_id text,"
-        f" type text, at int8), unnest({n[4]}::bytea[])){where})")
+        f" SELECT x.tenant_id, x.reservation_id, x.type, x.at, substring({blob}::bytea FROM x.o FOR x.l)"
+        f" FROM ROWS FROM (json_to_recordset({event_rows}::json) AS (tenant_id text, reservation_id text, type text,"
+        f" at int8), json_to_recordset({event_spans}::json) AS {span[:-1]}")
 
 
 APPENDED = f"WITH {_appended(1)} SELECT 1"
@@ -326,14 +336,22 @@ class PgAppends(Appends):
     __slots__ = ()
 
     def parameters(self) -> list:
-        """The rows as APPENDED's five parameters: reservations and their documents, bookings, events and their
-        data."""
+        """The rows as APPENDED's six parameters: reservations and where each one's document lies in the blob,
+        bookings, events and where each one's data lies, and the blob (every document and data, one after another).
+        One bytea rather than an array of them: asyncpg checks each element of an array parameter in Python."""
         grouped = self.by_kind()
         assert set(grouped) <= {ReservationRow, BookingRow, EventRow}, set(grouped)
         reservations, events = grouped.get(ReservationRow, []), grouped.get(EventRow, [])
-        return [_ROWS.encode([row for row, _ in reservations]).decode(), [doc for _, doc in reservations],
+        docs = [doc for _, doc in reservations] + [data for _, data in events]
+        spans, at = [], 1  # (substring counts from 1)
+        for doc in docs:
+            spans.append(Span(at, len(doc)))
+            at += len(doc)
+        split = len(reservations)
+        return [_ROWS.encode([row for row, _ in reservations]).decode(), _ROWS.encode(spans[:split]).decode(),
                 _ROWS.encode(grouped.get(BookingRow, [])).decode(),
-                _ROWS.encode([row for row, _ in events]).decode(), [data for _, data in events]]
+                _ROWS.encode([row for row, _ in events]).decode(), _ROWS.encode(spans[split:]).decode(),
+                b"".join(docs)]
 
     async def write(self, conn: asyncpg.Connection) -> None:
         await conn.execute(APPENDED, *self.parameters())

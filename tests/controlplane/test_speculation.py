@@ -200,7 +200,7 @@ async def test_the_writers_statements_keep_index_plans_made_on_nearly_empty_and_
     await asyncio.sleep(0.3)  # past the pause after the start (a loaded machine may have sent "warm" under the lock)
     status, _ = await api.call("create", "alice", body("warm-2"))  # speculates: opens the reader and the sender
     assert status == 202 and writer.speculated >= 1
-    rows = "'[]', '{}', '[]', '[]', '{}'"  # no appended rows of any kind (PgAppends.parameters)
+    rows = "'[]', '[]', '[]', '[]', '[]', ''"  # no appended rows of any kind (PgAppends.parameters)
     checks = [  # (statement, its connection, arguments, the index its plan must use on a large table)
         ("BEGUN", postgres.BEGUN, "reader", "'{}'", "reservations_id_key"),
         ("SPECULATED", postgres.SPECULATED, "sender", f"0, '{{}}', {rows}", "reservations_id_key"),
