@@ -263,13 +263,13 @@ def _appended(first: int, only_if: str = "") -> str:
     any row, so events take their seq under the lock)."""
     rows, spans, bookings, event_rows, event_spans, blob = (f"${first + i}" for i in range(6))
     where = f" WHERE {only_if}" if only_if else ""
-    span = f"(o int4, l int4)) AS x{where}),"
+    spans_end = f"(o int4, l int4)) AS x{where})"  # the spans' columns, then the ends of ROWS FROM and of the CTE
     return (
         "ar AS (INSERT INTO reservations (seq, id, tenant_id, principal_id, pool_id, state, gen, doc)"
         f" SELECT x.seq, x.id, x.tenant_id, x.principal_id, x.pool_id, x.state, x.gen,"
         f" substring({blob}::bytea FROM x.o FOR x.l) FROM ROWS FROM (json_to_recordset({rows}::json) AS (seq int8,"
         f" id text, tenant_id text, principal_id text, pool_id text, state text, gen int8),"
-        f" json_to_recordset({spans}::json) AS {span}"
+        f" json_to_recordset({spans}::json) AS {spans_end},"
         " ab AS (INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
         " memory_mib, hugepages_1g) SELECT b.reservation_id, b.pool_id, b.node_id,"
         " ARRAY(SELECT json_array_elements_text(b.units)), b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib,"
@@ -280,7 +280,7 @@ def _appended(first: int, only_if: str = "") -> str:
         " ae AS (INSERT INTO events (tenant_id, reservation_id, type, at, data)"
         f" SELECT x.tenant_id, x.reservation_id, x.type, x.at, substring({blob}::bytea FROM x.o FOR x.l)"
         f" FROM ROWS FROM (json_to_recordset({event_rows}::json) AS (tenant_id text, reservation_id text, type text,"
-        f" at int8), json_to_recordset({event_spans}::json) AS {span[:-1]}")
+        f" at int8), json_to_recordset({event_spans}::json) AS {spans_end}")
 
 
 APPENDED = f"WITH {_appended(1)} SELECT 1"
