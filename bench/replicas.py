@@ -6,7 +6,8 @@ all in one run on one throwaway PostgreSQL cluster (fsync on: every engine's com
 Baseline: an aiohttp handler that decodes the JSON body and does one INSERT and commit per request on the same
 PostgreSQL (asyncpg, a pool of 32). Berth: `berth controlplane serve` (bench/create_throughput.py's fleet of
 1,000 nodes of 8 GPUs; every create allowed by Cedar, charged, placed, committed before it is acknowledged) on
-SQLite, on PostgreSQL alone, and as two replicas on one PostgreSQL database with the clients split between them.
+SQLite, on PostgreSQL alone, and as two replicas on one PostgreSQL database: with the clients split between them,
+and with every client on the leading replica (as examples/haproxy.cfg routes them; the other one follows).
 The load comes from client processes, so clients and servers do not share an interpreter. A floor is measured too:
 the same aiohttp handler without the database (what HTTP and the JSON body cost a server, per request).
 Every server is started once; each round measures them one after another, and a server's ratio is the median of
@@ -86,6 +87,7 @@ HANDLERS = {"baseline": BASELINE, "floor (no database)": FLOOR}
 # within 366 days.
 ROUND_CREATES = 3_000_000
 MAX_ROUNDS = 11
+TO_LEADER = "postgresql, 2 to leader"  # both replicas up, every client on the leading one
 
 
 def bootstrap(path: Path) -> None:
@@ -120,6 +122,18 @@ def counters(base: str) -> dict[str, float]:
         m = re.search(rf"^{name} (\S+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
     return out
+
+
+def leader_of(urls: list[str], timeout: float = 30) -> str:
+    """The one of urls whose /healthz says it leads (the replicas elect one within a second of starting)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for url in urls:
+            with urllib.request.urlopen(url + "/healthz", timeout=10) as resp:
+                if json.loads(resp.read())["leads"]:
+                    return url
+        time.sleep(0.1)
+    raise RuntimeError(f"no replica of {urls} leads after {timeout:g} s")
 
 
 def serve(db: str | Path, boot: Path) -> tuple[subprocess.Popen, str]:
@@ -259,33 +273,38 @@ def main() -> int:
             bootstrap(boot)
             # Every server is started once and stays up (an idle one costs nothing); each round measures them one
             # after another, so a slow spell of this shared machine falls on one round, not on one server.
-            servers: dict[str, tuple[list[str], list[subprocess.Popen], bool]] = {}  # urls, processes, Berth?
+            # label: the clients' urls, the server processes, and the urls whose counters are read (Berth's)
+            servers: dict[str, tuple[list[str], list[subprocess.Popen], list[str]]] = {}
             for label, handler in HANDLERS.items():
                 port = ct.free_port()
                 proc = subprocess.Popen([sys.executable, "-c", handler, cluster.createdb(f"b{len(servers)}"),
                                          str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 stack.callback(ct.stop, proc)  # whatever fails below, the servers stop
                 ct.wait_port(port, proc)
-                servers[label] = ([f"http://127.0.0.1:{port}"], [proc], False)
+                servers[label] = ([f"http://127.0.0.1:{port}"], [proc], [])
             for label, db in (("sqlite", tmp / "cp.db"), ("postgresql, 1 replica", cluster.createdb("one"))):
                 proc, url = serve(db, boot)
                 stack.callback(ct.stop, proc)
-                servers[label] = ([url], [proc], True)
+                servers[label] = ([url], [proc], [url])
             two = cluster.createdb("two")
             (a, url_a), (b, url_b) = serve(two, boot), serve(two, boot)
             stack.callback(ct.stop, a)
             stack.callback(ct.stop, b)
-            servers["postgresql, 2 replicas"] = ([url_a, url_b], [a, b], True)
+            servers["postgresql, 2 replicas"] = ([url_a, url_b], [a, b], [url_a, url_b])
+            # Every client on the leading replica, as examples/haproxy.cfg routes them (docs/scale-out.md): its
+            # counters (the other one's refreshes after each of its commits show in the servers' CPU)
+            leader = leader_of([url_a, url_b])
+            servers[TO_LEADER] = ([leader], [a, b], [leader])
             for label, (urls, _, _) in servers.items():
                 measure(urls, 1, args.connections, f"{label} warm-up", start, 0)
             for n in range(args.rounds):
                 results: dict[str, dict] = {}
-                for label, (urls, procs, berth) in servers.items():
-                    before = [counters(u) for u in urls] if berth else []
+                for label, (urls, procs, counted) in servers.items():
+                    before = [counters(u) for u in counted]
                     results[label] = measure(urls, args.seconds, args.connections,
                                              f"round {n + 1}/{args.rounds}: {label}", start, 100_000 + n * ROUND_CREATES,
                                              procs, cluster if label != "sqlite" else None)
-                    after = [counters(u) for u in urls] if berth else []
+                    after = [counters(u) for u in counted]
                     for key in (after[0] if after else ()):
                         results[label][key] = sum(a[key] - b[key] for a, b in zip(after, before))
                 rounds.append(results)

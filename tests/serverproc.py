@@ -63,18 +63,7 @@ class ServerProcess:
         return self
 
     def post(self, path: str, token: str | None, body, timeout: float = 10, headers: dict | None = None):
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
-        if token:
-            req.add_header("Authorization", f"Bearer {token}")
-        for k, v in (headers or {}).items():
-            req.add_header(k, v)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout, context=self.context) as resp:
-                return resp.status, json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read() or b"{}")
+        return post(self.url, path, token, body, timeout, headers, self.context)
 
     def stop(self) -> int:
         if self.proc and self.proc.poll() is None:
@@ -95,6 +84,27 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def post(url: str, path: str, token: str | None, body, timeout: float = 10, headers: dict | None = None,
+         context: ssl.SSLContext | None = None) -> tuple[int, dict]:
+    """POST body (JSON, or bytes as they are) to url + path: the status and the decoded answer. An error answer that
+    is not JSON (a load balancer's own page) comes back as {"text": its first 200 characters}."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="POST", headers={"Content-Type": "application/json"})
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        try:
+            return err.code, json.loads(raw or b"{}")
+        except ValueError:
+            return err.code, {"text": raw[:200].decode(errors="replace")}
 
 
 def wait_until(predicate, timeout: float = 10, interval: float = 0.02) -> bool:

@@ -1,21 +1,28 @@
 """Two control-plane replicas (two `berth controlplane serve` processes) on one PostgreSQL database: no double
 booking under a burst split across them, idempotency across them (also after a kill -9 of one), exact quota, the
-timers taken over when the leader dies, and an agent on one replica bound by a create on the other."""
+timers taken over when the leader dies, an agent on one replica bound by a create on the other, and HAProxy in
+front of them as examples/haproxy.cfg configures it (every request to the leader, and on past its death)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import shutil
+import socket
+import subprocess
 import threading
 import time
 import urllib.request
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from tests import dbrows
 from tests.controlplane.conftest import TOKENS, bootstrap_doc, h100_node
-from tests.serverproc import ServerProcess
+from tests.serverproc import ServerProcess, post
 
 ADMIN = bootstrap_doc()["adminToken"]
 GPUS = 3 * 8  # pool h100 below: h1, h2 and x0, 8 GPUs each
@@ -134,8 +141,7 @@ def test_two_replicas_split_a_burst_for_the_last_gpus_without_double_booking(dat
 
 
 def test_kill_9_of_one_replica_mid_burst_and_a_retry_on_the_other_books_exactly_once(database, bootstrap):
-    a = ServerProcess(database, bootstrap).start()
-    with ServerProcess(database, bootstrap) as b:
+    with ServerProcess(database, bootstrap) as a, ServerProcess(database, bootstrap) as b:  # a is killed below
         acked: dict[str, str] = {}
         lock = threading.Lock()
         enough = threading.Event()
@@ -172,9 +178,10 @@ def test_kill_9_of_one_replica_mid_burst_and_a_retry_on_the_other_books_exactly_
 
 def test_when_the_leader_is_killed_another_replica_takes_the_timers_over(database, bootstrap):
     grace = ["--node-grace", "6"]
-    a = ServerProcess(database, bootstrap, grace).start()
-    wait_for(lambda: leads(a))
-    with ServerProcess(database, bootstrap, grace) as b:
+    with contextlib.ExitStack() as stack:  # each stopped whatever happens (a is killed below)
+        a = stack.enter_context(ServerProcess(database, bootstrap, grace))
+        wait_for(lambda: leads(a))
+        b = stack.enter_context(ServerProcess(database, bootstrap, grace))
         assert not leads(b)
         start = int(time.time() * 1000) + 1500
         status, doc = b.post("/api/compute/reservations/create", TOKENS["alice"], {
@@ -239,3 +246,131 @@ def test_an_agent_watching_one_replica_is_bound_by_a_create_on_the_other(databas
         status, moved = b.post("/api/nodes/watch", node, {"resourceVersion": rv, "timeoutMs": 300})
         assert status == 200 and not moved["changed"] and moved["resourceVersion"] == rv, moved
         assert moved["bindings"] == answer["doc"]["bindings"]
+
+
+# ---- behind a load balancer ----------------------------------------------------------------------------------
+HAPROXY_CFG = Path(__file__).resolve().parents[2] / "examples" / "haproxy.cfg"
+
+
+def via(url: str, path: str, body: dict) -> tuple[int, dict]:
+    return post(url, path, TOKENS["alice"], body)
+
+
+def creates_answered(server: ServerProcess) -> float:
+    """The creates this replica answered, whatever the outcome (its /metrics, with the admin token)."""
+    req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(n) for n in re.findall(r"^berth_create_duration_seconds_count\{[^}]*\} (\S+)$", text, re.M))
+
+
+@pytest.fixture
+def haproxy(tmp_path):
+    """Start HAProxy on examples/haproxy.cfg as the docs give it, with the example's addresses replaced: a
+    function of the replicas' URLs, answering the balancer's URL."""
+    binary = shutil.which("haproxy")
+    if binary is None:
+        pytest.skip("haproxy is not installed (apt-get install haproxy; .ci/run installs it)")
+    procs: list[subprocess.Popen] = []
+
+    def start(a: str, b: str) -> str:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        text = HAPROXY_CFG.read_text()
+        for example, real in (("10.0.0.1:8080", a.split("//", 1)[1]), ("10.0.0.2:8080", b.split("//", 1)[1]),
+                              ("bind :8080", f"bind 127.0.0.1:{port}")):
+            assert example in text, f"examples/haproxy.cfg no longer has {example!r}: update this test with it"
+            text = text.replace(example, real)
+        cfg = tmp_path / "haproxy.cfg"
+        cfg.write_text(text)
+        checked = subprocess.run([binary, "-c", "-f", str(cfg)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        log = tmp_path / "haproxy.log"
+        with log.open("w") as out:
+            procs.append(subprocess.Popen([binary, "-db", "-f", str(cfg)], stdout=out, stderr=subprocess.STDOUT))
+        url = f"http://127.0.0.1:{port}"
+
+        def answers() -> bool:
+            assert procs[-1].poll() is None, "haproxy exited:\n" + log.read_text()
+            try:
+                return via(url, "/api/compute/reservations/list", {})[0] == 200
+            except OSError:
+                return False
+
+        wait_for(answers)
+        return url
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_behind_haproxy_the_leader_takes_every_request_and_its_death_moves_them_on(database, bootstrap, haproxy):
+    grace = ["--node-grace", "6"]
+    with ServerProcess(database, bootstrap, grace) as a, ServerProcess(database, bootstrap, grace) as b:
+        wait_for(lambda: leads(a) or leads(b))
+        if leads(b):  # a is the one to kill below
+            a, b = b, a
+        lb = haproxy(a.url, b.url)
+
+        def lb_leads() -> bool:
+            with urllib.request.urlopen(lb + "/healthz", timeout=5) as resp:
+                return json.loads(resp.read())["leads"]
+
+        wait_for(lambda: all(lb_leads() for _ in range(5)))  # the leader's backend is up: it answers them all
+        answered = creates_answered(a), creates_answered(b)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: via(lb, "/api/compute/reservations/create", create_body(f"lb{i}")),
+                                    range(40)))
+        assert [202] * 40 == [status for status, _ in answers], answers
+        assert creates_answered(b) == answered[1]  # the other replica answered none of them
+        assert creates_answered(a) - answered[0] == 40
+        acked = {f"lb{i}": doc["reservation"]["id"] for i, (_, doc) in enumerate(answers)}
+
+        # The leader killed mid-burst: each create is sent again, with its key, until the balancer's answer is 202.
+        keys = [f"lb-kill{i}" for i in range(200)]
+        lock = threading.Lock()
+        enough = threading.Event()
+        refused: Counter = Counter()
+
+        def send(key: str) -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    status, doc = via(lb, "/api/compute/reservations/create", create_body(key))
+                except OSError:
+                    status, doc = 0, {}
+                if status == 202:
+                    with lock:
+                        assert acked.setdefault(key, doc["reservation"]["id"]) == doc["reservation"]["id"]
+                        if len(acked) >= 50:  # 10 of this burst
+                            enough.set()
+                    return
+                with lock:
+                    refused[status] += 1
+                assert status in (0, 502, 503, 504), (status, doc)  # the balancer's or a replica's "try again"
+                time.sleep(0.2)
+            raise AssertionError(f"{key}: not acknowledged within 60 s")
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(send, key) for key in keys]
+            enough.wait(30)
+            a.kill()
+            for future in futures:
+                future.result()
+        assert set(keys) <= set(acked)
+        assert creates_answered(b) > answered[1], refused  # the leader died mid-burst: b answered the rest
+        check_database(database, acked)
+        assert len(set(acked.values())) == len(acked) == 240
+        assert used_gpus(b) == charged_gpus(database) == 240
+
+        # b leads now, and the balancer sends it everything
+        wait_for(lambda: leads(b), timeout=10)
+        wait_for(lambda: all(lb_leads() for _ in range(5)), timeout=10)
+        before = creates_answered(b)
+        for i in range(10):
+            status, doc = via(lb, "/api/compute/reservations/create", create_body(f"lb-after{i}"))
+            assert status == 202, doc
+        assert creates_answered(b) - before == 10
