@@ -9,7 +9,9 @@
   leaders (a partition) moves nothing twice.
 - **Hearing each other.** A replica that commits writes sends
   `NOTIFY berth_changes` (store/postgres.py); the others LISTEN and refresh
-  their memory at once (an empty store job, which rebuilds what moved), so
+  their memory at once (store.refresh: a snapshot of what moved, read
+  without the write lock, so a replica that follows never holds up the one
+  that writes), so
   an agent's watch on replica A wakes within milliseconds of a create on
   replica B. After a lost listening connection a replica refreshes anyway.
 - **Heartbeats heard anywhere.** An agent behind a load balancer beats on

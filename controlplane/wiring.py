@@ -164,13 +164,13 @@ class ControlPlane:
         await self.replicas.stop()
 
     def refresh(self) -> None:
-        """Another replica wrote: bring the memory up to the database now (one empty store job, which rebuilds
-        what moved before it runs), at most one at a time, and once more if told again meanwhile."""
+        """Another replica wrote: bring the memory up to the database now (the store reads what moved, without
+        the write lock), at most one at a time, and once more if told again meanwhile."""
         if self._refreshing is not None and not self._refreshing.done():
             self._refresh_again = True
             return
         self._refresh_again = False
-        self._refreshing = asyncio.ensure_future(self.store.call(lambda tx: None, background=True))
+        self._refreshing = asyncio.ensure_future(self.store.refresh())
         self._refreshing.add_done_callback(self._refreshed)
 
     def _refreshed(self, fut: asyncio.Future) -> None:

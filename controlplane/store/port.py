@@ -125,6 +125,10 @@ class Store(Reads, Protocol):
     def call_sync(self, job: Callable[[Tx], T]) -> T:
         """Run one job now, outside any event loop (start-up, tools); returns once committed."""
 
+    def refresh(self) -> Awaitable[None]:
+        """Bring the writer's memory up to what other writers committed (on_changed, or on_reset), after the jobs
+        queued before; an engine with a write lock reads without it. With one writer there is nothing to read."""
+
     def close(self) -> None: ...
 
     # reads of committed data

@@ -537,13 +537,18 @@ class PgTx(Reads, JobOutcome):
 
 class Job:
     """A job waiting for a group: append_only says it usually only reads `reads` and appends (a create), so it
-    may be run speculatively (Writer._speculate)."""
+    may be run speculatively (Writer._speculate); refresh, that it is no job but a request to bring the memory up
+    to the database (Writer.refresh), met by any group that runs before it."""
 
-    __slots__ = ("fn", "fut", "reads", "append_only")
+    __slots__ = ("fn", "fut", "reads", "append_only", "refresh")
 
     def __init__(self, fn: Callable[[PgTx], Any], fut: asyncio.Future | None, reads: tuple[str, ...] = (),
-                 append_only: bool = False):
-        self.fn, self.fut, self.reads, self.append_only = fn, fut, reads, append_only
+                 append_only: bool = False, refresh: bool = False):
+        self.fn, self.fut, self.reads, self.append_only, self.refresh = fn, fut, reads, append_only, refresh
+
+
+def _nothing(tx: PgTx) -> None:
+    """A refresh's job where it runs in a group: the group's BEGIN already brought the memory up."""
 
 
 class Commit:
@@ -650,11 +655,16 @@ class Writer:
 
     async def _begin_read(self) -> int:
         """A snapshot to rebuild the memory from, with the generation it shows (no lock: it writes nothing)."""
+        generation, _, self.server = await self._begin_snapshot(WHOLE_READS)
+        return generation
+
+    async def _begin_snapshot(self, settings: str = "") -> tuple[int, int, Any]:
+        """A read-only snapshot, with (generation, catalog generation, server run) as it shows them."""
         await self._drop_ahead()
         await self._connected()
-        await self.conn.execute(f"BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {WHOLE_READS}")
-        self.server = self.conn.server
-        return await self.conn.fetchval("SELECT generation FROM replica_state WHERE id = 1")
+        await self.conn.execute(f"BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {settings}")
+        row = await self.conn.fetchrow("SELECT generation, catalog_generation FROM replica_state WHERE id = 1")
+        return row[0], row[1], self.conn.server
 
     async def _commit(self, appends: Appends, wrote: bool, touched: set[str], catalog: bool) -> int:
         conn = self.conn
@@ -711,13 +721,17 @@ class Writer:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append(Job(fn, fut, tuple(reads), append_only))
-        self._wake_up()
         if not background:
             self._expect(loop, fut)
+        self._start()
+        return fut
+
+    def _start(self) -> None:
+        """A job came: an open group waiting for jobs goes on, and a writer not running starts."""
+        self._wake_up()
         if not self._busy:
             self._busy = True
-            loop.create_task(self._drive())
-        return fut
+            asyncio.get_running_loop().create_task(self._drive())
 
     def _expect(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
         """The caller waits for fut at most commit_wait_s (_expire). Callers are kept in the order they came, so
@@ -769,6 +783,11 @@ class Writer:
                     await self._settle()
                     group, self._pending = self._pending, []
                     self._give_up(group, ConnectionError("the control plane is stopping"))
+                    continue
+                if self._pending[0].refresh:
+                    n = next((i for i, job in enumerate(self._pending) if not job.refresh), len(self._pending))
+                    jobs, self._pending = self._pending[:n], self._pending[n:]
+                    await self._refresh(jobs)
                     continue
                 speculated = self._speculable()
                 if speculated:
@@ -826,6 +845,35 @@ class Writer:
         self._answered(len(answers))
         run_hooks(hooks)
         resolve(answers)
+
+    async def _refresh(self, jobs: list["Job"]) -> None:
+        """Bring the memory up to what other replicas committed, read in a snapshot without the write lock (a
+        locked group would do it too, but hold up every replica that writes meanwhile, for each refresh of each
+        replica that follows)."""
+        await self._settle()
+        self.prefetched = {}  # (a group's reads: none here)
+        failed: BaseException | None = None
+        try:
+            found = await self._on_db(self._begin_snapshot())
+        except BaseException as exc:  # noqa: BLE001 - the database is away
+            self._give_up(jobs, exc)
+            return
+        try:
+            self._fresh(found)
+        except BaseException as exc:  # noqa: BLE001 - the database went away mid-read
+            failed = exc
+        await self._on_db(self._rollback())
+        if failed is not None:
+            self._give_up(jobs, failed)
+            return
+        resolve([(job.fut, None, None) for job in jobs])
+
+    def refresh(self) -> "asyncio.Future[None]":
+        """Bring the memory up to the database (another replica wrote); answered once it is."""
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append(Job(_nothing, fut, refresh=True))
+        self._start()
+        return fut
 
     # speculation
     def _may_speculate(self) -> bool:
@@ -1234,6 +1282,10 @@ class PgStore(CommittedReads):
     def call_sync(self, job: Callable[[PgTx], Any]) -> Any:
         assert self.writer is not None, "start() the store first"
         return self.writer.call_sync(job)
+
+    def refresh(self) -> "asyncio.Future[None]":
+        assert self.writer is not None, "start() the store first"
+        return self.writer.refresh()
 
     @property
     def groups(self) -> int:

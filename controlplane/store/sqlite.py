@@ -533,6 +533,10 @@ class SqliteStore(SqliteReads, CommittedReads):
         assert self.writer is not None, "start() the store first"
         return self.writer.call_sync(job)
 
+    def refresh(self) -> "asyncio.Future[None]":
+        """Nothing else writes this file: answered after the jobs queued before."""
+        return self.call(lambda tx: None, background=True)
+
     @property
     def groups(self) -> int:
         return self.writer.groups if self.writer else 0

@@ -248,6 +248,50 @@ def test_an_agent_watching_one_replica_is_bound_by_a_create_on_the_other(databas
         assert moved["bindings"] == answer["doc"]["bindings"]
 
 
+@contextlib.contextmanager
+def write_lock_held(db: str):
+    """The replicas' write lock held by a session of its own, as a replica holds it while it commits."""
+    import asyncio
+
+    import asyncpg
+
+    from controlplane.store.postgres import WRITE_LOCK
+
+    loop = asyncio.new_event_loop()
+    conn = loop.run_until_complete(asyncpg.connect(db))
+    try:
+        loop.run_until_complete(conn.execute(f"SELECT pg_advisory_lock({WRITE_LOCK})"))
+        yield
+    finally:
+        loop.run_until_complete(conn.close())
+        loop.close()
+
+
+def reloads(server: ServerProcess) -> float:
+    req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return float(re.search(r"^berth_store_reloads_total (\S+)$", resp.read().decode(), re.M).group(1))
+
+
+def test_a_replica_reads_another_replicas_commit_without_taking_the_write_lock(database, bootstrap):
+    """A replica that follows must not hold up the one that writes: it reads each commit it hears of in a snapshot,
+    not in a transaction under the write lock (which every commit of the writing replica then waited for)."""
+    with ServerProcess(database, bootstrap) as a:
+        status, doc = a.post("/api/compute/reservations/create", TOKENS["alice"], create_body("before"))
+        assert status == 202, doc
+        before = reloads(a)
+        with write_lock_held(database):  # another replica commits, and goes on holding the lock
+            (generation,), = dbrows.rows(database, "UPDATE replica_state SET generation = generation + 1 "
+                                                   "WHERE id = 1 RETURNING generation")
+            dbrows.rows(database, "SELECT pg_notify('berth_changes', ?)", str(generation))
+            wait_for(lambda: reloads(a) > before, timeout=5)
+            status, doc = a.post("/api/compute/reservations/get", TOKENS["alice"], {"reservationId": doc[
+                "reservation"]["id"]})
+            assert status == 200, doc  # and reads are served meanwhile
+        status, doc = a.post("/api/compute/reservations/create", TOKENS["alice"], create_body("after"))
+        assert status == 202, doc
+
+
 # ---- behind a load balancer ----------------------------------------------------------------------------------
 HAPROXY_CFG = Path(__file__).resolve().parents[2] / "examples" / "haproxy.cfg"
 
