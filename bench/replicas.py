@@ -273,36 +273,40 @@ def main() -> int:
             bootstrap(boot)
             # Every server is started once and stays up (an idle one costs nothing); each round measures them one
             # after another, so a slow spell of this shared machine falls on one round, not on one server.
-            # label: the clients' urls, the server processes, and the urls whose counters are read (Berth's)
-            servers: dict[str, tuple[list[str], list[subprocess.Popen], list[str]]] = {}
+            # label: the clients' urls, the server processes, the urls whose counters are read (Berth's), and where
+            # in each round's windows its clients book (two loads on one database must not book the same windows)
+            servers: dict[str, tuple[list[str], list[subprocess.Popen], list[str], int]] = {}
             for label, handler in HANDLERS.items():
                 port = ct.free_port()
                 proc = subprocess.Popen([sys.executable, "-c", handler, cluster.createdb(f"b{len(servers)}"),
                                          str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 stack.callback(ct.stop, proc)  # whatever fails below, the servers stop
                 ct.wait_port(port, proc)
-                servers[label] = ([f"http://127.0.0.1:{port}"], [proc], [])
+                servers[label] = ([f"http://127.0.0.1:{port}"], [proc], [], 0)
             for label, db in (("sqlite", tmp / "cp.db"), ("postgresql, 1 replica", cluster.createdb("one"))):
                 proc, url = serve(db, boot)
                 stack.callback(ct.stop, proc)
-                servers[label] = ([url], [proc], [url])
+                servers[label] = ([url], [proc], [url], 0)
             two = cluster.createdb("two")
             (a, url_a), (b, url_b) = serve(two, boot), serve(two, boot)
             stack.callback(ct.stop, a)
             stack.callback(ct.stop, b)
-            servers["postgresql, 2 replicas"] = ([url_a, url_b], [a, b], [url_a, url_b])
             # Every client on the leading replica, as examples/haproxy.cfg routes them (docs/scale-out.md): its
-            # counters (the other one's refreshes after each of its commits show in the servers' CPU)
+            # counters (the other one's refreshes after each of its commits show in the servers' CPU). Measured
+            # before the split load, not right after it: a replica that finds another's writes commits under the
+            # lock for a while (SPECULATION_PAUSE_S), as it would after any change of the balancer's choice.
             leader = leader_of([url_a, url_b])
-            servers[TO_LEADER] = ([leader], [a, b], [leader])
-            for label, (urls, _, _) in servers.items():
-                measure(urls, 1, args.connections, f"{label} warm-up", start, 0)
+            servers[TO_LEADER] = ([leader], [a, b], [leader], 2_000_000)  # the split load books from 0 and 1,000,000
+            servers["postgresql, 2 replicas"] = ([url_a, url_b], [a, b], [url_a, url_b], 0)
+            for label, (urls, _, _, first) in servers.items():
+                measure(urls, 1, args.connections, f"{label} warm-up", start, first)
             for n in range(args.rounds):
                 results: dict[str, dict] = {}
-                for label, (urls, procs, counted) in servers.items():
+                for label, (urls, procs, counted, first) in servers.items():
                     before = [counters(u) for u in counted]
                     results[label] = measure(urls, args.seconds, args.connections,
-                                             f"round {n + 1}/{args.rounds}: {label}", start, 100_000 + n * ROUND_CREATES,
+                                             f"round {n + 1}/{args.rounds}: {label}",
+                                             start, 100_000 + n * ROUND_CREATES + first,
                                              procs, cluster if label != "sqlite" else None)
                     after = [counters(u) for u in counted]
                     for key in (after[0] if after else ()):
