@@ -659,12 +659,15 @@ class Writer:
         return generation
 
     async def _begin_snapshot(self, settings: str = "") -> tuple[int, int, Any]:
-        """A read-only snapshot, with (generation, catalog generation, server run) as it shows them."""
+        """A read-only snapshot, with (generation, catalog generation, server run) as it shows them; the seq the
+        next reservation gets is the one after its last (as a locked group's BEGIN reads it: a speculative group
+        after a refresh takes its seqs from here)."""
         await self._drop_ahead()
         await self._connected()
         await self.conn.execute(f"BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {settings}")
-        row = await self.conn.fetchrow("SELECT generation, catalog_generation FROM replica_state WHERE id = 1")
-        return row[0], row[1], self.conn.server
+        state, _ = await _begun(self.conn, ())
+        self.next_seq = state[2] + 1
+        return state[0], state[1], self.conn.server
 
     async def _commit(self, appends: Appends, wrote: bool, touched: set[str], catalog: bool) -> int:
         conn = self.conn
