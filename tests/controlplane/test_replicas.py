@@ -4,6 +4,7 @@ timers taken over when the leader dies, an agent on one replica bound by a creat
 front of them as examples/haproxy.cfg configures it (every request to the leader, and on past its death)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -18,8 +19,10 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import asyncpg
 import pytest
 
+from controlplane.store.postgres import SPECULATION_PAUSE_S, WRITE_LOCK
 from tests import dbrows
 from tests.controlplane.conftest import TOKENS, bootstrap_doc, h100_node
 from tests.serverproc import ServerProcess, post
@@ -251,12 +254,6 @@ def test_an_agent_watching_one_replica_is_bound_by_a_create_on_the_other(databas
 @contextlib.contextmanager
 def write_lock_held(db: str):
     """The replicas' write lock held by a session of its own, as a replica holds it while it commits."""
-    import asyncio
-
-    import asyncpg
-
-    from controlplane.store.postgres import WRITE_LOCK
-
     loop = asyncio.new_event_loop()
     conn = loop.run_until_complete(asyncpg.connect(db))
     try:
@@ -303,9 +300,15 @@ def test_a_replica_that_followed_writes_on_from_where_the_other_left(database, b
         for i in range(30):  # a writes, b follows
             status, doc = a.post("/api/compute/reservations/create", TOKENS["alice"], create_body(f"a{i}"))
             assert status == 202, doc
-        wait_for(lambda: b.post("/api/compute/reservations/get", TOKENS["alice"], {
-            "reservationId": doc["reservation"]["id"]})[0] == 200)
-        time.sleep(2.5)  # past the pause after another replica's writes (SPECULATION_PAUSE_S): b speculates again
+        settled = [reloads(b)]
+
+        def b_caught_up() -> bool:  # b's refreshes after a's commits are over
+            time.sleep(0.3)
+            settled.append(reloads(b))
+            return settled[-1] == settled[-2] > 0
+
+        wait_for(b_caught_up)
+        time.sleep(SPECULATION_PAUSE_S + 1)  # past the pause after another replica's writes: b speculates again
         for i in range(10):
             status, doc = b.post("/api/compute/reservations/create", TOKENS["alice"], create_body(f"b{i}"))
             assert status == 202, doc
