@@ -145,9 +145,10 @@ cp -a "$here/debian" "$pkg/debian"
 cp -a "$here/conf" "$pkg/conf"
 mv "$wheels" "$pkg/wheels"
 mkdir -p "$pkg/examples" "$pkg/docs"
-cp "$src/examples/bootstrap.json" "$src/examples/policies.cedar" "$src/examples/sshd-berth.conf" "$pkg/examples/"
+cp "$src/examples/bootstrap.json" "$src/examples/policies.cedar" "$src/examples/sshd-berth.conf" \
+  "$src/examples/haproxy.cfg" "$pkg/examples/"
 cp "$src/README.md" "$pkg/"
-cp "$src/docs/operations.md" "$src/docs/agent.md" "$pkg/docs/"
+cp "$src/docs/operations.md" "$src/docs/agent.md" "$src/docs/scale-out.md" "$pkg/docs/"
 # The units, exactly as systemd/ has them (ExecStart=/usr/bin/berth is the berth package's symlink to
 # /opt/berth/bin/berth), where dh_installsystemd looks for them.
 cp "$src/systemd/berth-agent.service" "$pkg/debian/berth-agent.service"

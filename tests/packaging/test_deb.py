@@ -87,12 +87,15 @@ def test_the_packages_hold_the_units_as_shipped_the_conffiles_and_the_python_the
             assert shipped.read_text() == (REPO / "systemd" / unit).read_text(), "the units are installed unchanged"
             env = p.removeprefix("berth-") + ".env"
             assert (dest / "DEBIAN/conffiles").read_text().split() == [f"/etc/berth/{env}"]
+        example = Path(tmp) / "berth-controlplane/usr/share/doc/berth-controlplane/examples/haproxy.cfg"
+        assert example.read_text() == (REPO / "examples/haproxy.cfg").read_text(), "the balancer's example, as tested"
         agent_env = (Path(tmp) / "berth-agent/etc/berth/agent.env").read_text()
         assert re.search(r"^BERTH_CONTROL_PLANE=", agent_env, re.M)
         assert re.search(r"^BERTH_BOOTSTRAP_TOKEN_FILE=/etc/berth/agent.token$", agent_env, re.M)
         assert not re.search(r"^BERTH_BOOTSTRAP_TOKEN=", agent_env, re.M), "never the token itself"
     listing = run(["dpkg-deb", "-c", str(debs["berth"])]).stdout
     assert "./usr/bin/berth -> /opt/berth/bin/berth" in listing
+    assert "./usr/share/doc/berth/scale-out.md" in listing, "running several replicas, shipped with the guides"
     assert "./opt/berth/bin/python3" in listing and "/pip/" not in listing and "-> /usr/bin/python3." in listing
 
 
