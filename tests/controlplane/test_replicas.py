@@ -264,6 +264,17 @@ def write_lock_held(db: str):
         loop.close()
 
 
+def scrape(server: ServerProcess) -> str:
+    """The replica's /metrics (with the admin token)."""
+    req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.read().decode()
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", scrape(server), re.M).group(1))
+
+
 def reloads(server: ServerProcess) -> float:
     return metric(server, "berth_store_reloads_total")
 
@@ -285,12 +296,6 @@ def test_a_replica_reads_another_replicas_commit_without_taking_the_write_lock(d
             assert status == 200, doc  # and reads are served meanwhile
         status, doc = a.post("/api/compute/reservations/create", TOKENS["alice"], create_body("after"))
         assert status == 202, doc
-
-
-def metric(server: ServerProcess, name: str) -> float:
-    req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return float(re.search(rf"^{name} (\S+)$", resp.read().decode(), re.M).group(1))
 
 
 def test_a_replica_that_followed_writes_on_from_where_the_other_left(database, bootstrap):
@@ -327,11 +332,9 @@ def via(url: str, path: str, body: dict) -> tuple[int, dict]:
 
 
 def creates_answered(server: ServerProcess) -> float:
-    """The creates this replica answered, whatever the outcome (its /metrics, with the admin token)."""
-    req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(float(n) for n in re.findall(r"^berth_create_duration_seconds_count\{[^}]*\} (\S+)$", text, re.M))
+    """The creates this replica answered, whatever the outcome."""
+    return sum(float(n) for n in re.findall(r"^berth_create_duration_seconds_count\{[^}]*\} (\S+)$", scrape(server),
+                                             re.M))
 
 
 @pytest.fixture
