@@ -32,7 +32,6 @@ from controlplane.wiring import Config, ControlPlane
 CONTROL_PLANE = web.AppKey("control_plane", ControlPlane)
 ACCESS_LOG = web.AppKey("access_log", AccessLog)
 
-PUBLIC_PATHS = frozenset({"/healthz", openapi.PATH})
 TENANT_PATHS = ("/api/compute/", "/api/iam/")  # authenticated with a tenant's token
 # What a read-scoped token may not call: every method that changes something.
 MUTATIONS = frozenset(f"/api/compute/reservations/{m}" for m in ("create", "release", "cancel", "extend", "renew")) | \
@@ -66,10 +65,21 @@ async def api_middleware(request: web.Request, handler):
     return response
 
 
+def _leads(request: web.Request) -> bool:
+    cp = request.app.get(CONTROL_PLANE)
+    return bool(cp is not None and cp.replicas.leads())
+
+
 async def healthz(request: web.Request) -> web.Response:
     """Alive, for a load balancer; `leads`: this replica drives the timers (always, on SQLite; docs/scale-out.md)."""
-    cp = request.app.get(CONTROL_PLANE)
-    return web.json_response({"status": "ok", "leads": bool(cp is not None and cp.replicas.leads())})
+    return web.json_response({"status": "ok", "leads": _leads(request)})
+
+
+async def healthz_leader(request: web.Request) -> web.Response:
+    """The same answer, 200 from the replica that leads and 503 from the others: for a balancer that reads only
+    the status (a cloud's target group, a TCP-level proxy's HTTP check) to send every request to the leader."""
+    leads = _leads(request)
+    return web.json_response({"status": "ok", "leads": leads}, status=200 if leads else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -127,6 +137,7 @@ def create_app(config: Config, control_plane: ControlPlane | None = None,
 
     app.on_shutdown.append(stop_long_polls)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/healthz/leader", healthz_leader)
     app.add_routes(reservation_api.routes())
     app.add_routes(confirmation_api.routes())
     app.add_routes(billing_api.routes())

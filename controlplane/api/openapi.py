@@ -46,6 +46,8 @@ class Described:
     answer: type[Struct] | tuple[str, ...] = ()  # the answer's Struct, or the keys every answer carries
     media: tuple[str, ...] = (JSON,)  # of the answer; none: a redirect
     idempotency_key: bool = False  # also takes the Idempotency-Key header
+    also: tuple[tuple[int, str], ...] = ()  # other statuses it answers with the same document (not the error
+    # envelope), and when; such a status is not also described as a refusal
 
 
 RESERVATION = ("reservation",)
@@ -54,6 +56,10 @@ NODE_ACTED = ("node", "changed", "moved", "pending")
 DESCRIBED: dict[tuple[str, str], Described] = {
     ("GET", "/healthz"): Described("Whether the control plane answers, and whether this replica leads",
                                    answer=("status", "leads")),
+    ("GET", "/healthz/leader"): Described(
+        "The same, answered 200 only by the replica that leads (for a balancer that reads only the status)",
+        answer=("status", "leads"), also=((503, "this replica does not lead (another does, or none yet): send "
+                                                "requests to another replica"),)),
     ("GET", PATH): Described("This document", answer=("openapi", "info", "paths", "components")),
     ("GET", "/metrics"): Described("Prometheus text: reservations, nodes, bindings, the store and the reconciler",
                                    media=("text/plain",)),
@@ -226,8 +232,9 @@ def tag_of(path: str) -> str:
     return parts[1] if parts[0] == "api" and len(parts) > 2 else parts[0]
 
 
-def success(described: Described, refs: dict[type, dict]) -> dict:
-    response: dict[str, Any] = {"description": http.HTTPStatus(described.status).phrase}
+def success(described: Described, refs: dict[type, dict], why: str = "") -> dict:
+    """The answer with described.status; with why (an `also` status's reason) as its description, another's."""
+    response: dict[str, Any] = {"description": why or http.HTTPStatus(described.status).phrase}
     if not described.media:
         response["headers"] = {"Location": {"schema": {"type": "string"}}}
         return response
@@ -257,6 +264,7 @@ def operation(method: str, path: str, described: Described, refs: dict[type, dic
         str(described.status): success(described, refs),
         **{str(status): {"$ref": f"#/components/responses/{refused_name(status)}"}
            for status in refusals_of(described, bool(security), "{" in path)},
+        **{str(status): success(described, refs, why) for status, why in described.also},  # its own, not a refusal
     }
     return op
 

@@ -187,6 +187,11 @@ async def test_the_real_answers_are_what_the_document_says(api):
     await post("/api/compute/reservations/get", None, {"reservationId": rid}, 401)
     await post("/api/compute/reservations/get", "alice", {"reservationId": rid}, 415,
                headers={"Content-Type": "text/plain"})
-    resp = await api.client.get("/healthz")
-    check_answer(doc, "GET", "/healthz", resp.status, await resp.json())
+    for path in ("/healthz", "/healthz/leader"):  # one replica on SQLite: it leads
+        resp = await api.client.get(path)
+        assert 200 == resp.status
+        check_answer(doc, "GET", path, resp.status, await resp.json())
+    leader = doc["paths"]["/healthz/leader"]["get"]["responses"]
+    assert "not lead" in leader["503"]["description"]  # its own answer, not the error envelope
+    check_answer(doc, "GET", "/healthz/leader", 503, {"status": "ok", "leads": False})
 

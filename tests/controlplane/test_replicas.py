@@ -13,6 +13,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
@@ -51,8 +52,20 @@ def bootstrap(tmp_path):
 
 
 def leads(server: ServerProcess) -> bool:
+    """Whether the replica leads, by the status of its /healthz/leader (200 it does, 503 it does not), which its
+    document must agree with."""
+    try:
+        with urllib.request.urlopen(server.url + "/healthz/leader", timeout=5) as resp:
+            status, doc = resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as refused:
+        status, doc = refused.code, json.loads(refused.read())
+    assert (status, doc) in ((200, {"status": "ok", "leads": True}), (503, {"status": "ok", "leads": False})), doc
+    return status == 200
+
+
+def health(server: ServerProcess) -> dict:
     with urllib.request.urlopen(server.url + "/healthz", timeout=5) as resp:
-        return json.loads(resp.read())["leads"]
+        return json.loads(resp.read())
 
 
 def wait_for(what, timeout: float = 20.0, every: float = 0.05):
@@ -186,6 +199,7 @@ def test_when_the_leader_is_killed_another_replica_takes_the_timers_over(databas
         wait_for(lambda: leads(a))
         b = stack.enter_context(ServerProcess(database, bootstrap, grace))
         assert not leads(b)
+        assert {"status": "ok", "leads": False} == health(b) and health(a)["leads"]  # alive, whoever leads
         start = int(time.time() * 1000) + 1500
         status, doc = b.post("/api/compute/reservations/create", TOKENS["alice"], {
             "poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "start": start, "end": start + 3_600_000})
