@@ -95,9 +95,12 @@ class _Snapshot:
         writer = getattr(self.cp.store, "writer", None)
         yield CounterMetricFamily("berth_store_race_retries", "Store groups run again after losing a race with "
                                   "another replica (PostgreSQL).", value=getattr(writer, "retries", 0))
-        yield CounterMetricFamily("berth_store_reloads", "Times this replica rebuilt its memory because another "
-                                  "replica wrote, or a speculative group was abandoned (PostgreSQL).",
+        yield CounterMetricFamily("berth_store_reloads", "Times this replica brought its memory up to the database "
+                                  "because another replica wrote, or a speculative group was abandoned (PostgreSQL).",
                                   value=getattr(writer, "reloads", 0))
+        yield CounterMetricFamily("berth_store_rebuilds", "Of those, and at start: times the memory was rebuilt "
+                                  "whole rather than only the reservations that changed (PostgreSQL).",
+                                  value=getattr(writer, "rebuilds", 0))
         yield CounterMetricFamily("berth_store_speculative_groups", "Store groups of creates run while the previous "
                                   "group committed, and committed by one statement (PostgreSQL).",
                                   value=getattr(writer, "speculated", 0))

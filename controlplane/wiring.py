@@ -143,7 +143,7 @@ class ControlPlane:
         self._refresh_again = False
 
     def open(self) -> "ControlPlane":
-        self.store.start(self._load, self.metrics.group_committed, self._changed)
+        self.store.start(self._load, self.metrics.group_committed, self._changed, self.clock.compute_now)
         self.store.call_sync(self._load)
         if self.config.bootstrap:
             self.apply_bootstrap(self.config.bootstrap)
@@ -197,10 +197,10 @@ class ControlPlane:
             self._load_policies()
         self.reconciler.wake()
 
-    def _changed(self, tx, changed: list) -> None:
+    def _changed(self, tx, changed: list, now: int) -> None:
         """Other replicas changed these reservations (and nothing of the catalog): each replaces its old self in
-        memory, and whatever reads memory hears of it, as after this replica's own commits."""
-        now = self.clock.compute_now()
+        memory with its bookings live at `now` (the store's reading of this clock), and whatever reads memory hears
+        of it, as after this replica's own commits."""
         bookings: dict[str, list] = {}
         for booking in tx.live_bookings_of([res.id for res in changed], now):
             bookings.setdefault(booking.reservation_id, []).append(booking)

@@ -106,11 +106,13 @@ class Store(Reads, Protocol):
     jobs: int  # jobs run
 
     def start(self, on_reset: Callable[[Tx], None], on_group: Callable[[int], None] | None = None,
-              on_changed: Callable[[Any, list[Reservation]], None] | None = None) -> None:
+              on_changed: Callable[[Any, list[Reservation], int], None] | None = None,
+              clock: Callable[[], int] | None = None) -> None:
         """Start the writer; on_reset(tx) rebuilds the writer's memory from the database; on_group(jobs) hears
-        each committed group's size; on_changed(tx, reservations) brings the memory up to date with what other
-        writers (replicas on one database) changed, when only reservations changed (tx.live_bookings_of gives
-        their bookings); an engine with one writer never calls it."""
+        each committed group's size; on_changed(tx, reservations, now) brings the memory up to date with what
+        other writers (replicas on one database) changed, when only reservations changed
+        (tx.live_bookings_of(their ids, now) gives their bookings; an engine may have read them ahead, at a `now`
+        from clock, the domain's time in ms); an engine with one writer never calls it."""
 
     def call(self, job: Callable[[Tx], T], reads: Iterable[str] = (), append_only: bool = False,
              background: bool = False) -> Awaitable[T]:

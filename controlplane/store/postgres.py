@@ -50,6 +50,7 @@ import structlog
 
 from common.share import Share
 from controlplane.domain.calendar import Booking
+from controlplane.domain.clock import Clock
 from controlplane.domain.errors import DomainError
 from controlplane.domain.model import Reservation
 from controlplane.domain.states import TERMINAL
@@ -305,7 +306,7 @@ SPECULATED = (
 # What other replicas changed since the memory's generation. Both bounds: the writer's cached plan is made
 # without the values, and an open range estimated at a third of the table becomes, past some 100,000
 # reservations, a scan of all of them in seq order; a closed one is estimated small, and read by `gen`.
-CHANGED_SINCE = "SELECT doc, seq FROM reservations WHERE gen > $1 AND gen <= $2 ORDER BY seq"
+CHANGED_SINCE = "SELECT doc, seq, id FROM reservations WHERE gen > $1 AND gen <= $2 ORDER BY seq"
 # The bookings that still block someone at $1 (of live reservations, or a released one's turnaround), of every
 # reservation (rebuilding the memory) or only of $2's (bringing it up to other replicas' writes).
 _LIVE_BOOKINGS = (
@@ -406,6 +407,9 @@ class PgTx(Reads, JobOutcome):
         self.w.prefetched.pop(reservation_id, None)  # read back from the database from now on (own writes)
 
     def _fetch(self, sql: str, *args) -> list:
+        ahead = self.w.read_ahead.get((sql, *args)) if self.w.read_ahead else None
+        if ahead is not None:
+            return ahead
         return self._hop(lambda c: c.fetch(sql, *args), writes=False)
 
     def _execute(self, sql: str, *args) -> str:
@@ -521,12 +525,11 @@ class PgTx(Reads, JobOutcome):
     def changed_since(self, known: int, current: int) -> list[Reservation]:
         """Reservations other replicas' groups changed after generation `known` (up to `current`, the one the lock
         found), oldest first."""
-        rows = self._fetch(CHANGED_SINCE, known, current)
-        return [reservation_of(doc, seq) for doc, seq in rows]
+        return [reservation_of(row[0], row[1]) for row in self._fetch(CHANGED_SINCE, known, current)]
 
     def live_bookings_of(self, reservation_ids: list[str], now: int) -> list[Booking]:
         """live_bookings, of these reservations only."""
-        return [_booking(r) for r in self._fetch(LIVE_BOOKINGS_OF, now, reservation_ids)]
+        return [_booking(r) for r in self._fetch(LIVE_BOOKINGS_OF, now, tuple(reservation_ids))]
 
     def catalog_docs(self, kind: str) -> list[bytes]:
         return [r[0] for r in self._fetch("SELECT doc FROM catalog WHERE kind = $1 ORDER BY id", kind)]
@@ -567,11 +570,14 @@ class Writer:
     COMMIT. While a group waits for the lock or commits, the API's loop goes on and new jobs queue."""
 
     def __init__(self, connector: Connector, on_reset: Callable[[PgTx], None],
-                 on_changed: Callable[[PgTx, list[Reservation]], None] | None = None,
-                 commit_wait_s: float = COMMIT_WAIT_S):
+                 on_changed: Callable[[PgTx, list[Reservation], int], None] | None = None,
+                 commit_wait_s: float = COMMIT_WAIT_S, clock: Callable[[], int] = Clock().compute_now):
         self.connector = connector
         self._on_reset = on_reset
         self._on_changed = on_changed
+        self._clock = clock  # the domain's time in ms: what on_changed's bookings are read live at
+        # A refresh's reads made ahead in its snapshot, by (statement, *arguments): PgTx._fetch answers them
+        self.read_ahead: dict[tuple, list] = {}
         self.conn: asyncpg.Connection | None = None
         self.generation: int | None = None  # the database's generation the memory equals (None: rebuild first)
         self._pending: list[Job] = []
@@ -599,7 +605,8 @@ class Writer:
         self.groups = 0
         self.jobs = 0
         self.retries = 0  # groups run again after a lost race
-        self.reloads = 0  # memory rebuilt because another replica wrote (or a speculation was abandoned)
+        self.reloads = 0  # memory brought up to the database because another replica wrote (or a speculation failed)
+        self.rebuilds = 0  # of them, and at start: memory rebuilt whole, not only the reservations that changed
         self.speculated = 0  # groups committed by SPECULATED
         self.sent = 0  # the highest generation this replica's commits moved the database to, or are moving it to
         self.server: Any = None  # the server run the memory was read from (Session.server)
@@ -852,9 +859,25 @@ class Writer:
     async def _refresh(self, jobs: list["Job"]) -> None:
         """Bring the memory up to what other replicas committed, read in a snapshot without the write lock (a
         locked group would do it too, but hold up every replica that writes meanwhile, for each refresh of each
-        replica that follows)."""
+        replica that follows). Where only reservations changed, the snapshot is the API loop's reading
+        connection's, and what changed is read ahead in it and applied after (no thread hop, and the loop is not
+        held while the database answers); else the writer's connection's, the memory rebuilt in it."""
         await self._settle()
         self.prefetched = {}  # (a group's reads: none here)
+        try:
+            if self._ahead is not None:
+                await self._on_db(self._drop_ahead())  # the lock taken ahead, given back: this writes nothing
+            ahead = await self._read_changes()
+        except BaseException as exc:  # noqa: BLE001 - the database is away
+            self._give_up(jobs, exc)
+            return
+        if ahead is not None:
+            try:
+                self._fresh(*ahead)
+                resolve([(job.fut, None, None) for job in jobs])
+                return
+            except Unspeculative:  # it asked for more than was read ahead: rebuilt below (_fresh forgot the memory)
+                log.info("a refresh needed more than it read ahead; rebuilding the memory")
         failed: BaseException | None = None
         try:
             found = await self._on_db(self._begin_snapshot())
@@ -870,6 +893,29 @@ class Writer:
             self._give_up(jobs, failed)
             return
         resolve([(job.fut, None, None) for job in jobs])
+
+    async def _read_changes(self) -> tuple[tuple[int, int, Any], dict[tuple, list], int] | None:
+        """In a read-only snapshot on the API loop's reading connection: what the database holds (as
+        _begin_snapshot gives it), what _fresh reads where only reservations changed, read ahead (those
+        reservations, and their bookings live now), and that now; None where the memory is to be rebuilt."""
+        self.reader = conn = await self._speculative_conn(self.reader, "writer reads")
+        await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        try:
+            state, _ = await _begun(conn, ())
+            found = (state[0], state[1], conn.server)
+            known = self._changes_from(found)
+            if known is None:
+                return None
+            self.next_seq = state[2] + 1
+            ahead: dict[tuple, list] = {}
+            now = self._clock()
+            if found[0] != known:
+                changed = ahead[(CHANGED_SINCE, known, found[0])] = await conn.fetch(CHANGED_SINCE, known, found[0])
+                ids = tuple(row[2] for row in changed)
+                ahead[(LIVE_BOOKINGS_OF, now, ids)] = await conn.fetch(LIVE_BOOKINGS_OF, now, ids)
+            return found, ahead, now
+        finally:
+            await conn.execute("ROLLBACK")
 
     def refresh(self) -> "asyncio.Future[None]":
         """Bring the memory up to the database (another replica wrote); answered once it is."""
@@ -1110,31 +1156,43 @@ class Writer:
         self._touched, self._stamped, self._catalog_touched = set(), set(), False
         return touched, catalog
 
-    def _fresh(self, found: tuple[int, int, Any]) -> None:
-        """Inside the locked transaction: bring the memory up to the database if it moved since this replica last
-        saw it; only the reservations other replicas changed, unless they changed the catalog or tokens too, or
-        this replica's memory is of an unknown generation or of another server run (a failover: the new primary's
-        history may have lost the old one's last commits, and reused their generations)."""
+    def _changes_from(self, found: tuple[int, int, Any]) -> int | None:
+        """The memory's generation, where reading only the reservations changed since brings it up to `found`;
+        None where it must be rebuilt: it is of an unknown generation or of another
+        server run (a failover: the new primary's history may have lost the old one's last commits, and reused
+        their generations), the database went back, or another replica changed the catalog or tokens."""
         generation, catalog_generation, server = found
-        same_run = server == self.server
-        if generation == self.generation and same_run and not self._poisoned:
+        known = self.generation
+        if (known is None or self._poisoned or server != self.server or generation < known
+                or catalog_generation > known or self._on_changed is None):
+            return None
+        return known
+
+    def _fresh(self, found: tuple[int, int, Any], ahead: dict[tuple, list] | None = None,
+               now: int | None = None) -> None:
+        """Inside the transaction that found `found`: bring the memory up to the database if it moved since this
+        replica last saw it. With `ahead` (_read_changes), after that transaction, from what it read ahead at
+        `now`; a read it did not make raises Unspeculative (and the memory is forgotten: rebuild it)."""
+        generation, _, server = found
+        if generation == self.generation and server == self.server and not self._poisoned:
             return
-        if self.generation is not None and (generation != self.generation or not same_run):
+        if self.generation is not None and (generation != self.generation or server != self.server):
             self._pause_speculation()  # another replica writes, or another server answers
-        tx = PgTx(self, self._appends)
-        known = None if self._poisoned or not same_run else self.generation
-        if known is not None and generation < known:
-            known = None  # the database went back: only a whole reading shows what it no longer has
+        known = self._changes_from(found)
+        tx = PgTx(self, self._appends, speculative=ahead is not None)  # ahead: its snapshot is closed
         self.server = server
         self.generation = generation  # what the hooks bring the memory to (nodes' versions)
+        self.read_ahead = ahead or {}
         try:
-            if known is None or catalog_generation > known or self._on_changed is None:
+            if known is None:
                 self._rebuild(tx)
             else:
-                self._on_changed(tx, tx.changed_since(known, generation))
+                self._on_changed(tx, tx.changed_since(known, generation), self._clock() if now is None else now)
         except BaseException:
             self.generation = None
             raise
+        finally:
+            self.read_ahead = {}
         self._poisoned = False
         self.reloads += 1
 
@@ -1143,6 +1201,7 @@ class Writer:
         statement as usual (WHOLE_READS) instead of on the writer's cached index plans."""
         tx._hop(lambda c: c.execute(WHOLE_READS), writes=False)
         self._on_reset(tx)
+        self.rebuilds += 1
 
     def _run_jobs(self, group) -> tuple[list, bool]:
         answers: list[tuple[Any, Any, BaseException | None]] = []
@@ -1272,8 +1331,10 @@ class PgStore(CommittedReads):
             server_settings={**SERVER_SETTINGS, "application_name": f"{self.connector.application} reads"})
 
     def start(self, on_reset: Callable[[PgTx], None], on_group: Callable[[int], None] | None = None,
-              on_changed: Callable[[PgTx, list[Reservation]], None] | None = None) -> None:
-        self.writer = Writer(self.connector, on_reset, on_changed, self.commit_wait_s)
+              on_changed: Callable[[PgTx, list[Reservation], int], None] | None = None,
+              clock: Callable[[], int] | None = None) -> None:
+        self.writer = Writer(self.connector, on_reset, on_changed, self.commit_wait_s,
+                             *([clock] if clock is not None else []))
         if on_group is not None:
             self.writer.group_committed = on_group
 

@@ -516,8 +516,8 @@ class SqliteStore(SqliteReads, CommittedReads):
         self.writer: Writer | None = None
 
     def start(self, on_reset: Callable[[SqliteTx], None], on_group: Callable[[int], None] | None = None,
-              on_changed: Callable | None = None) -> None:
-        """on_changed is never called: this writer is the file's only one."""
+              on_changed: Callable | None = None, clock: Callable[[], int] | None = None) -> None:
+        """on_changed is never called (nor clock): this writer is the file's only one."""
         self.writer = Writer(self.path, self._synchronous, on_reset)
         if on_group is not None:
             self.writer.group_committed = on_group

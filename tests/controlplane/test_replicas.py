@@ -316,6 +316,8 @@ def test_a_replica_that_followed_writes_on_from_where_the_other_left(database, b
     """What a following replica read (the generation, the next reservation's seq) is what its first commits build
     on, when it writes after a quiet spell: none of them loses a race to rows it has already read."""
     with ServerProcess(database, bootstrap) as a, ServerProcess(database, bootstrap) as b:
+        rebuilt = metric(b, "berth_store_rebuilds_total")
+        assert rebuilt >= 1  # its memory, read whole at start
         for i in range(30):  # a writes, b follows
             status, doc = a.post("/api/compute/reservations/create", TOKENS["alice"], create_body(f"a{i}"))
             assert status == 202, doc
@@ -327,6 +329,9 @@ def test_a_replica_that_followed_writes_on_from_where_the_other_left(database, b
             return settled[-1] == settled[-2] > 0
 
         wait_for(b_caught_up)
+        # b read only what a changed (a's reservations with their bookings, read ahead in one snapshot), each time;
+        # had it missed a booking, its creates below would pick a's devices and lose races to them
+        assert metric(b, "berth_store_rebuilds_total") == rebuilt
         time.sleep(SPECULATION_PAUSE_S + 1)  # past the pause after another replica's writes: b speculates again
         for i in range(10):
             status, doc = b.post("/api/compute/reservations/create", TOKENS["alice"], create_body(f"b{i}"))

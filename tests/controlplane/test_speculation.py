@@ -92,6 +92,79 @@ async def test_a_create_by_another_replica_between_a_groups_read_and_its_commit(
         other.stop()
 
 
+async def test_another_replicas_creates_are_read_ahead_in_one_snapshot_and_leave_the_memory_exact(api, db_url, tmp_path):
+    """A replica that hears another's commit reads the reservations it changed, with their bookings, ahead on its
+    reading connection, then applies them: not in a snapshot on the writer's connection, whose every read holds
+    the API's loop (Writer._refresh), and not by rebuilding the memory."""
+    boot = tmp_path / "b.json"
+    boot.write_text(json.dumps(bootstrap_doc()))
+    other = ServerProcess(db_url, boot)
+    await asyncio.to_thread(other.start)
+    try:
+        writer = api.cp.store.writer
+        await asyncio.sleep(0.5)  # the other replica's start heard
+        snapshots, begin_snapshot = [], writer._begin_snapshot
+
+        def counted(*args):
+            snapshots.append(args)
+            return begin_snapshot(*args)
+
+        writer._begin_snapshot = counted
+        reloads, rebuilds, retries = writer.reloads, writer.rebuilds, writer.retries
+        for i in range(3):
+            status, doc = await asyncio.to_thread(other.post, "/api/compute/reservations/create", TOKENS["bob"],
+                                                  body(f"bob-{i}"))
+            assert status == 202 and doc["reservation"]["state"] == "placed", doc
+        for _ in range(100):
+            if api.cp.store.generation == api.rows("SELECT generation FROM replica_state")[0][0]:
+                break
+            await asyncio.sleep(0.05)
+        assert writer.reloads > reloads
+        assert (writer.rebuilds, snapshots) == (rebuilds, [])
+        # the memory holds bob's three GPUs: alice gets exactly the rest, with no race lost to them
+        await asyncio.sleep(0.3)  # the pause after another replica's writes
+        assert await fill(api, "rest") == GPUS - 3
+        assert writer.retries == retries
+        assert len(check_database(api)) == GPUS
+    finally:
+        writer._begin_snapshot = begin_snapshot
+        other.stop()
+
+
+async def test_a_refresh_that_needs_more_than_it_read_ahead_rebuilds_the_memory(api, db_url, tmp_path):
+    """Should bringing the memory up ever read what the refresh did not read ahead (its snapshot is closed by
+    then), the memory is rebuilt whole in a snapshot instead: nothing is applied from outside one."""
+    boot = tmp_path / "b.json"
+    boot.write_text(json.dumps(bootstrap_doc()))
+    other = ServerProcess(db_url, boot)
+    await asyncio.to_thread(other.start)
+    try:
+        writer = api.cp.store.writer
+        await asyncio.sleep(0.5)
+        changed = writer._on_changed
+
+        def reads_more(tx, reservations, now):
+            tx.catalog_docs("pools")  # a read no refresh makes ahead
+            changed(tx, reservations, now)
+
+        writer._on_changed = reads_more
+        rebuilds = writer.rebuilds
+        status, doc = await asyncio.to_thread(other.post, "/api/compute/reservations/create", TOKENS["bob"],
+                                              body("bob"))
+        assert status == 202 and doc["reservation"]["state"] == "placed", doc
+        for _ in range(100):
+            if writer.rebuilds > rebuilds:
+                break
+            await asyncio.sleep(0.05)
+        assert writer.rebuilds == rebuilds + 1
+        writer._on_changed = changed
+        await asyncio.sleep(0.3)
+        assert await fill(api, "rest") == GPUS - 1
+        assert len(check_database(api)) == GPUS
+    finally:
+        other.stop()
+
+
 async def test_a_create_that_needs_the_database_mid_job_is_run_again_under_the_lock(api):
     writer = api.cp.store.writer
     status, _ = await api.call("create", "alice", body("warm"))
