@@ -53,116 +53,107 @@ async def fill(api, prefix: str) -> int:
     raise AssertionError("more creates placed than the pool has GPUs")
 
 
-async def test_a_create_by_another_replica_between_a_groups_read_and_its_commit(api, db_url, tmp_path):
+@pytest.fixture
+async def other(api, db_url, tmp_path):
+    """Another replica on the api's database, in its own process, stopped after the test."""
     boot = tmp_path / "b.json"
     boot.write_text(json.dumps(bootstrap_doc()))
-    other = ServerProcess(db_url, boot)
-    await asyncio.to_thread(other.start)  # this replica's loop goes on meanwhile (its writer may hold the lock)
+    replica = ServerProcess(db_url, boot)
+    await asyncio.to_thread(replica.start)  # this replica's loop goes on meanwhile (its writer may hold the lock)
     try:
-        writer = api.cp.store.writer
-        await asyncio.sleep(0.5)  # the other replica's start (it applied its bootstrap) heard, and the pause over
-        status, _ = await api.call("create", "alice", body("warm"))
-        assert status == 202
-        await asyncio.sleep(0.3)
-        speculated, retries = writer.speculated, writer.retries
-        commit, theirs = writer._commit_speculated, []
-
-        async def after_the_other_replica(*args):
-            # between this group's read and its commit: the other replica books
-            if not theirs:
-                theirs.append(await asyncio.to_thread(other.post, "/api/compute/reservations/create",
-                                                      TOKENS["bob"], body("bob-1")))
-            return await commit(*args)
-
-        writer._commit_speculated = after_the_other_replica
-        status, doc = await api.call("create", "alice", body("raced"))
-        assert status == 202 and doc["reservation"]["state"] == "placed", doc
-        assert theirs and theirs[0][0] == 202 and theirs[0][1]["reservation"]["state"] == "placed", theirs
-        assert writer.retries == retries + 1  # the compare-and-set lost, and the group ran again under the lock
-        assert writer.speculated == speculated  # (not committed speculatively)
-        writer._commit_speculated = commit
-
-        # The memory knows bob's GPU: alice gets exactly what is left, and creates speculate again.
-        await asyncio.sleep(0.3)
-        assert await fill(api, "rest") == GPUS - 3
-        assert writer.speculated > speculated
-        placed = check_database(api)
-        assert len(placed) == GPUS and theirs[0][1]["reservation"]["id"] in placed
+        yield replica
     finally:
-        other.stop()
+        replica.stop()
 
 
-async def test_another_replicas_creates_are_read_ahead_in_one_snapshot_and_leave_the_memory_exact(api, db_url, tmp_path):
+async def test_a_create_by_another_replica_between_a_groups_read_and_its_commit(api, other):
+    writer = api.cp.store.writer
+    await asyncio.sleep(0.5)  # the other replica's start (it applied its bootstrap) heard, and the pause over
+    status, _ = await api.call("create", "alice", body("warm"))
+    assert status == 202
+    await asyncio.sleep(0.3)
+    speculated, retries = writer.speculated, writer.retries
+    commit, theirs = writer._commit_speculated, []
+
+    async def after_the_other_replica(*args):
+        # between this group's read and its commit: the other replica books
+        if not theirs:
+            theirs.append(await asyncio.to_thread(other.post, "/api/compute/reservations/create",
+                                                  TOKENS["bob"], body("bob-1")))
+        return await commit(*args)
+
+    writer._commit_speculated = after_the_other_replica
+    status, doc = await api.call("create", "alice", body("raced"))
+    assert status == 202 and doc["reservation"]["state"] == "placed", doc
+    assert theirs and theirs[0][0] == 202 and theirs[0][1]["reservation"]["state"] == "placed", theirs
+    assert writer.retries == retries + 1  # the compare-and-set lost, and the group ran again under the lock
+    assert writer.speculated == speculated  # (not committed speculatively)
+    writer._commit_speculated = commit
+
+    # The memory knows bob's GPU: alice gets exactly what is left, and creates speculate again.
+    await asyncio.sleep(0.3)
+    assert await fill(api, "rest") == GPUS - 3
+    assert writer.speculated > speculated
+    placed = check_database(api)
+    assert len(placed) == GPUS and theirs[0][1]["reservation"]["id"] in placed
+
+
+async def test_another_replicas_creates_are_read_ahead_in_one_snapshot_and_leave_the_memory_exact(api, other):
     """A replica that hears another's commit reads the reservations it changed, with their bookings, ahead on its
     reading connection, then applies them: not in a snapshot on the writer's connection, whose every read holds
     the API's loop (Writer._refresh), and not by rebuilding the memory."""
-    boot = tmp_path / "b.json"
-    boot.write_text(json.dumps(bootstrap_doc()))
-    other = ServerProcess(db_url, boot)
-    await asyncio.to_thread(other.start)
-    try:
-        writer = api.cp.store.writer
-        await asyncio.sleep(0.5)  # the other replica's start heard
-        snapshots, begin_snapshot = [], writer._begin_snapshot
+    writer = api.cp.store.writer
+    await asyncio.sleep(0.5)  # the other replica's start heard
+    snapshots, begin_snapshot = [], writer._begin_snapshot
 
-        def counted(*args):
-            snapshots.append(args)
-            return begin_snapshot(*args)
+    def counted(*args):
+        snapshots.append(args)
+        return begin_snapshot(*args)
 
-        writer._begin_snapshot = counted
-        reloads, rebuilds, retries = writer.reloads, writer.rebuilds, writer.retries
-        for i in range(3):
-            status, doc = await asyncio.to_thread(other.post, "/api/compute/reservations/create", TOKENS["bob"],
-                                                  body(f"bob-{i}"))
-            assert status == 202 and doc["reservation"]["state"] == "placed", doc
-        for _ in range(100):
-            if api.cp.store.generation == api.rows("SELECT generation FROM replica_state")[0][0]:
-                break
-            await asyncio.sleep(0.05)
-        assert writer.reloads > reloads
-        assert (writer.rebuilds, snapshots) == (rebuilds, [])
-        # the memory holds bob's three GPUs: alice gets exactly the rest, with no race lost to them
-        await asyncio.sleep(0.3)  # the pause after another replica's writes
-        assert await fill(api, "rest") == GPUS - 3
-        assert writer.retries == retries
-        assert len(check_database(api)) == GPUS
-    finally:
-        writer._begin_snapshot = begin_snapshot
-        other.stop()
+    writer._begin_snapshot = counted
+    reloads, rebuilds, retries = writer.reloads, writer.rebuilds, writer.retries
+    for i in range(3):
+        status, doc = await asyncio.to_thread(other.post, "/api/compute/reservations/create", TOKENS["bob"],
+                                              body(f"bob-{i}"))
+        assert status == 202 and doc["reservation"]["state"] == "placed", doc
+    for _ in range(100):
+        if api.cp.store.generation == api.rows("SELECT generation FROM replica_state")[0][0]:
+            break
+        await asyncio.sleep(0.05)
+    assert writer.reloads > reloads
+    assert (writer.rebuilds, snapshots) == (rebuilds, [])
+    # the memory holds bob's three GPUs: alice gets exactly the rest, with no race lost to them
+    await asyncio.sleep(0.3)  # the pause after another replica's writes
+    assert await fill(api, "rest") == GPUS - 3
+    assert writer.retries == retries
+    assert len(check_database(api)) == GPUS
 
 
-async def test_a_refresh_that_needs_more_than_it_read_ahead_rebuilds_the_memory(api, db_url, tmp_path):
+async def test_a_refresh_that_needs_more_than_it_read_ahead_rebuilds_the_memory(api, other):
     """Should bringing the memory up ever read what the refresh did not read ahead (its snapshot is closed by
     then), the memory is rebuilt whole in a snapshot instead: nothing is applied from outside one."""
-    boot = tmp_path / "b.json"
-    boot.write_text(json.dumps(bootstrap_doc()))
-    other = ServerProcess(db_url, boot)
-    await asyncio.to_thread(other.start)
-    try:
-        writer = api.cp.store.writer
-        await asyncio.sleep(0.5)
-        changed = writer._on_changed
+    writer = api.cp.store.writer
+    await asyncio.sleep(0.5)
+    changed = writer._on_changed
 
-        def reads_more(tx, reservations, now):
-            tx.catalog_docs("pools")  # a read no refresh makes ahead
-            changed(tx, reservations, now)
+    def reads_more(tx, reservations, now):
+        tx.catalog_docs("pools")  # a read no refresh makes ahead
+        changed(tx, reservations, now)
 
-        writer._on_changed = reads_more
-        rebuilds = writer.rebuilds
-        status, doc = await asyncio.to_thread(other.post, "/api/compute/reservations/create", TOKENS["bob"],
-                                              body("bob"))
-        assert status == 202 and doc["reservation"]["state"] == "placed", doc
-        for _ in range(100):
-            if writer.rebuilds > rebuilds:
-                break
-            await asyncio.sleep(0.05)
-        assert writer.rebuilds == rebuilds + 1
-        writer._on_changed = changed
-        await asyncio.sleep(0.3)
-        assert await fill(api, "rest") == GPUS - 1
-        assert len(check_database(api)) == GPUS
-    finally:
-        other.stop()
+    writer._on_changed = reads_more
+    rebuilds = writer.rebuilds
+    status, doc = await asyncio.to_thread(other.post, "/api/compute/reservations/create", TOKENS["bob"],
+                                          body("bob"))
+    assert status == 202 and doc["reservation"]["state"] == "placed", doc
+    for _ in range(100):
+        if writer.rebuilds > rebuilds:
+            break
+        await asyncio.sleep(0.05)
+    assert writer.rebuilds == rebuilds + 1
+    writer._on_changed = changed
+    await asyncio.sleep(0.3)
+    assert await fill(api, "rest") == GPUS - 1
+    assert len(check_database(api)) == GPUS
 
 
 async def test_a_create_that_needs_the_database_mid_job_is_run_again_under_the_lock(api):
