@@ -47,9 +47,14 @@ def add_secrets(tokens: Iterable[str]) -> None:
                 _whole.append(token)
 
 
+_URL_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@:]*):[^/@]*@")
+_QUERY_PASSWORD = re.compile(r"([?&](?:ssl)?password=)[^&#]*", re.IGNORECASE)  # libpq's password, a key's passphrase
+
+
 def redact_url(url: str) -> str:
-    """A database URL as it may be shown: a password in its user part replaced (postgresql://u:[REDACTED]@h/db)."""
-    return re.sub(r"^([a-z][a-z0-9+.-]*://[^/@:]*):[^/@]*@", r"\1:" + REDACTED + "@", url)
+    """A database URL as it may be shown: a password in its user part, or as a parameter, replaced
+    (postgresql://u:[REDACTED]@h/db, ...?password=[REDACTED])."""
+    return _QUERY_PASSWORD.sub(r"\1" + REDACTED, _URL_PASSWORD.sub(r"\1:" + REDACTED + "@", url))
 
 
 def redact(text: str) -> str:

@@ -53,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", type=parse_listen, default=("127.0.0.1", 8080), metavar="HOST:PORT",
                        help="address to listen on (default 127.0.0.1:8080; port 0 picks a free one)")
     serve.add_argument("--db", default=None, metavar="URL",
-                       help=f"sqlite:///PATH, or postgresql://USER[:PASSWORD]@HOST[:PORT]/DB (several replicas may share one; ?host=/run/postgresql for a unix socket) (default {default_db_url()})")
+                       help="sqlite:///PATH, or postgresql://USER@HOST[:PORT]/DB (several replicas may share one; "
+                       "?host=/run/postgresql for a unix socket; ?sslmode=verify-full&sslrootcert=FILE for TLS; the "
+                       "password from PGPASSWORD or a passfile, PGPASSFILE: a password in this option is in the "
+                       "process's command line, which every local user can read) (env BERTH_DB, which is not; "
+                       f"default {default_db_url()})")
     serve.add_argument("--bootstrap", default=None, metavar="FILE", help="JSON file applied idempotently at start")
     serve.add_argument("--authzen", default=None, metavar="URL",
                        help="decide with a remote OpenID AuthZEN service at URL instead of the embedded Cedar policies")
@@ -221,7 +225,12 @@ def main(argv: list[str]) -> int:
         logs.configure("auto", "warning")  # stderr: the progress and the errors; stdout: the summary only
         return migrate_main(args)
     logs.configure(args.log_format, args.log_level)
-    config = Config(db=args.db or default_db_url(), bootstrap=args.bootstrap, synchronous=args.synchronous,
+    if args.db is not None and logs.redact_url(args.db) != args.db:
+        log.warning("the --db URL holds a password, which every local user can read in this process's command "
+                    "line: give it in PGPASSWORD or a passfile (PGPASSFILE), or the whole URL in BERTH_DB, in the "
+                    "unit's environment file (mode 0640) instead; see docs/scale-out.md")
+    db = args.db or os.environ.get("BERTH_DB") or default_db_url()
+    config = Config(db=db, bootstrap=args.bootstrap, synchronous=args.synchronous,
                     authzen=args.authzen, authzen_timeout_s=args.authzen_timeout, node_grace_s=args.node_grace,
                     commit_wait_s=args.commit_wait)
     limits = guard.Limits(request_timeout_s=args.request_timeout, idle_timeout_s=args.idle_timeout,

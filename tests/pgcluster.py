@@ -31,6 +31,7 @@ class Cluster:
     socket_dir: Path
     user: str = USER
     options: str = ""  # what the postmaster was started with (start() starts it again so)
+    port: int = 5432  # of its socket, and on 127.0.0.1 once serve_tls() made it listen there
 
     def stop(self) -> None:
         """Stop the postmaster at once, as a crash of the primary would (`-m immediate`: no checkpoint)."""
@@ -47,17 +48,36 @@ class Cluster:
 
     def dsn(self, database: str = "postgres") -> str:
         """A unix-socket DSN, as `--db postgresql://...` takes it."""
-        return f"postgresql://{self.user}@/{database}?host={self.socket_dir}"
+        return f"postgresql://{self.user}@/{database}?host={self.socket_dir}" + \
+            (f"&port={self.port}" if self.port != 5432 else "")
 
     def psql(self, sql: str, database: str = "postgres") -> str:
-        out = subprocess.run([str(self.bin / "psql"), "-h", str(self.socket_dir), "-U", self.user, "-d", database,
-                              "-Atc", sql], capture_output=True, text=True, timeout=30, user=self.user)
+        out = subprocess.run([str(self.bin / "psql"), "-h", str(self.socket_dir), "-p", str(self.port), "-U",
+                              self.user, "-d", database, "-Atc", sql], capture_output=True, text=True, timeout=30,
+                             user=self.user)
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
     def createdb(self, name: str) -> str:
         self.psql(f'CREATE DATABASE "{name}"')
         return self.dsn(name)
+
+    def serve_tls(self, cert: Path, key: Path, port: int) -> None:
+        """Restart it listening on 127.0.0.1:port (and its socket, at that port) as well, with TLS (the server's
+        certificate and key, PEM) and, over TCP, only TLS connections authenticated by password (SCRAM), as a
+        database a network away is set up; the socket keeps trusting this cluster's OS user."""
+        for name, source in (("server.crt", cert), ("server.key", key)):
+            target = self.data / name
+            shutil.copyfile(source, target)
+            os.chown(target, pwd.getpwnam(self.user).pw_uid, -1)
+            target.chmod(0o600)  # PostgreSQL refuses a key others may read
+        hba = self.data / "pg_hba.conf"
+        hba.write_text("hostssl all all 127.0.0.1/32 scram-sha-256\nhostnossl all all 127.0.0.1/32 reject\n"
+                       "host all all ::1/128 reject\n" + hba.read_text())  # the first line that matches decides
+        self.stop()
+        self.port = port
+        self.options += f" -c listen_addresses=127.0.0.1 -c port={port} -c ssl=on"
+        self.start()
 
 
 def _as_user(argv: list[str], **kw) -> subprocess.CompletedProcess:

@@ -19,9 +19,10 @@ LISTENING = re.compile(r'"address":\s*"(https?://[^"]+)"|\baddress=\'(https?://[
 
 
 class ServerProcess:
-    def __init__(self, db: Path | str, bootstrap: Path, extra: list[str] | None = None, nofile: int | None = None,
-                 context: ssl.SSLContext | None = None):
-        self.db = db
+    def __init__(self, db: Path | str | None, bootstrap: Path, extra: list[str] | None = None,
+                 nofile: int | None = None, context: ssl.SSLContext | None = None, env: dict[str, str] | None = None):
+        self.db = db  # None: no --db (BERTH_DB in env, or the default)
+        self.env = env or {}  # added to this process's environment
         self.bootstrap = bootstrap
         self.extra = extra or []
         self.nofile = nofile  # the server's open-file limit (soft and hard), when given
@@ -37,14 +38,15 @@ class ServerProcess:
 
     def start(self, timeout: float = 20) -> "ServerProcess":
         cmd = [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
-               "--db", self.db_url, "--bootstrap", str(self.bootstrap), "--log-format", "json", *self.extra]
+               *(["--db", self.db_url] if self.db is not None else []), "--bootstrap", str(self.bootstrap),
+               "--log-format", "json", *self.extra]
         nofile = self.nofile
 
         def limit_files() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
                                      preexec_fn=limit_files if nofile else None)
         found = threading.Event()
 

@@ -169,10 +169,11 @@ async def open_target(dsn: str) -> asyncpg.Connection:
     try:
         return await asyncpg.connect(dsn, timeout=10)
     except (*postgres.UNREACHABLE, asyncpg.PostgresError, ValueError) as exc:
-        raise Refused(f"--to {redact_url(dsn)}: cannot connect ({type(exc).__name__}: {exc}); give "
-                      "postgresql://USER[:PASSWORD]@HOST[:PORT]/DB (or postgresql://USER@/DB?host=/run/postgresql "
-                      "for a unix socket) of an existing database, and check that PostgreSQL runs and the user "
-                      "may connect") from None
+        if isinstance(exc, ValueError):  # asyncpg could not read the URL
+            raise Refused(f"--to {redact_url(dsn)}: {exc}; give postgresql://USER@HOST[:PORT]/DB (or "
+                          "postgresql://USER@/DB?host=/run/postgresql for a unix socket) of an existing database") \
+                from None
+        raise Refused(f"--to {redact_url(dsn)}: cannot connect: {postgres.cannot_connect(exc)}") from None
 
 
 async def migrate_target(pg: asyncpg.Connection, shown_target: str) -> None:

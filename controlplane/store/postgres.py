@@ -38,6 +38,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import ssl
 import sys
 import threading
 import time
@@ -68,6 +69,34 @@ RACES = (asyncpg.ExclusionViolationError, asyncpg.UniqueViolationError, asyncpg.
          asyncpg.SerializationError)
 UNREACHABLE = (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.CannotConnectNowError,
                asyncpg.AdminShutdownError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
+
+
+def cannot_connect(exc: BaseException) -> str:
+    """Why a connection could not be made, and what to change: the error itself, then the advice its kind
+    calls for (a certificate, a password, pg_hba.conf's refusal, an address that does not answer)."""
+    said = f"{type(exc).__name__}: {exc}"
+    text = str(exc)
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        if "mismatch" in text:
+            return (f"{said}; the server's certificate does not name the host in the URL: connect by a name (or "
+                    "address) the certificate holds")
+        return (f"{said}; the server's certificate is not signed by a CA the URL trusts: give "
+                "sslrootcert=/path/to/ca.pem, the CA that signed it (with sslmode=verify-full)")
+    if isinstance(exc, ssl.SSLError):
+        return f"{said}; TLS with the server failed: check sslmode, sslrootcert, sslcert and sslkey in the URL"
+    if isinstance(exc, asyncpg.InvalidPasswordError):
+        return (f"{said}; check the password: PGPASSWORD, the passfile (PGPASSFILE, else ~/.pgpass of the user "
+                "Berth runs as: a line host:port:database:user:password, mode 0600), or the URL's")
+    if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
+        if "no encryption" in text:
+            return (f"{said}; this server takes only TLS connections from here: give sslmode=verify-full and "
+                    "sslrootcert=/path/to/ca.pem in the URL")
+        return f"{said}; the server's pg_hba.conf lets no such connection in: its administrator adds a line for it"
+    if isinstance(exc, asyncpg.InvalidCatalogNameError):
+        return f"{said}; create the database first (createdb), or name an existing one in the URL"
+    return f"{said}; check the URL, that PostgreSQL is running there, and that the user may connect"
+
+
 SERVER_SETTINGS = {"jit": "off", "idle_in_transaction_session_timeout": "60000",
                    # a replica killed with -9 on another host: its session (and its leader lock) ends within ~20 s
                    "tcp_keepalives_idle": "10", "tcp_keepalives_interval": "3", "tcp_keepalives_count": "3"}
@@ -1315,8 +1344,7 @@ class PgStore(CommittedReads):
             raise StoreError(str(exc)) from None
         except (UNREACHABLE + (asyncpg.PostgresError,)) as exc:
             self.connector.close()
-            raise StoreError(f"cannot open the database: {type(exc).__name__}: {exc}; check the URL, that "
-                             "PostgreSQL is running, and that the user may connect") from None
+            raise StoreError(f"cannot open the database: {cannot_connect(exc)}") from None
         self.writer: Writer | None = None
 
     async def _open(self) -> None:

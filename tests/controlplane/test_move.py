@@ -199,7 +199,9 @@ def test_replace_empties_the_target_first_in_the_same_transaction(source, target
     ("sqlite:///MISSING", "TARGET", "no such file; give the database a control plane served with --db"),
     ("sqlite:///NOTADB", "TARGET", "cannot read it as a SQLite database"),
     ("SOURCE", "sqlite:///x.db", "--to 'sqlite:///x.db': give the PostgreSQL database as postgresql://USER"),
-    ("SOURCE", "postgresql://nobody:secret@/no_such_db?host=SOCKET", "cannot connect (InvalidCatalogNameError"),
+    ("SOURCE", "postgresql://nobody:secret@/no_such_db?host=SOCKET",
+     "cannot connect: InvalidCatalogNameError: database \"no_such_db\" does not exist; create the database first"),
+    ("SOURCE", "postgresql://nobody@/x?host=SOCKET&password=secret&sslmode=bogus", "sslmode"),
 ])
 def test_a_wrong_url_exits_2_saying_what_to_give(source, target, pg_cluster, tmp_path,  # noqa: F811
                                                        source_url, target_url, says):

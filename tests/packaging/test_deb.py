@@ -146,6 +146,8 @@ def test_nothing_is_enabled_or_started_and_the_user_and_state_directories_exist(
     assert (agent.st_mode & 0o7777, agent.st_uid) == (0o711, 0)
     conffiles = run(["dpkg-query", "-W", "-f=${Conffiles}\\n", "berth-agent", "berth-controlplane"]).stdout.split()
     assert {"/etc/berth/agent.env", "/etc/berth/controlplane.env"} <= set(conffiles)
+    env = os.stat("/etc/berth/controlplane.env")  # it may hold the database's password
+    assert (env.st_mode & 0o7777, env.st_uid, env.st_gid) == (0o640, 0, int(entry[3])), oct(env.st_mode)
 
 
 def test_the_installed_control_plane_started_as_its_unit_answers_healthz(installed):
@@ -168,6 +170,7 @@ def test_the_installed_control_plane_started_as_its_unit_answers_healthz(install
         argv, env = unit_command(unit, {"BERTH_LISTEN": "127.0.0.1:0", "BERTH_BOOTSTRAP": str(boot)})
         assert argv[:3] == ["/usr/bin/berth", "controlplane", "serve"], argv
         assert env["BERTH_DB"] == "sqlite:////var/lib/berth/controlplane/controlplane.db"
+        assert "--db" not in argv  # the command reads BERTH_DB: a database password stays out of its command line
         proc = subprocess.Popen(["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--", *argv],
                                 env={**PLAIN_ENV, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, cwd="/")
@@ -214,3 +217,4 @@ def test_purge_removes_everything_and_leaves_nothing_outside(installed):
     assert installed.leftovers() == []
     assert not Path("/var/lib/berth").exists() and not Path("/opt/berth").exists() and not Path("/etc/berth").exists()
     assert accounts_named("berth") == []
+    assert "controlplane.env" not in run(["dpkg-statoverride", "--list"], check=False).stdout  # its mode, gone
