@@ -61,6 +61,10 @@ from controlplane.store.reads import CommittedReads, Reads, numbered, reservatio
 
 log = structlog.get_logger("berth.store")
 
+# The sessions a replica holds on the database (docs/scale-out.md sizes max_connections by them): the writer's,
+# its speculative groups' reads and commits, the leader lock's, the listener's, and committed reads' pool.
+READ_POOL = 4
+SESSIONS = ("writer", "writer reads", "writer commits", "leader", "listen")  # each one, beside READ_POOL "reads"
 WRITE_LOCK = 0x62657274_0002  # "bert" and 2: the advisory lock every replica's writer takes per group
 GROUP_MAX = 256
 RETRIES = 3  # attempts of a group that lost a race before its callers hear PROVIDER_UNAVAILABLE
@@ -1355,7 +1359,7 @@ class PgStore(CommittedReads):
             await conn.close()
         # min_size 0: the pool keeps no floor of connections, so it does not retry (and log) while the database is away
         self.pool = await asyncpg.create_pool(
-            self.dsn, min_size=0, max_size=4, statement_cache_size=256,
+            self.dsn, min_size=0, max_size=READ_POOL, statement_cache_size=256,
             server_settings={**SERVER_SETTINGS, "application_name": f"{self.connector.application} reads"})
 
     def start(self, on_reset: Callable[[PgTx], None], on_group: Callable[[int], None] | None = None,

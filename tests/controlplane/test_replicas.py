@@ -23,7 +23,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from controlplane.store.postgres import SPECULATION_PAUSE_S, WRITE_LOCK
+from controlplane.store.postgres import READ_POOL, SESSIONS, SPECULATION_PAUSE_S, WRITE_LOCK
 from tests import dbrows
 from tests.controlplane.conftest import TOKENS, bootstrap_doc, h100_node
 from tests.serverproc import ServerProcess, post
@@ -141,6 +141,13 @@ def test_two_replicas_split_a_burst_for_the_last_gpus_without_double_booking(dat
             assert (202, rid) == (status, doc["reservation"]["id"])
         check_database(database, acked)
         assert used_gpus(a) == used_gpus(b) == charged_gpus(database) == 3 * CLIENTS
+        # each replica held no more sessions than docs/scale-out.md sizes max_connections by
+        held = Counter(r[0].removeprefix("berth-controlplane ") for r in dbrows.rows(
+            database, "SELECT application_name FROM pg_stat_activity WHERE datname = current_database() AND "
+                      "application_name LIKE 'berth-controlplane %'"))
+        assert {"writer", "listen", "leader"} <= set(held) <= {*SESSIONS, "reads"}, held
+        assert held["reads"] <= 2 * READ_POOL, held
+        assert all(n <= 2 for role, n in held.items() if role != "reads"), held
         # one key sent to both replicas at once: one reservation, the other call replays it
         before = {r[0] for r in dbrows.rows(database, "SELECT id FROM reservations")}
         with ThreadPoolExecutor(2) as pool:
