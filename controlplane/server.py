@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--from", dest="source", required=True, metavar="sqlite:///PATH",
                          help="the SQLite database to move (brought to this Berth's schema first)")
     migrate.add_argument("--to", dest="target", required=True, metavar="postgresql://...",
-                         help="an existing PostgreSQL database: postgresql://USER[:PASSWORD]@HOST[:PORT]/DB, or "
+                         help="an existing PostgreSQL database: postgresql://USER@HOST[:PORT]/DB (the password in "
+                         "PGPASSWORD or a passfile; ?sslmode=verify-full&sslrootcert=FILE for TLS), or "
                          "postgresql://USER@/DB?host=/run/postgresql for a unix socket; it must hold no "
                          "reservations, events or catalog yet")
     migrate.add_argument("--replace", action="store_true",
@@ -132,7 +133,8 @@ def migrate_main(args: argparse.Namespace) -> int:
         return 2
     if not is_postgresql(args.target):
         print(f"berth controlplane migrate: --to {logs.redact_url(args.target)!r}: give the PostgreSQL database "
-              "as postgresql://USER[:PASSWORD]@HOST[:PORT]/DB (or postgresql://USER@/DB?host=/run/postgresql)",
+              "as postgresql://USER@HOST[:PORT]/DB, its password in PGPASSWORD or a passfile (or "
+              "postgresql://USER@/DB?host=/run/postgresql)",
               file=sys.stderr)
         return 2
     try:
