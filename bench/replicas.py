@@ -22,7 +22,8 @@ committed speculatively (one statement, docs/scale-out.md), and the time from a
 create answered by replica B to the binding in the answer of an agent's watch long-polling replica A
 (docs/scale-out.md). Then where each run's CPU went, per request: the servers', PostgreSQL's and the load
 clients' (they share this machine's cores), with the cores left idle; a run that leaves none idle is bound by
-this machine's CPU, not by its commits. From one replica's costs per create two upper bounds are printed: its
+this machine's CPU, not by its commits, and what the replica no client is sent to (in `2 to leader`) spends per
+create of the leader, following its commits. From one replica's costs per create two upper bounds are printed: its
 event loop (one thread, the server's main one: the "its loop" column) on one whole core, and every core of this
 machine busy with servers, PostgreSQL and clients; then the ratio of the two loops' ceilings (the baseline's loop
 CPU per request over one replica's per create): what one replica / baseline comes to where both run their loops
@@ -171,9 +172,10 @@ def idle_seconds() -> float:
 
 
 def measure(bases: list[str], seconds: float, connections: int, label: str, start: int, offset: int,
-            servers: list[subprocess.Popen] = (), cluster=None) -> dict:
+            servers: list[subprocess.Popen] = (), cluster=None, followers: int = 0) -> dict:
     """One load split evenly across the servers, at once; the sums, the worst latency, and the CPU seconds the
-    servers, the cluster and the load clients spent (the cluster's as the processes alive at the end saw it)."""
+    servers, the cluster and the load clients spent (the cluster's as the processes alive at the end saw it);
+    followers: how many of the servers, the last ones, get no load (they follow the others' commits)."""
     per = max(1, connections // len(bases))
     url = "/api/compute/reservations/create"
     pg = cluster_pids(cluster) if cluster is not None else []
@@ -190,6 +192,8 @@ def measure(bases: list[str], seconds: float, connections: int, label: str, star
             "requests": sum(r["requests"] for r in results), "p50_ms": max(r["p50_ms"] for r in results),
             "p99_ms": max(r["p99_ms"] for r in results),
             "cpu_server": sum(cpu_seconds(p.pid) - b for p, b in zip(servers, before[0])),
+            "cpu_followers": sum(cpu_seconds(p.pid) - b for p, b in list(zip(servers, before[0]))[
+                len(servers) - followers:]) if followers else 0.0,
             "cpu_loop": sum(cpu_seconds(p.pid, p.pid) - b for p, b in zip(servers, loops)),
             "cpu_postgres": max(0.0, sum(map(cpu_seconds, pg)) - before[1]),
             "cpu_clients": (children.ru_utime + children.ru_stime) - (before[2].ru_utime + before[2].ru_stime),
@@ -296,7 +300,8 @@ def main() -> int:
             # before the split load, not right after it: a replica that finds another's writes commits under the
             # lock for a while (SPECULATION_PAUSE_S), as it would after any change of the balancer's choice.
             leader = leader_of([url_a, url_b])
-            servers[TO_LEADER] = ([leader], [a, b], [leader], 2_000_000)  # the split load books from 0 and 1,000,000
+            led, following = (a, b) if leader == url_a else (b, a)
+            servers[TO_LEADER] = ([leader], [led, following], [leader], 2_000_000)  # the split load: 0 and 1,000,000
             servers["postgresql, 2 replicas"] = ([url_a, url_b], [a, b], [url_a, url_b], 0)
             for label, (urls, _, _, first) in servers.items():
                 measure(urls, 1, args.connections, f"{label} warm-up", start, first)
@@ -307,7 +312,8 @@ def main() -> int:
                     results[label] = measure(urls, args.seconds, args.connections,
                                              f"round {n + 1}/{args.rounds}: {label}",
                                              start, 100_000 + n * ROUND_CREATES + first,
-                                             procs, cluster if label != "sqlite" else None)
+                                             procs, cluster if label != "sqlite" else None,
+                                             followers=1 if label == TO_LEADER else 0)
                     after = [counters(u) for u in counted]
                     for key in (after[0] if after else ()):
                         results[label][key] = sum(a[key] - b[key] for a, b in zip(after, before))
@@ -358,6 +364,10 @@ def report(rounds: list[dict[str, dict]], seen: list[float], args: argparse.Name
     print(f"2 replicas: {two['requests']:,.0f} creates, {two['errors']:.0f} errors, {retries:.0f} lost races run "
           f"again inside the store ({retries / max(1, two['requests']):.2%}), "
           f"{two.get('berth_store_reloads_total', 0):.0f} reloads after the other replica's writes")
+    led = total[TO_LEADER]
+    follows = led["cpu_followers"] / max(1, led["requests"]) * 1e6
+    print(f"2 to leader: the replica no client is sent to spent {follows:.0f} us per create of the leader (it "
+          "refreshes its memory after each of the leader's commits)")
     seen_ms = sorted(s * 1000 for s in seen)
     print(f"a create on replica B seen by a watch on replica A: p50 {statistics.median(seen_ms):.1f} ms, "
           f"max {seen_ms[-1]:.1f} ms over {len(seen_ms)} creates (includes the window start's transition)")
