@@ -3,7 +3,8 @@
 Changed only by store jobs (on the event loop), so it always equals what the
 database holds; rebuilt from the database at start and whenever a job or a
 commit fails, and brought up to date reservation by reservation with what
-other replicas wrote (apply).
+other replicas wrote (apply) and with creates whose speculative commit did
+not land (forget).
 """
 from __future__ import annotations
 
@@ -68,6 +69,17 @@ class WriterState:
         self.track(res)
         if res.state == states.PENDING:
             self.timers.retry_pool(res.pool_id, now + RETRY_MS)
+
+    def forget(self, reservation_id: str) -> None:
+        """A reservation the database does not hold after all (a create whose speculative commit did not land):
+        out of the calendar, the ledger and the indexes. A timer of it left behind finds nothing when due."""
+        self.calendar.remove(reservation_id)
+        for held in self.charged.values():
+            res = held.pop(reservation_id, None)
+            if res is not None:
+                self.ledger.refund(res.tenant_id, res.charge)
+        for index in (*self.pending.values(), *self.spot.values()):
+            index.pop(reservation_id, None)
 
     def track(self, res: Reservation) -> None:
         """Keep the indexes (pending queue, spot set, timers) in step with the reservation's state."""

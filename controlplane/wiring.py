@@ -6,6 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Collection
 
 import structlog
 
@@ -197,10 +198,13 @@ class ControlPlane:
             self._load_policies()
         self.reconciler.wake()
 
-    def _changed(self, tx, changed: list, now: int) -> None:
+    def _changed(self, tx, changed: list, now: int, dropped: Collection[str] = ()) -> None:
         """Other replicas changed these reservations (and nothing of the catalog): each replaces its old self in
         memory with its bookings live at `now` (the store's reading of this clock), and whatever reads memory hears
-        of it, as after this replica's own commits."""
+        of it, as after this replica's own commits. `dropped`: creates this replica ran whose commit did not land,
+        forgotten first (no one heard of them: their hooks run only once a commit lands)."""
+        for reservation_id in dropped:
+            self.state.forget(reservation_id)
         bookings: dict[str, list] = {}
         for booking in tx.live_bookings_of([res.id for res in changed], now):
             bookings.setdefault(booking.reservation_id, []).append(booking)

@@ -438,6 +438,8 @@ class PgTx(Reads, JobOutcome):
     def _touch(self, reservation_id: str) -> None:
         self.touched.add(reservation_id)
         self.w.prefetched.pop(reservation_id, None)  # read back from the database from now on (own writes)
+        if self.speculative:
+            self.w.unlanded.add(reservation_id)
 
     def _fetch(self, sql: str, *args) -> list:
         ahead = self.w.read_ahead.get((sql, *args)) if self.w.read_ahead else None
@@ -603,7 +605,7 @@ class Writer:
     COMMIT. While a group waits for the lock or commits, the API's loop goes on and new jobs queue."""
 
     def __init__(self, connector: Connector, on_reset: Callable[[PgTx], None],
-                 on_changed: Callable[[PgTx, list[Reservation], int], None] | None = None,
+                 on_changed: Callable[[PgTx, list[Reservation], int, Collection[str]], None] | None = None,
                  commit_wait_s: float = COMMIT_WAIT_S, clock: Callable[[], int] = Clock().compute_now):
         self.connector = connector
         self._on_reset = on_reset
@@ -618,7 +620,11 @@ class Writer:
         self._sync = threading.RLock()  # the memory and the writer's connection, against call_sync
         self._committing: Commit | None = None  # the speculative commit on its way
         self._wake: asyncio.Future | None = None  # an open speculative group waits on it (_while_committing)
-        self._poisoned = False  # the memory holds a failed speculation's changes: rebuild it first
+        self._poisoned = False  # the memory holds a failed speculation's changes: repair or rebuild it first
+        # The reservations speculative jobs changed in memory whose commit has not landed (a poisoned memory forgets
+        # them), and whether the poison is only theirs: else (a job failed midway) the memory is rebuilt whole
+        self.unlanded: set[str] = set()
+        self._unrepairable = False
         self._speculate_after = 0.0  # monotonic time before which groups take the lock first
         # A speculative group's read and its commit, on the API's loop: one thread hop less each way, per round
         # trip, than the writer's connection (its locked path's jobs wait on it synchronously, so it has a thread)
@@ -1051,13 +1057,13 @@ class Writer:
                 if not tx.dirty:  # it asked before it changed anything (a create naming a quote): it, and the
                     self._redo(batch[i:fresh], pause=False)  # batch's rest, run under the lock; the group stands
                     return i
-                self._spoil("a speculative job needed the database")
+                self._spoil("a speculative job needed the database", repairable=False)
                 self._redo(run + batch[:fresh])
                 return None
             except BaseException as exc:  # noqa: BLE001 - as _run_jobs: every job gets an answer
                 exc = _as_answer(job.fn, exc)
                 if tx.dirty:  # its changes to the memory are undone by rebuilding it, so the group is run again
-                    self._spoil("a speculative job failed after changing the memory")
+                    self._spoil("a speculative job failed after changing the memory", repairable=False)
                     self._redo(run + batch[:fresh])
                     return None
                 answers.append((job.fut, None, exc))
@@ -1102,6 +1108,7 @@ class Writer:
         self.generation = fut.result()
         commit.done = True
         self.speculated += 1
+        self.unlanded -= commit.touched
         self._answered(len(commit.answers))
         run_hooks(commit.hooks)
         resolve(commit.answers)
@@ -1130,11 +1137,13 @@ class Writer:
         else:
             self._give_up(commit.group, exc if isinstance(exc, BaseException) else ConnectionError("cancelled"))
 
-    def _spoil(self, why: str) -> None:
-        """The memory holds changes the database will not: rebuild it at the next locked group, and take the lock
-        first for a while."""
+    def _spoil(self, why: str, repairable: bool = True) -> None:
+        """The memory holds changes the database will not: repair it at the next group (forget the unlanded
+        reservations), or rebuild it whole where a job failed midway (not repairable), and take the lock first for
+        a while."""
         log.info("speculation abandoned; the next group takes the write lock", reason=why)
         self._poisoned = True
+        self._unrepairable = self._unrepairable or not repairable
         self._pause_speculation()
         self._drop_unwritten()
 
@@ -1168,6 +1177,9 @@ class Writer:
                     raise
                 finally:
                     self.connector.run(self._rollback())
+                self.rebuilds += 1
+                self._poisoned = self._unrepairable = False
+                self.unlanded = set()
         except Exception as exc:  # noqa: BLE001 - the next group rebuilds it (the generation is unknown)
             log.warning("could not rebuild the writer's memory now; the next group will", error=str(exc))
 
@@ -1190,13 +1202,14 @@ class Writer:
         return touched, catalog
 
     def _changes_from(self, found: tuple[int, int, Any]) -> int | None:
-        """The memory's generation, where reading only the reservations changed since brings it up to `found`;
-        None where it must be rebuilt: it is of an unknown generation or of another
+        """The memory's generation, where reading only the reservations changed since (and forgetting the unlanded
+        ones) brings it up to `found`; None where it must be rebuilt: a job failed midway, it is of an unknown
+        generation or of another
         server run (a failover: the new primary's history may have lost the old one's last commits, and reused
         their generations), the database went back, or another replica changed the catalog or tokens."""
         generation, catalog_generation, server = found
         known = self.generation
-        if (known is None or self._poisoned or server != self.server or generation < known
+        if (known is None or (self._poisoned and self._unrepairable) or server != self.server or generation < known
                 or catalog_generation > known or self._on_changed is None):
             return None
         return known
@@ -1220,13 +1233,16 @@ class Writer:
             if known is None:
                 self._rebuild(tx)
             else:
-                self._on_changed(tx, tx.changed_since(known, generation), self._clock() if now is None else now)
+                dropped = self.unlanded if self._poisoned else ()
+                self._on_changed(tx, tx.changed_since(known, generation), self._clock() if now is None else now,
+                                 dropped)
         except BaseException:
             self.generation = None
             raise
         finally:
             self.read_ahead = {}
-        self._poisoned = False
+        self._poisoned = self._unrepairable = False
+        self.unlanded = set()
         self.reloads += 1
 
     def _rebuild(self, tx: PgTx) -> None:
@@ -1363,7 +1379,7 @@ class PgStore(CommittedReads):
             server_settings={**SERVER_SETTINGS, "application_name": f"{self.connector.application} reads"})
 
     def start(self, on_reset: Callable[[PgTx], None], on_group: Callable[[int], None] | None = None,
-              on_changed: Callable[[PgTx, list[Reservation], int], None] | None = None,
+              on_changed: Callable[[PgTx, list[Reservation], int, Collection[str]], None] | None = None,
               clock: Callable[[], int] | None = None) -> None:
         self.writer = Writer(self.connector, on_reset, on_changed, self.commit_wait_s,
                              *([clock] if clock is not None else []))

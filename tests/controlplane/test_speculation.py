@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from controlplane.state import WriterState
 from controlplane.store import postgres
 from tests.controlplane.conftest import T0, TOKENS, bootstrap_doc
 from tests.controlplane.test_metrics import scrape
@@ -53,6 +54,33 @@ async def fill(api, prefix: str) -> int:
     raise AssertionError("more creates placed than the pool has GPUs")
 
 
+def snapshot(state: WriterState) -> dict:
+    """What a writer's memory says of the bookings, the quota held and the indexes, comparable."""
+    return {
+        "bookings": sorted((b.reservation_id, b.pool_id, b.node_id, tuple(b.units), b.start, b.end, b.share)
+                           for held in state.calendar.by_reservation.values() for b in held),
+        "ledger": {t: {k: v for k, v in used.items() if v} for t, used in state.ledger.used.items()
+                   if any(used.values())},
+        "charged": {t: sorted(held) for t, held in state.charged.items() if held},
+        "pending": {p: list(ids) for p, ids in state.pending.items() if ids},
+        "spot": {p: list(ids) for p, ids in state.spot.items() if ids},
+    }
+
+
+async def check_memory(api) -> None:
+    """The writer's memory equals one rebuilt from what the database holds (read in a group of the writer)."""
+    cp = api.cp
+
+    def both(tx):
+        now = cp.clock.compute_now()
+        rebuilt = WriterState()
+        rebuilt.rebuild(cp.catalog.current, tx.live_reservations(now), tx.live_bookings(now), now)
+        return snapshot(cp.state), snapshot(rebuilt)
+
+    held, rebuilt = await cp.store.call(both)
+    assert held == rebuilt
+
+
 @pytest.fixture
 async def other(api, db_url, tmp_path):
     """Another replica on the api's database, in its own process, stopped after the test."""
@@ -83,12 +111,16 @@ async def test_a_create_by_another_replica_between_a_groups_read_and_its_commit(
         return await commit(*args)
 
     writer._commit_speculated = after_the_other_replica
+    rebuilds = writer.rebuilds
     status, doc = await api.call("create", "alice", body("raced"))
     assert status == 202 and doc["reservation"]["state"] == "placed", doc
     assert theirs and theirs[0][0] == 202 and theirs[0][1]["reservation"]["state"] == "placed", theirs
     assert writer.retries == retries + 1  # the compare-and-set lost, and the group ran again under the lock
     assert writer.speculated == speculated  # (not committed speculatively)
     writer._commit_speculated = commit
+    # the memory was repaired, not rebuilt: the create that did not land forgotten, bob's applied, alice's run again
+    assert writer.rebuilds == rebuilds and not writer.unlanded
+    await check_memory(api)
 
     # The memory knows bob's GPU: alice gets exactly what is left, and creates speculate again.
     await asyncio.sleep(0.3)
@@ -127,6 +159,7 @@ async def test_another_replicas_creates_are_read_ahead_in_one_snapshot_and_leave
     assert await fill(api, "rest") == GPUS - 3
     assert writer.retries == retries
     assert len(check_database(api)) == GPUS
+    await check_memory(api)
 
 
 async def test_a_refresh_that_needs_more_than_it_read_ahead_rebuilds_the_memory(api, other):
@@ -136,9 +169,9 @@ async def test_a_refresh_that_needs_more_than_it_read_ahead_rebuilds_the_memory(
     await asyncio.sleep(0.5)
     changed = writer._on_changed
 
-    def reads_more(tx, reservations, now):
+    def reads_more(tx, reservations, now, dropped):
         tx.catalog_docs("pools")  # a read no refresh makes ahead
-        changed(tx, reservations, now)
+        changed(tx, reservations, now, dropped)
 
     writer._on_changed = reads_more
     rebuilds = writer.rebuilds
