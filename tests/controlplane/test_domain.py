@@ -1,5 +1,7 @@
-"""The domain core as plain code: calendar, placement, quota, state machine and admission."""
+"""The domain core as plain code: calendar, placement, quota, state machine and admission, and the writer's memory."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +12,7 @@ from controlplane.domain.errors import DomainError
 from controlplane.domain.model import Node, Pool, PoolPolicy, Reservation, Tenant, Unit
 from controlplane.domain.placement import Ask, place
 from controlplane.domain.quota import QuotaLedger, charge_for
+from controlplane.state import WriterState
 from common.share import NO_SHARE, Share, host_share_per_gpu, pool_share_per_gpu
 
 H = 3_600_000
@@ -175,3 +178,37 @@ def test_admission_of_mig_requests_books_no_share():
     mig = Node("m", "p", "m", tuple(Unit(f"gpu0/mig{i}", 0, 0, "1g.10gb") for i in range(7)), 1, Share(32000, 1024, 0))
     plan = admit(CreateRequest("p", "A100_80GB", gpu_count=2, mig_profile="1g.10gb", duration_ms=H), Tenant("t"), pool, profile_of(pool, [mig]), 0)
     assert NO_SHARE == plan.resources and {"gpu:A100_80GB:1g.10gb": 2} == plan.charge
+
+
+# ---- the writer's memory ------------------------------------------------------------
+
+def test_forgetting_a_reservation_takes_it_out_of_the_calendar_the_ledger_and_the_queues_only():
+    """What a create whose speculative commit did not land leaves behind is undone (WriterState.forget); the other
+    reservations stay as they were, and forgetting one the memory never held changes nothing."""
+    def held(state: WriterState) -> tuple:
+        return ({k: [(b.node_id, b.units, b.start, b.end) for b in v] for k, v in state.calendar.by_reservation.items()},
+                {t: dict(+used) for t, used in state.ledger.used.items()},
+                {t: sorted(rs) for t, rs in state.charged.items() if rs},
+                {p: list(q) for p, q in state.pending.items() if q}, {p: list(q) for p, q in state.spot.items() if q})
+
+    state = WriterState()
+    state.calendar.add_node("pool", "n1", [f"gpu{i}" for i in range(8)])
+    kept = replace(_res(states.PLACED), id="kept", charge={"gpu:H100_80GB": 1})
+    state.calendar.book(Booking("kept", "pool", "n1", ("gpu0",), 0, H, NO_SHARE))
+    state.track(kept)
+    state.ledger.hold(kept.tenant_id, kept.charge)
+    before = held(state)
+
+    placed = replace(_res(states.PLACED), id="placed", spot=True, charge={"gpu:H100_80GB": 2})
+    state.calendar.book(Booking("placed", "pool", "n1", ("gpu1", "gpu2"), 0, H, NO_SHARE))
+    state.track(placed)
+    state.ledger.hold(placed.tenant_id, placed.charge)
+    queued = replace(_res(states.PENDING), id="queued", charge={"gpu:H100_80GB": 4})
+    state.track(queued)
+    state.ledger.hold(queued.tenant_id, queued.charge)
+    assert held(state) != before
+
+    for reservation_id in ("placed", "queued", "never-held"):
+        state.forget(reservation_id)
+    assert held(state) == before
+    assert state.calendar.pool("pool").nodes["n1"].devices["gpu1"].is_free(0, H)
