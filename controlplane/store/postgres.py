@@ -216,6 +216,15 @@ async def _begun(conn: asyncpg.Connection, reads: Iterable[str]) -> tuple[Any, d
     return state, rows
 
 
+async def _snapshot(conn: asyncpg.Connection, settings: str = "") -> tuple[tuple[int, int, Any], int]:
+    """BEGIN a read-only snapshot on conn: (generation, catalog generation, server run) as it shows them, and the
+    seq the next reservation gets, the one after its last (as a locked group's BEGIN reads it: a speculative group
+    after a refresh takes its seqs from here)."""
+    await conn.execute(f"BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {settings}")
+    state, _ = await _begun(conn, ())
+    return (state[0], state[1], conn.server), state[2] + 1
+
+
 def _booking(r) -> Booking:
     return Booking(r[0], r[1], r[2], tuple(r[3]), r[4], r[5], Share(r[6], r[7], r[8]))
 
@@ -606,11 +615,11 @@ class Writer:
 
     def __init__(self, connector: Connector, on_reset: Callable[[PgTx], None],
                  on_changed: Callable[[PgTx, list[Reservation], int, Collection[str]], None] | None = None,
-                 commit_wait_s: float = COMMIT_WAIT_S, clock: Callable[[], int] = Clock().compute_now):
+                 commit_wait_s: float = COMMIT_WAIT_S, clock: Callable[[], int] | None = None):
         self.connector = connector
         self._on_reset = on_reset
         self._on_changed = on_changed
-        self._clock = clock  # the domain's time in ms: what on_changed's bookings are read live at
+        self._clock = clock or Clock().compute_now  # the domain's time in ms: what on_changed's bookings are read at
         # A refresh's reads made ahead in its snapshot, by (statement, *arguments): PgTx._fetch answers them
         self.read_ahead: dict[tuple, list] = {}
         self.conn: asyncpg.Connection | None = None
@@ -705,15 +714,11 @@ class Writer:
         return generation
 
     async def _begin_snapshot(self, settings: str = "") -> tuple[int, int, Any]:
-        """A read-only snapshot, with (generation, catalog generation, server run) as it shows them; the seq the
-        next reservation gets is the one after its last (as a locked group's BEGIN reads it: a speculative group
-        after a refresh takes its seqs from here)."""
+        """A read-only snapshot on the writer's connection (_snapshot), the lock taken ahead given back first."""
         await self._drop_ahead()
         await self._connected()
-        await self.conn.execute(f"BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {settings}")
-        state, _ = await _begun(self.conn, ())
-        self.next_seq = state[2] + 1
-        return state[0], state[1], self.conn.server
+        found, self.next_seq = await _snapshot(self.conn, settings)
+        return found
 
     async def _commit(self, appends: Appends, wrote: bool, touched: set[str], catalog: bool) -> int:
         conn = self.conn
@@ -938,14 +943,11 @@ class Writer:
         _begin_snapshot gives it), what _fresh reads where only reservations changed, read ahead (those
         reservations, and their bookings live now), and that now; None where the memory is to be rebuilt."""
         self.reader = conn = await self._speculative_conn(self.reader, "writer reads")
-        await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         try:
-            state, _ = await _begun(conn, ())
-            found = (state[0], state[1], conn.server)
+            found, self.next_seq = await _snapshot(conn)
             known = self._changes_from(found)
             if known is None:
                 return None
-            self.next_seq = state[2] + 1
             ahead: dict[tuple, list] = {}
             now = self._clock()
             if found[0] != known:
@@ -1381,8 +1383,7 @@ class PgStore(CommittedReads):
     def start(self, on_reset: Callable[[PgTx], None], on_group: Callable[[int], None] | None = None,
               on_changed: Callable[[PgTx, list[Reservation], int, Collection[str]], None] | None = None,
               clock: Callable[[], int] | None = None) -> None:
-        self.writer = Writer(self.connector, on_reset, on_changed, self.commit_wait_s,
-                             *([clock] if clock is not None else []))
+        self.writer = Writer(self.connector, on_reset, on_changed, self.commit_wait_s, clock)
         if on_group is not None:
             self.writer.group_committed = on_group
 

@@ -220,6 +220,7 @@ async def test_concurrent_creates_pipelined_over_commits_book_each_gpu_once(api)
     scraped = await scrape(api)
     assert scraped["berth_store_speculative_groups_total"][()] == writer.speculated
     assert scraped["berth_store_race_retries_total"][()] == writer.retries == 0
+    assert not writer.unlanded  # every speculative create landed: none is left to forget
     # retried keys replay what was answered, from the database
     again = await asyncio.gather(*(api.call("create", "alice", body(f"c{i}")) for i in range(3 * GPUS)))
     assert [doc["reservation"]["id"] for _, doc in again] == [doc["reservation"]["id"] for _, doc in answers]
