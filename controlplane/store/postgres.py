@@ -6,10 +6,11 @@ SQLite engine does, and the database keeps the replicas honest:
 - **One writer at a time, across replicas.** A group of jobs runs in one
   transaction that first takes `pg_advisory_xact_lock(WRITE_LOCK)` and reads
   `replica_state.generation`. When the generation is not the one this replica
-  last committed or read, another replica wrote meanwhile, and the memory is
-  rebuilt from the database (inside the same locked transaction) before any
-  job runs; so placement, quota and budgets are decided on exactly what is
-  committed, by every replica. A group that wrote bumps the generation and
+  last committed or read, another replica wrote meanwhile, and what it changed
+  is read into the memory (inside the same locked transaction) before any job
+  runs; so placement, quota and budgets are decided on exactly what is
+  committed, by every replica. A memory to be rebuilt whole (a catalog change,
+  a failover) is rebuilt first in a snapshot without the lock. A group that wrote bumps the generation and
   sends `NOTIFY berth_changes` in its transaction; the other replicas hear it
   (controlplane/replicas.py) and refresh at once, so their watches answer
   within milliseconds. A generation counts only on the server run it was read
@@ -17,8 +18,8 @@ SQLite engine does, and the database keeps the replicas honest:
 - **The database refuses what the memory should never allow** (pg_schema.py):
   the exclusion constraint on booked devices, the unique reservation id of
   (tenant, principal, key). A group that meets one of those, a deadlock or a
-  serialization failure (a lost race) is rolled back, the memory rebuilt and
-  the group run again (`retries` counts them); only after RETRIES attempts do
+  serialization failure (a lost race) is rolled back, the memory brought back
+  to the database and the group run again (`retries` counts them); only after RETRIES attempts do
   its callers get PROVIDER_UNAVAILABLE.
 - **Commit order is cursor order.** Events are inserted under the write lock,
   and the lock is released only after the commit is visible, so a later
@@ -864,8 +865,13 @@ class Writer:
 
     async def _locked(self, group: list["Job"], attempt: int = 1) -> None:
         """One group in a transaction under the write lock: BEGIN and lock, the jobs, one statement, COMMIT."""
+        reads = [r for job in group for r in job.reads]
         try:
-            found = await self._on_db(self._begin([r for job in group for r in job.reads]))
+            found = await self._on_db(self._begin(reads))
+            if self._rebuilding(found):  # reading every live reservation: not while every replica's writes wait
+                await self._on_db(self._rollback())
+                await self._fresh_in_snapshot()
+                found = await self._on_db(self._begin(reads))  # (and what changed meanwhile, read under the lock)
         except BaseException as exc:  # noqa: BLE001 - the database is away
             self._give_up(group, exc)
             return
@@ -922,21 +928,22 @@ class Writer:
                 return
             except Unspeculative:  # it asked for more than was read ahead: rebuilt below (_fresh forgot the memory)
                 log.info("a refresh needed more than it read ahead; rebuilding the memory")
-        failed: BaseException | None = None
         try:
-            found = await self._on_db(self._begin_snapshot())
-        except BaseException as exc:  # noqa: BLE001 - the database is away
+            await self._fresh_in_snapshot()
+        except BaseException as exc:  # noqa: BLE001 - the database is away, or went away mid-read
             self._give_up(jobs, exc)
             return
+        resolve([(job.fut, None, None) for job in jobs])
+
+    async def _fresh_in_snapshot(self) -> None:
+        """Bring the memory up to the database in a read-only snapshot on the writer's connection, without the
+        write lock: a whole rebuild reads every live reservation, and no replica's writes wait for that."""
+        self.prefetched = {}  # (a group's reads: none here)
+        found = await self._on_db(self._begin_snapshot())
         try:
             self._fresh(found)
-        except BaseException as exc:  # noqa: BLE001 - the database went away mid-read
-            failed = exc
-        await self._on_db(self._rollback())
-        if failed is not None:
-            self._give_up(jobs, failed)
-            return
-        resolve([(job.fut, None, None) for job in jobs])
+        finally:
+            await self._on_db(self._rollback())
 
     async def _read_changes(self) -> tuple[tuple[int, int, Any], dict[tuple, list], int] | None:
         """In a read-only snapshot on the API loop's reading connection: what the database holds (as
@@ -1216,14 +1223,23 @@ class Writer:
             return None
         return known
 
+    def _current(self, found: tuple[int, int, Any]) -> bool:
+        """Whether the memory is what the database that found `found` holds."""
+        generation, _, server = found
+        return generation == self.generation and server == self.server and not self._poisoned
+
+    def _rebuilding(self, found: tuple[int, int, Any]) -> bool:
+        """Whether bringing the memory up to `found` rebuilds it whole (_fresh)."""
+        return not self._current(found) and self._changes_from(found) is None
+
     def _fresh(self, found: tuple[int, int, Any], ahead: dict[tuple, list] | None = None,
                now: int | None = None) -> None:
         """Inside the transaction that found `found`: bring the memory up to the database if it moved since this
         replica last saw it. With `ahead` (_read_changes), after that transaction, from what it read ahead at
         `now`; a read it did not make raises Unspeculative (and the memory is forgotten: rebuild it)."""
-        generation, _, server = found
-        if generation == self.generation and server == self.server and not self._poisoned:
+        if self._current(found):
             return
+        generation, _, server = found
         if self.generation is not None and (generation != self.generation or server != self.server):
             self._pause_speculation()  # another replica writes, or another server answers
         known = self._changes_from(found)

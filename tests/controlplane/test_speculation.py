@@ -189,6 +189,43 @@ async def test_a_refresh_that_needs_more_than_it_read_ahead_rebuilds_the_memory(
     assert len(check_database(api)) == GPUS
 
 
+# Whether any session holds the writers' lock (a bigint advisory lock: its high and low halves)
+WRITE_LOCK_HELD = ("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                   f" AND classid = {postgres.WRITE_LOCK >> 32} AND objid = {postgres.WRITE_LOCK & 0xFFFFFFFF}")
+
+
+async def test_a_memory_rebuilt_whole_is_read_without_the_write_lock_and_brought_up_under_it(api, other):
+    """A group that finds the memory must be rebuilt whole (another replica changed the catalog, as here, its
+    NOTIFY not yet heard; a failover; a speculative job that failed midway) reads every live reservation in a
+    snapshot without the write lock, so no replica's writes wait for that; then it takes the lock and reads only
+    what committed meanwhile."""
+    writer = api.cp.store.writer
+    await asyncio.sleep(0.5)  # the other replica's start heard
+    status, _ = await api.call("create", "alice", body("warm"))
+    assert status == 202
+    reset, held, theirs = writer._on_reset, [], []
+
+    def rebuild(tx):
+        held.append(api.rows(WRITE_LOCK_HELD)[0][0])
+        if not held[0]:  # (held: the other replica's create would wait for this one)
+            theirs.append(other.post("/api/compute/reservations/create", TOKENS["bob"], body("bob")))
+        reset(tx)
+
+    writer._on_reset = rebuild
+    rebuilds, retries = writer.rebuilds, writer.retries
+    api.rows("UPDATE replica_state SET generation = generation + 1, catalog_generation = generation + 1")
+    status, doc = await api.call("create", "alice", body("after"))
+    writer._on_reset = reset
+    assert status == 202 and doc["reservation"]["state"] == "placed", doc
+    assert held == [0]  # one rebuild, and no session held the lock meanwhile
+    assert writer.rebuilds == rebuilds + 1 and writer.retries == retries
+    assert theirs[0][0] == 202 and theirs[0][1]["reservation"]["state"] == "placed", theirs
+    await check_memory(api)  # bob's create, committed during the rebuild, is in the memory
+    await asyncio.sleep(0.3)
+    assert await fill(api, "rest") == GPUS - 3
+    assert len(check_database(api)) == GPUS
+
+
 async def test_a_create_that_needs_the_database_mid_job_is_run_again_under_the_lock(api):
     writer = api.cp.store.writer
     status, _ = await api.call("create", "alice", body("warm"))
