@@ -7,7 +7,7 @@ see either the old or the new catalog, never a mix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from controlplane.domain.admission import PoolProfile, profile_of
 from controlplane.domain.model import Node, Pool, Principal, Tenant
@@ -55,6 +55,19 @@ KINDS = {"tenant": Tenant, "principal": Principal, "pool": Pool, "node": Node}
 
 def encode_item(item) -> bytes:
     return codec.encode(item)
+
+
+def with_rows(catalog: Catalog, rows: Iterable[tuple[str, str, bytes]]) -> Catalog:
+    """The catalog with stored rows (kind, id, document) written over it: what another replica changed. The
+    policies are one row (`policies`, `default`)."""
+    changes: dict = {}
+    for kind, ident, doc in rows:
+        if kind == "policies":
+            changes["policies"] = bytes(doc).decode()
+        elif kind in KINDS:  # (as load: a kind this release does not know is not its to read)
+            items = changes.setdefault(kind + "s", dict(getattr(catalog, kind + "s")))
+            items[ident] = codec.decode_as(doc, KINDS[kind])
+    return catalog.with_changes(**changes) if changes else catalog
 
 
 def load(docs_by_kind: Mapping[str, list[bytes]], policies: str) -> Catalog:

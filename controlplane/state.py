@@ -31,6 +31,15 @@ class WriterState:
         for node in nodes:
             self.calendar.add_node(node.pool_id, node.id, (u.id for u in node.units))
 
+    def nodes_changed(self, nodes: Iterable[Node]) -> None:
+        """Nodes as the catalog has them now (at a rebuild, or as another replica changed them): their devices in
+        the calendar, a cleaning's deadline among the timers (one that is no longer the node's finds it so when
+        due)."""
+        self.add_nodes(nodes := list(nodes))
+        for node in nodes:
+            if node.cleaning is not None:
+                self.timers.add(node.cleaning.deadline, CLEANING, node.id)
+
     def rebuild(self, catalog: Catalog, reservations: Iterable[Reservation], bookings: Iterable[Booking],
                 now: int = 0) -> None:
         self.calendar = Calendar()
@@ -39,10 +48,7 @@ class WriterState:
         self.spot = {}
         self.charged = {}
         self.timers = Timers()
-        self.add_nodes(catalog.nodes.values())
-        for node in catalog.nodes.values():
-            if node.cleaning is not None:
-                self.timers.add(node.cleaning.deadline, CLEANING, node.id)
+        self.nodes_changed(catalog.nodes.values())
         for booking in bookings:
             self.calendar.add_node(booking.pool_id, booking.node_id, booking.units)
             self.calendar.book(booking)

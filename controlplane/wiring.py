@@ -30,7 +30,7 @@ from controlplane.reconciler import Reconciler
 from controlplane.reservations import ReservationService
 from controlplane.state import WriterState
 from controlplane.store.groups import COMMIT_WAIT_S
-from controlplane.store.port import Store, Tx
+from controlplane.store.port import CatalogChanges, Store, Tx
 from controlplane.store.sqlite import SqliteStore, StoreError
 from controlplane.tokens import Tokens
 from controlplane.metrics import ControlPlaneMetrics
@@ -198,11 +198,15 @@ class ControlPlane:
             self._load_policies()
         self.reconciler.wake()
 
-    def _changed(self, tx, changed: list, now: int, dropped: Collection[str] = ()) -> None:
-        """Other replicas changed these reservations (and nothing of the catalog): each replaces its old self in
-        memory with its bookings live at `now` (the store's reading of this clock), and whatever reads memory hears
-        of it, as after this replica's own commits. `dropped`: creates this replica ran whose commit did not land,
-        forgotten first (no one heard of them: their hooks run only once a commit lands)."""
+    def _changed(self, tx, changed: list, now: int, dropped: Collection[str] = (),
+                 catalog: CatalogChanges | None = None) -> None:
+        """Other replicas changed these reservations, and the catalog and tokens where `catalog` says so: each
+        reservation replaces its old self in memory with its bookings live at `now` (the store's reading of this
+        clock), and whatever reads memory hears of it, as after this replica's own commits. `dropped`: creates this
+        replica ran whose commit did not land, forgotten first (no one heard of them: their hooks run only once a
+        commit lands)."""
+        if catalog is not None:
+            self._catalog_changed(catalog)
         for reservation_id in dropped:
             self.state.forget(reservation_id)
         bookings: dict[str, list] = {}
@@ -213,6 +217,18 @@ class ControlPlane:
         for res in changed:
             self.moves.notify(res)  # watches of the nodes it is on, long polls on its tenant's events and on it
         self.reconciler.wake()
+
+    def _catalog_changed(self, changes: CatalogChanges) -> None:
+        """Another replica changed the catalog or the tokens: the rows it wrote over this replica's snapshot, the
+        tokens as they are, its nodes' devices and cleanings in the writer's memory, and the policies where they
+        changed; as that replica's own memory took them, without rebuilding this one whole."""
+        before = self.catalog.current
+        self.catalog.current = catalog_mod.with_rows(before, changes.rows)
+        self.tokens.rows = changes.tokens
+        self.state.nodes_changed(self.catalog.current.nodes[ident] for kind, ident, _ in changes.rows
+                                 if kind == "node")
+        if self.catalog.current.policies != before.policies:
+            self._load_policies()
 
     def apply_bootstrap(self, path: str) -> None:
         """Apply the bootstrap file at start (no event loop yet)."""

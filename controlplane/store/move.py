@@ -20,7 +20,7 @@ exclusion constraint exactly as a replica would write it.
   and events cursors a client holds stay valid); each BIGSERIAL sequence is
   set past the largest seq the SQLite file ever gave, so a new row never
   reuses one.
-- **Running replicas notice.** `replica_state.generation` (and the catalog's
+- **Running replicas notice.** `replica_state.generation` (and its rebuild
   generation) is raised and `NOTIFY berth_changes` sent, so a replica
   already on the target rebuilds its whole memory from the copied rows.
 - **The source is not written meanwhile.** The SQLite side is read inside
@@ -268,11 +268,12 @@ async def copy_into(src: sqlite3.Connection, pg: asyncpg.Connection, shown_targe
                              "changed") from None
         rows["booked_units"] = await pg.fetchval("SELECT count(*) FROM booked_units")
         await _set_sequences(src, pg)
-        # The catalog's generation too: a replica already on the target rebuilds its memory whole (the copied
-        # rows carry no generation of their own for it to catch up by).
+        # A replica already on the target rebuilds its memory whole (the copied reservations carry no generation
+        # of their own for it to catch up by, and --replace removed rows): the rebuild generation says so, and the
+        # catalog's, to a replica of an earlier release.
         generation = await pg.fetchval(
-            "UPDATE replica_state SET generation = generation + 1, catalog_generation = generation + 1"
-            " WHERE id = 1 RETURNING generation")
+            "UPDATE replica_state SET generation = generation + 1, catalog_generation = generation + 1,"
+            " rebuild_generation = generation + 1 WHERE id = 1 RETURNING generation")
         await pg.execute("SELECT pg_notify($1, $2)", CHANNEL, str(generation))  # sent at commit, as a replica's
     return rows
 

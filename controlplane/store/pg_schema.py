@@ -161,6 +161,22 @@ DROP TRIGGER booked_units_keyed ON booked_units;
 CREATE TRIGGER booked_units_keyed BEFORE INSERT ON booked_units FOR EACH ROW WHEN (NEW.unit_id IS NULL)
   EXECUTE FUNCTION booked_unit_key();
 """),
+    (5, "the group that last wrote each catalog row, so that replicas read only the rows changed", """
+-- Another replica's change of the catalog (a node registered, cleaned, drained; a bootstrap applied) is read as
+-- the rows written after the generation a replica's memory has, not by rebuilding the memory whole. The trigger
+-- stamps every write, a replica of the previous release's too: each one holds the write lock, under which
+-- replica_state.generation is the last committed group's, and the writing group commits the next.
+-- What still calls for a whole rebuild (a migrate's copy, whose rows carry no generation) says so apart.
+ALTER TABLE replica_state ADD COLUMN rebuild_generation BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE catalog ADD COLUMN gen BIGINT NOT NULL DEFAULT 0;
+CREATE INDEX catalog_by_gen ON catalog (gen);
+CREATE FUNCTION catalog_gen() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  SELECT generation + 1 INTO NEW.gen FROM replica_state WHERE id = 1;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER catalog_stamped BEFORE INSERT OR UPDATE ON catalog FOR EACH ROW EXECUTE FUNCTION catalog_gen();
+"""),
 )
 LATEST = MIGRATIONS[-1][0]
 

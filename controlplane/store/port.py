@@ -16,6 +16,7 @@ replicas on one database, docs/scale-out.md).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Collection, Iterable, Protocol, TypeVar
 
 from controlplane.domain.calendar import Booking
@@ -23,6 +24,15 @@ from controlplane.domain.errors import DomainError
 from controlplane.domain.model import Confirmation, Operation, Reservation
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogChanges:
+    """What other writers changed of the catalog and the tokens: the catalog's rows they wrote (kind, id, the
+    stored document; catalog rows are never deleted), and every token as it is now."""
+
+    rows: list[tuple[str, str, bytes]]
+    tokens: dict[str, tuple[str, str]]
 
 
 class Reads(Protocol):
@@ -106,15 +116,15 @@ class Store(Reads, Protocol):
     jobs: int  # jobs run
 
     def start(self, on_reset: Callable[[Tx], None], on_group: Callable[[int], None] | None = None,
-              on_changed: Callable[[Any, list[Reservation], int, Collection[str]], None] | None = None,
-              clock: Callable[[], int] | None = None) -> None:
+              on_changed: Callable[[Any, list[Reservation], int, Collection[str], CatalogChanges | None], None]
+              | None = None, clock: Callable[[], int] | None = None) -> None:
         """Start the writer; on_reset(tx) rebuilds the writer's memory from the database; on_group(jobs) hears
-        each committed group's size; on_changed(tx, reservations, now, dropped) brings the memory up to date with
-        what other writers (replicas on one database) changed, when only reservations changed
+        each committed group's size; on_changed(tx, reservations, now, dropped, catalog) brings the memory up to
+        date with what other writers (replicas on one database) changed: the reservations
         (tx.live_bookings_of(their ids, now) gives their bookings; an engine may have read them ahead, at a `now`
         from clock, the domain's time in ms), after forgetting `dropped`, reservations it ran jobs on whose
-        commit did not land (an engine that runs jobs before the previous commit lands); an engine with one writer
-        never calls it."""
+        commit did not land (an engine that runs jobs before the previous commit lands), and the catalog and
+        tokens where they changed (else None); an engine with one writer never calls it."""
 
     def call(self, job: Callable[[Tx], T], reads: Iterable[str] = (), append_only: bool = False,
              background: bool = False) -> Awaitable[T]:

@@ -9,8 +9,9 @@ SQLite engine does, and the database keeps the replicas honest:
   last committed or read, another replica wrote meanwhile, and what it changed
   is read into the memory (inside the same locked transaction) before any job
   runs; so placement, quota and budgets are decided on exactly what is
-  committed, by every replica. A memory to be rebuilt whole (a catalog change,
-  a failover) is rebuilt first in a snapshot without the lock. A group that wrote bumps the generation and
+  committed, by every replica (the catalog's rows too, and the tokens). A
+  memory to be rebuilt whole (a failover) is rebuilt first in a snapshot
+  without the lock. A group that wrote bumps the generation and
   sends `NOTIFY berth_changes` in its transaction; the other replicas hear it
   (controlplane/replicas.py) and refresh at once, so their watches answer
   within milliseconds. A generation counts only on the server run it was read
@@ -44,7 +45,7 @@ import sys
 import threading
 import time
 from decimal import Decimal
-from typing import Any, Awaitable, Callable, Collection, Iterable
+from typing import Any, Awaitable, Callable, Collection, Iterable, NamedTuple
 
 import asyncpg
 import msgspec
@@ -58,6 +59,7 @@ from controlplane.domain.model import Reservation
 from controlplane.domain.states import TERMINAL
 from controlplane.store import codec, pg_schema
 from controlplane.store.groups import COMMIT_WAIT_S, Appends, JobOutcome, resolve, run_hooks, unavailable
+from controlplane.store.port import CatalogChanges
 from controlplane.store.reads import CommittedReads, Reads, numbered, reservation_of
 
 log = structlog.get_logger("berth.store")
@@ -205,9 +207,20 @@ class Connector:
             self.loop.close()
 
 
+class Found(NamedTuple):
+    """What a group's BEGIN, or a snapshot, found: the database's generation, the last group that changed the
+    catalog or the tokens, the last after which every replica rebuilds its memory whole (a migrate's copy), and
+    the server run (Session.server)."""
+
+    generation: int
+    catalog: int
+    rebuild: int
+    server: Any
+
+
 async def _begun(conn: asyncpg.Connection, reads: Iterable[str]) -> tuple[Any, dict[str, tuple[bytes, int] | None]]:
-    """BEGUN's answer: the state row (generation, catalog generation, last seq), and each of `reads` as (doc,
-    seq), or None where no such reservation is."""
+    """BEGUN's answer: the state row (generation, catalog generation, last seq, -, -, rebuild generation), and
+    each of `reads` as (doc, seq), or None where no such reservation is."""
     state, rows = None, dict.fromkeys(reads)
     for row in await conn.fetch(BEGUN, list(rows)):
         if row[3] is None:
@@ -217,13 +230,12 @@ async def _begun(conn: asyncpg.Connection, reads: Iterable[str]) -> tuple[Any, d
     return state, rows
 
 
-async def _snapshot(conn: asyncpg.Connection, settings: str = "") -> tuple[tuple[int, int, Any], int]:
-    """BEGIN a read-only snapshot on conn: (generation, catalog generation, server run) as it shows them, and the
-    seq the next reservation gets, the one after its last (as a locked group's BEGIN reads it: a speculative group
-    after a refresh takes its seqs from here)."""
+async def _snapshot(conn: asyncpg.Connection, settings: str = "") -> tuple[Found, int]:
+    """BEGIN a read-only snapshot on conn: what it shows, and the seq the next reservation gets, the one after its
+    last (as a locked group's BEGIN reads it: a speculative group after a refresh takes its seqs from here)."""
     await conn.execute(f"BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {settings}")
     state, _ = await _begun(conn, ())
-    return (state[0], state[1], conn.server), state[2] + 1
+    return Found(state[0], state[1], state[5], conn.server), state[2] + 1
 
 
 def _booking(r) -> Booking:
@@ -242,7 +254,7 @@ LOCKED = f"BEGIN; SELECT pg_advisory_xact_lock({WRITE_LOCK:d})"  # a group's tra
 # What a group reads once it holds the lock: the generations and the next seq (the row without an id), and the
 # reservations its jobs read.
 BEGUN = ("SELECT generation, catalog_generation, (SELECT COALESCE(MAX(seq), 0) FROM reservations), NULL, NULL::bytea,"
-         " NULL::bigint FROM replica_state WHERE id = 1"
+         " rebuild_generation FROM replica_state WHERE id = 1"
          " UNION ALL SELECT NULL, NULL, NULL, id, doc, seq FROM reservations WHERE id = ANY($1::text[])")
 # A booking's devices (from `ab`, the booking's RETURNING, and `u`, a device): each with its key, looked up here
 # (the schema's trigger keys a device that has none yet).
@@ -350,6 +362,8 @@ SPECULATED = (
 # without the values, and an open range estimated at a third of the table becomes, past some 100,000
 # reservations, a scan of all of them in seq order; a closed one is estimated small, and read by `gen`.
 CHANGED_SINCE = "SELECT doc, seq, id FROM reservations WHERE gen > $1 AND gen <= $2 ORDER BY seq"
+CATALOG_CHANGED_SINCE = "SELECT kind, id, doc FROM catalog WHERE gen > $1 AND gen <= $2 ORDER BY kind, id"
+TOKENS = "SELECT hash, kind, subject FROM tokens"
 # The bookings that still block someone at $1 (of live reservations, or a released one's turnaround), of every
 # reservation (rebuilding the memory) or only of $2's (bringing it up to other replicas' writes).
 _LIVE_BOOKINGS = (
@@ -416,7 +430,7 @@ class PgTx(Reads, JobOutcome):
         self.wrote = False
         self.touched: set[str] = set()  # reservations this job changed (their rows get the group's generation)
         self.stamped: set[str] = set()  # of them, those whose rows this job wrote, with the generation already
-        self.catalog_touched = False  # the catalog or the tokens: other replicas then reload them whole
+        self.catalog_touched = False  # the catalog or tokens: other replicas read the rows changed, the tokens whole
 
     # statements: each one hop to the database's thread, which first writes the rows appended so far (earlier
     # jobs' before this job's savepoint, this job's inside it), so a job that only appends (a create) costs the
@@ -580,7 +594,12 @@ class PgTx(Reads, JobOutcome):
         return [r[0] for r in self._fetch("SELECT doc FROM catalog WHERE kind = $1 ORDER BY id", kind)]
 
     def tokens(self) -> dict[str, tuple[str, str]]:
-        return {r[0]: (r[1], r[2]) for r in self._fetch("SELECT hash, kind, subject FROM tokens")}
+        return {r[0]: (r[1], r[2]) for r in self._fetch(TOKENS)}
+
+    def catalog_changed_since(self, known: int, current: int) -> CatalogChanges:
+        """The catalog's rows groups wrote after generation `known` (up to `current`), and every token."""
+        rows = [(r[0], r[1], r[2]) for r in self._fetch(CATALOG_CHANGED_SINCE, known, current)]
+        return CatalogChanges(rows, self.tokens())
 
 
 class Job:
@@ -610,12 +629,16 @@ class Commit:
         self.done = False
 
 
+# What brings the memory up to other replicas' writes (store/port.py, Store.start)
+OnChanged = Callable[[PgTx, list[Reservation], int, Collection[str], CatalogChanges | None], None]
+
+
 class Writer:
     """One replica's writer: groups of jobs, each group one transaction under the write lock, answered after its
     COMMIT. While a group waits for the lock or commits, the API's loop goes on and new jobs queue."""
 
     def __init__(self, connector: Connector, on_reset: Callable[[PgTx], None],
-                 on_changed: Callable[[PgTx, list[Reservation], int, Collection[str]], None] | None = None,
+                 on_changed: OnChanged | None = None,
                  commit_wait_s: float = COMMIT_WAIT_S, clock: Callable[[], int] | None = None):
         self.connector = connector
         self._on_reset = on_reset
@@ -666,9 +689,9 @@ class Writer:
         self._expiry: asyncio.TimerHandle | None = None
 
     # ---- on the database's thread -----------------------------------------------------------------
-    async def _begin(self, reads: list[str] = ()) -> tuple[int, int, Any]:
-        """BEGIN, the write lock, and (generation, catalog generation, server run) as the lock found them; the
-        reservations the group's jobs said they read first (`reads`), fetched together."""
+    async def _begin(self, reads: list[str] = ()) -> Found:
+        """BEGIN, the write lock, and what the lock found; the reservations the group's jobs said they read first
+        (`reads`), fetched together."""
         if not await self._ahead_taken():
             await self._connected()
             await self.conn.execute(LOCKED)
@@ -676,7 +699,7 @@ class Writer:
         state, self.prefetched = await _begun(self.conn, reads)
         self.next_seq = state[2] + 1
         self.stamp = state[0] + 1
-        return state[0], state[1], self.conn.server
+        return Found(state[0], state[1], state[5], self.conn.server)
 
     async def _connected(self) -> None:
         if self.conn is None or self.conn.is_closed():
@@ -711,10 +734,11 @@ class Writer:
 
     async def _begin_read(self) -> int:
         """A snapshot to rebuild the memory from, with the generation it shows (no lock: it writes nothing)."""
-        generation, _, self.server = await self._begin_snapshot(WHOLE_READS)
-        return generation
+        found = await self._begin_snapshot(WHOLE_READS)
+        self.server = found.server
+        return found.generation
 
-    async def _begin_snapshot(self, settings: str = "") -> tuple[int, int, Any]:
+    async def _begin_snapshot(self, settings: str = "") -> Found:
         """A read-only snapshot on the writer's connection (_snapshot), the lock taken ahead given back first."""
         await self._drop_ahead()
         await self._connected()
@@ -909,9 +933,10 @@ class Writer:
     async def _refresh(self, jobs: list["Job"]) -> None:
         """Bring the memory up to what other replicas committed, read in a snapshot without the write lock (a
         locked group would do it too, but hold up every replica that writes meanwhile, for each refresh of each
-        replica that follows). Where only reservations changed, the snapshot is the API loop's reading
-        connection's, and what changed is read ahead in it and applied after (no thread hop, and the loop is not
-        held while the database answers); else the writer's connection's, the memory rebuilt in it."""
+        replica that follows). Where reading what changed brings the memory up (reservations, catalog rows, tokens),
+        the snapshot is the API loop's reading connection's, and what changed is read ahead in it and applied after
+        (no thread hop, and the loop is not held while the database answers); else the writer's connection's, the
+        memory rebuilt in it."""
         await self._settle()
         self.prefetched = {}  # (a group's reads: none here)
         try:
@@ -928,6 +953,8 @@ class Writer:
                 return
             except Unspeculative:  # it asked for more than was read ahead: rebuilt below (_fresh forgot the memory)
                 log.info("a refresh needed more than it read ahead; rebuilding the memory")
+            except Exception:  # noqa: BLE001 - a fault applying them: rebuilt below, as above
+                log.exception("applying another replica's changes failed; rebuilding the memory")
         try:
             await self._fresh_in_snapshot()
         except BaseException as exc:  # noqa: BLE001 - the database is away, or went away mid-read
@@ -945,10 +972,11 @@ class Writer:
         finally:
             await self._on_db(self._rollback())
 
-    async def _read_changes(self) -> tuple[tuple[int, int, Any], dict[tuple, list], int] | None:
+    async def _read_changes(self) -> tuple[Found, dict[tuple, list], int] | None:
         """In a read-only snapshot on the API loop's reading connection: what the database holds (as
-        _begin_snapshot gives it), what _fresh reads where only reservations changed, read ahead (those
-        reservations, and their bookings live now), and that now; None where the memory is to be rebuilt."""
+        _begin_snapshot gives it), what _fresh reads where the memory need not be rebuilt, read ahead (the
+        reservations changed and their bookings live now, the catalog rows changed and the tokens), and that now;
+        None where the memory is to be rebuilt."""
         self.reader = conn = await self._speculative_conn(self.reader, "writer reads")
         try:
             found, self.next_seq = await _snapshot(conn)
@@ -957,10 +985,15 @@ class Writer:
                 return None
             ahead: dict[tuple, list] = {}
             now = self._clock()
-            if found[0] != known:
-                changed = ahead[(CHANGED_SINCE, known, found[0])] = await conn.fetch(CHANGED_SINCE, known, found[0])
+            current = found.generation
+            if current != known:
+                changed = ahead[(CHANGED_SINCE, known, current)] = await conn.fetch(CHANGED_SINCE, known, current)
                 ids = tuple(row[2] for row in changed)
                 ahead[(LIVE_BOOKINGS_OF, now, ids)] = await conn.fetch(LIVE_BOOKINGS_OF, now, ids)
+            if found.catalog > known:  # the catalog or the tokens changed
+                ahead[(CATALOG_CHANGED_SINCE, known, current)] = await conn.fetch(CATALOG_CHANGED_SINCE, known,
+                                                                                current)
+                ahead[(TOKENS,)] = await conn.fetch(TOKENS)
             return found, ahead, now
         finally:
             await conn.execute("ROLLBACK")
@@ -1210,36 +1243,34 @@ class Writer:
         self._touched, self._stamped, self._catalog_touched = set(), set(), False
         return touched, catalog
 
-    def _changes_from(self, found: tuple[int, int, Any]) -> int | None:
-        """The memory's generation, where reading only the reservations changed since (and forgetting the unlanded
-        ones) brings it up to `found`; None where it must be rebuilt: a job failed midway, it is of an unknown
-        generation or of another
-        server run (a failover: the new primary's history may have lost the old one's last commits, and reused
-        their generations), the database went back, or another replica changed the catalog or tokens."""
-        generation, catalog_generation, server = found
+    def _changes_from(self, found: Found) -> int | None:
+        """The memory's generation, where reading only the reservations and catalog rows changed since (and
+        forgetting the unlanded reservations) brings it up to `found`; None where it must be rebuilt: a job failed
+        midway, it is of an unknown generation or of another server run (a failover: the new primary's history may
+        have lost the old one's last commits, and reused their generations), the database went back, or a
+        migrate's copy replaced what it holds."""
         known = self.generation
-        if (known is None or (self._poisoned and self._unrepairable) or server != self.server or generation < known
-                or catalog_generation > known or self._on_changed is None):
+        if (known is None or (self._poisoned and self._unrepairable) or found.server != self.server
+                or found.generation < known or found.rebuild > known or self._on_changed is None):
             return None
         return known
 
-    def _current(self, found: tuple[int, int, Any]) -> bool:
+    def _current(self, found: Found) -> bool:
         """Whether the memory is what the database that found `found` holds."""
-        generation, _, server = found
-        return generation == self.generation and server == self.server and not self._poisoned
+        return found.generation == self.generation and found.server == self.server and not self._poisoned
 
-    def _rebuilding(self, found: tuple[int, int, Any]) -> bool:
+    def _rebuilding(self, found: Found) -> bool:
         """Whether bringing the memory up to `found` rebuilds it whole (_fresh)."""
         return not self._current(found) and self._changes_from(found) is None
 
-    def _fresh(self, found: tuple[int, int, Any], ahead: dict[tuple, list] | None = None,
+    def _fresh(self, found: Found, ahead: dict[tuple, list] | None = None,
                now: int | None = None) -> None:
         """Inside the transaction that found `found`: bring the memory up to the database if it moved since this
         replica last saw it. With `ahead` (_read_changes), after that transaction, from what it read ahead at
         `now`; a read it did not make raises Unspeculative (and the memory is forgotten: rebuild it)."""
         if self._current(found):
             return
-        generation, _, server = found
+        generation, server = found.generation, found.server
         if self.generation is not None and (generation != self.generation or server != self.server):
             self._pause_speculation()  # another replica writes, or another server answers
         known = self._changes_from(found)
@@ -1252,8 +1283,9 @@ class Writer:
                 self._rebuild(tx)
             else:
                 dropped = self.unlanded if self._poisoned else ()
+                catalog = tx.catalog_changed_since(known, generation) if found.catalog > known else None
                 self._on_changed(tx, tx.changed_since(known, generation), self._clock() if now is None else now,
-                                 dropped)
+                                 dropped, catalog)
         except BaseException:
             self.generation = None
             raise
@@ -1397,7 +1429,7 @@ class PgStore(CommittedReads):
             server_settings={**SERVER_SETTINGS, "application_name": f"{self.connector.application} reads"})
 
     def start(self, on_reset: Callable[[PgTx], None], on_group: Callable[[int], None] | None = None,
-              on_changed: Callable[[PgTx, list[Reservation], int, Collection[str]], None] | None = None,
+              on_changed: OnChanged | None = None,
               clock: Callable[[], int] | None = None) -> None:
         self.writer = Writer(self.connector, on_reset, on_changed, self.commit_wait_s, clock)
         if on_group is not None:

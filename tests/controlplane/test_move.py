@@ -178,14 +178,26 @@ def test_a_target_holding_data_is_refused_and_left_unchanged(source, target):
 
 
 def test_replace_empties_the_target_first_in_the_same_transaction(source, target):
+    """And a replica running on the target meanwhile rebuilds its memory from the copied rows: the reservation
+    only it had made is gone from it, the copied ones are in it."""
     moved(source, target)
     cp = open_plane(target, source.now)
-    try:
+
+    async def replaced_under_a_running_replica():
         alice = cp.catalog.current.principals["alice"]
-        extra = asyncio.run(cp.reservations.create(alice, create("only-on-postgresql"))).reservation.id
+        extra = (await cp.reservations.create(alice, create("only-on-postgresql"))).reservation.id
+        assert extra in cp.state.calendar.by_reservation
+        out = await asyncio.to_thread(moved, source, target, "--replace")
+        rebuilds = cp.store.writer.rebuilds
+        await cp.store.refresh()  # (as on the copy's NOTIFY)
+        assert cp.store.writer.rebuilds == rebuilds + 1
+        return extra, out
+
+    try:
+        extra, out = asyncio.run(replaced_under_a_running_replica())
+        assert extra not in cp.state.calendar.by_reservation and source.active in cp.state.calendar.by_reservation
     finally:
         cp.close()
-    out = moved(source, target, "--replace")
     assert "moved sqlite:///" in out.stdout
     assert [] == dbrows.rows(target, "SELECT id FROM reservations WHERE id = ?", extra)
     assert ids_of(source.path) == [r[0] for r in dbrows.rows(target, "SELECT id FROM reservations ORDER BY seq")]

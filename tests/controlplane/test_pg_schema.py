@@ -1,6 +1,7 @@
 """The PostgreSQL store's schema on a real throwaway cluster: migrations applied once under the advisory lock even
 when two replicas start together, a newer schema refused untouched, and the database itself refusing two bookings
-of one device in overlapping windows (the exclusion constraint), whatever the replicas' memory says."""
+of one device in overlapping windows (the exclusion constraint), whatever the replicas' memory says; catalog rows
+stamped with the generation that wrote them."""
 from __future__ import annotations
 
 import asyncio
@@ -124,5 +125,36 @@ async def test_schema_3_keys_the_devices_already_booked_and_still_refuses_their_
             "SELECT k.node_id, k.unit FROM booked_units b JOIN bookings g ON g.id = b.booking_id JOIN unit_keys k"
             " ON k.id = b.unit_id WHERE g.reservation_id = 'new2' ORDER BY k.id")]
         assert 4 == await conn.fetchval("SELECT count(*) FROM unit_keys")
+    finally:
+        await conn.close()
+
+
+async def test_a_catalog_row_carries_the_generation_its_group_commits_whoever_writes_it(database):
+    """Schema 5: a write of the catalog (as a replica of schema 4 makes it, naming no generation) is stamped with
+    the generation the group writing it commits, so other replicas read it among the rows changed since theirs;
+    the rows already there keep 0 (a replica's memory holds them)."""
+    cluster, name = database
+    conn = await connect(cluster, name)
+    try:
+        await conn.execute("CREATE TABLE schema_version (version INT PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL "
+                           "DEFAULT now(), what TEXT NOT NULL)")
+        for version, what, sql in pg_schema.MIGRATIONS[:4]:  # a database a schema-4 Berth left, with a catalog
+            await conn.execute(sql)
+            await conn.execute("INSERT INTO schema_version (version, what) VALUES ($1, $2)", version, what)
+        await conn.execute("INSERT INTO catalog (kind, id, doc) VALUES ('node', 'old', ''), ('node', 'kept', '')")
+        await conn.execute("UPDATE replica_state SET generation = 41")
+        assert pg_schema.LATEST == await pg_schema.migrate(conn)
+        async with conn.transaction():  # a group: its writes, then the generation moved (COMMIT_GROUP)
+            await conn.execute("INSERT INTO catalog (kind, id, doc) VALUES ('node', 'new', ''), ('tenant', 't', '')")
+            await conn.execute("UPDATE catalog SET doc = 'x' WHERE kind = 'node' AND id = 'old'")
+            await conn.execute("UPDATE replica_state SET generation = generation + 1")
+        async with conn.transaction():
+            await conn.execute("INSERT INTO catalog (kind, id, doc) VALUES ('node', 'newer', '')"
+                               " ON CONFLICT (kind, id) DO UPDATE SET doc = excluded.doc")
+            await conn.execute("UPDATE replica_state SET generation = generation + 1")
+        assert [("node", "kept", 0), ("node", "new", 42), ("node", "newer", 43), ("node", "old", 42),
+                ("tenant", "t", 42)] == [
+            tuple(r) for r in await conn.fetch("SELECT kind, id, gen FROM catalog ORDER BY kind, id")]
+        assert 0 == await conn.fetchval("SELECT rebuild_generation FROM replica_state")
     finally:
         await conn.close()

@@ -9,9 +9,10 @@ import json
 
 import pytest
 
+from controlplane import catalog as catalog_mod
 from controlplane.state import WriterState
 from controlplane.store import postgres
-from tests.controlplane.conftest import T0, TOKENS, bootstrap_doc
+from tests.controlplane.conftest import T0, TOKENS, bootstrap_doc, h100_node
 from tests.controlplane.test_metrics import scrape
 from tests.serverproc import ServerProcess
 
@@ -162,16 +163,20 @@ async def test_another_replicas_creates_are_read_ahead_in_one_snapshot_and_leave
     await check_memory(api)
 
 
-async def test_a_refresh_that_needs_more_than_it_read_ahead_rebuilds_the_memory(api, other):
+@pytest.mark.parametrize("fault", ["reads more", "fails"])
+async def test_a_refresh_that_needs_more_than_it_read_ahead_or_fails_rebuilds_the_memory(api, other, fault):
     """Should bringing the memory up ever read what the refresh did not read ahead (its snapshot is closed by
-    then), the memory is rebuilt whole in a snapshot instead: nothing is applied from outside one."""
+    then), or fail, the memory is rebuilt whole in a snapshot instead: nothing is applied from outside one, and
+    the writer goes on (a fault that escaped would leave every later refresh waiting on this one)."""
     writer = api.cp.store.writer
     await asyncio.sleep(0.5)
     changed = writer._on_changed
 
-    def reads_more(tx, reservations, now, dropped):
+    def reads_more(tx, *changes):
+        if fault == "fails":
+            raise RuntimeError("a fault applying another replica's changes")
         tx.catalog_docs("pools")  # a read no refresh makes ahead
-        changed(tx, reservations, now, dropped)
+        changed(tx, *changes)
 
     writer._on_changed = reads_more
     rebuilds = writer.rebuilds
@@ -189,16 +194,72 @@ async def test_a_refresh_that_needs_more_than_it_read_ahead_rebuilds_the_memory(
     assert len(check_database(api)) == GPUS
 
 
+async def caught_up(api) -> None:
+    """Until the api's memory is at the database's generation (it heard the other replica's NOTIFY)."""
+    for _ in range(100):
+        if api.cp.store.generation == api.rows("SELECT generation FROM replica_state")[0][0]:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the memory did not catch up with the database")
+
+
+async def test_another_replicas_catalog_and_token_changes_are_applied_without_rebuilding_the_memory(api, other):
+    """A node cordoned, then a bootstrap adding a principal (with its token) and a node, on another replica: this
+    one reads the catalog rows those groups wrote and the tokens, ahead in its refresh's snapshot, and takes them
+    as that replica did, without rebuilding its memory (which reads every live reservation): the new principal
+    authenticates here, and placement passes the cordoned node by and books the new one."""
+    writer = api.cp.store.writer
+    await asyncio.sleep(0.5)  # the other replica's start heard
+    status, _ = await api.call("create", "alice", body("warm"))
+    assert status == 202
+    reloads, rebuilds, snapshots, begin_snapshot = writer.reloads, writer.rebuilds, [], writer._begin_snapshot
+
+    def counted(*args):
+        snapshots.append(args)
+        return begin_snapshot(*args)
+
+    writer._begin_snapshot = counted
+    admin = bootstrap_doc()["adminToken"]
+    status, doc = await asyncio.to_thread(other.post, "/api/admin/nodes/cordon", admin, {"nodeId": "h1"})
+    assert status == 200, doc
+    boot = bootstrap_doc()
+    boot["principals"].append({"id": "erin", "tenant": "acme", "token": "token-acme-erin-0000001"})
+    boot["nodes"].append(h100_node("h3"))
+    status, doc = await asyncio.to_thread(other.post, "/api/admin/bootstrap", admin, boot)
+    assert status == 200, doc
+    await caught_up(api)
+    assert writer.reloads > reloads and (writer.rebuilds, snapshots) == (rebuilds, [])
+    writer._begin_snapshot = begin_snapshot
+
+    # The memory's catalog and tokens are what the database holds
+    def stored(tx):
+        docs = {kind: tx.catalog_docs(kind) for kind in catalog_mod.KINDS}
+        return catalog_mod.load(docs, b"".join(tx.catalog_docs("policies")).decode()), tx.tokens()
+
+    catalog, tokens = await api.cp.store.call(stored)
+    assert (api.cp.catalog.current, api.cp.tokens.rows) == (catalog, tokens)
+    assert catalog.nodes["h1"].state == "cordoned" and "h3" in catalog.nodes
+    # erin's token works here; the window's GPUs go to h2 and h3, none of the cordoned h1's (warm's stays)
+    await asyncio.sleep(0.3)  # the pause after another replica's writes
+    status, doc = await api.call("create", "token-acme-erin-0000001", body("erin"))
+    assert status == 202 and doc["reservation"]["state"] == "placed", doc
+    await fill(api, "rest")
+    warm_on_h1 = api.rows("SELECT count(*) FROM bookings WHERE node_id = 'h1'")[0][0]
+    assert [(16,)] == api.rows("SELECT count(*) FROM booked_units WHERE node_id IN ('h2', 'h3')")
+    assert [(warm_on_h1,)] == api.rows("SELECT count(*) FROM booked_units WHERE node_id = 'h1'")
+    await check_memory(api)
+
+
 # Whether any session holds the writers' lock (a bigint advisory lock: its high and low halves)
 WRITE_LOCK_HELD = ("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
                    f" AND classid = {postgres.WRITE_LOCK >> 32} AND objid = {postgres.WRITE_LOCK & 0xFFFFFFFF}")
 
 
 async def test_a_memory_rebuilt_whole_is_read_without_the_write_lock_and_brought_up_under_it(api, other):
-    """A group that finds the memory must be rebuilt whole (another replica changed the catalog, as here, its
-    NOTIFY not yet heard; a failover; a speculative job that failed midway) reads every live reservation in a
-    snapshot without the write lock, so no replica's writes wait for that; then it takes the lock and reads only
-    what committed meanwhile."""
+    """A group that finds the memory must be rebuilt whole (a failover, as here: the memory was read from
+    another server run; a speculative job that failed midway) reads every live reservation in a snapshot without
+    the write lock, so no replica's writes wait for that; then it takes the lock and reads only what committed
+    meanwhile."""
     writer = api.cp.store.writer
     await asyncio.sleep(0.5)  # the other replica's start heard
     status, _ = await api.call("create", "alice", body("warm"))
@@ -213,7 +274,7 @@ async def test_a_memory_rebuilt_whole_is_read_without_the_write_lock_and_brought
 
     writer._on_reset = rebuild
     rebuilds, retries = writer.rebuilds, writer.retries
-    api.rows("UPDATE replica_state SET generation = generation + 1, catalog_generation = generation + 1")
+    writer.server = "a server run before a failover"
     status, doc = await api.call("create", "alice", body("after"))
     writer._on_reset = reset
     assert status == 202 and doc["reservation"]["state"] == "placed", doc
@@ -342,6 +403,8 @@ async def test_the_writers_statements_keep_index_plans_made_on_nearly_empty_and_
         ("BEGUN", postgres.BEGUN, "conn", "'{}'", "reservations_id_key"),
         ("COMMIT_GROUP", postgres.COMMIT_GROUP, "conn", f"false, '{{}}', {rows}", "reservations_id_key"),
         ("CHANGED_SINCE", postgres.CHANGED_SINCE, "conn", "1, 2", "reservations_by_gen"),
+        ("CATALOG_CHANGED_SINCE", postgres.CATALOG_CHANGED_SINCE, "reader", "1, 2", "catalog_by_gen"),
+        ("CATALOG_CHANGED_SINCE", postgres.CATALOG_CHANGED_SINCE, "conn", "1, 2", "catalog_by_gen"),
         ("LIVE_BOOKINGS_OF", postgres.LIVE_BOOKINGS_OF, "conn", "0, '{}'", "bookings_by_reservation"),
     ]
     for tables in ("nearly empty", "large"):
@@ -351,6 +414,9 @@ async def test_the_writers_statements_keep_index_plans_made_on_nearly_empty_and_
                      " '', i FROM generate_series(1, 300000) i")
             api.rows("INSERT INTO bookings (reservation_id, pool_id, node_id, start_ms, end_ms, vcpu_milli, memory_mib,"
                      " hugepages_1g) SELECT 'x' || i, 'h100', 'h1', 0, 0, 0, 0, 0 FROM generate_series(1, 100000) i")
+            api.rows("ALTER TABLE catalog DISABLE TRIGGER catalog_stamped")  # (rows of many generations)
+            api.rows("INSERT INTO catalog (kind, id, doc, gen) SELECT 'x', 'x' || i, '', i"
+                     " FROM generate_series(1, 100000) i")
         api.rows("ANALYZE")
         for name, sql, side, arguments, index in checks:
             conn = getattr(writer, side)
