@@ -373,6 +373,27 @@ _LIVE_BOOKINGS = (
     " AND b.end_ms > b.start_ms{only} ORDER BY b.id")
 LIVE_BOOKINGS = _LIVE_BOOKINGS.format(only="")
 LIVE_BOOKINGS_OF = _LIVE_BOOKINGS.format(only=" AND b.reservation_id = ANY($2::text[])")
+# What a refresh reads, in one statement (one snapshot, one round trip), each row tagged with its kind: 0 the state
+# row (as BEGUN's: generation, catalog generation, rebuild generation, last seq), 1 the reservations changed after
+# $1 up to that generation (CHANGED_SINCE), 2 their bookings live at $2 (LIVE_BOOKINGS_OF), and where the catalog
+# changed, 3 its rows changed (CATALOG_CHANGED_SINCE) and 4 every token (TOKENS). Columns: kind, order, five
+# integers, three texts, an array of texts, a document (Writer._read_changes reshapes each kind's rows).
+CHANGES = (
+    "WITH s AS (SELECT generation, catalog_generation, rebuild_generation,"
+    " (SELECT COALESCE(MAX(seq), 0) FROM reservations) AS last FROM replica_state WHERE id = 1),"
+    " c AS (SELECT doc, seq, id FROM reservations WHERE gen > $1 AND gen <= (SELECT generation FROM s))"
+    " SELECT 0, 0::bigint, generation, catalog_generation, rebuild_generation, last, NULL::bigint, NULL::text,"
+    " NULL::text, NULL::text, NULL::text[], NULL::bytea FROM s"
+    " UNION ALL SELECT 1, seq, seq, NULL, NULL, NULL, NULL, id, NULL, NULL, NULL, doc FROM c"
+    " UNION ALL SELECT 2, b.id, b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib, b.hugepages_1g, b.reservation_id,"
+    " b.pool_id, b.node_id, b.units, NULL FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
+    " WHERE b.reservation_id IN (SELECT id FROM c) AND (r.state IN ('placed', 'binding', 'active')"
+    " OR (r.state = 'released' AND b.end_ms > $2)) AND b.end_ms > b.start_ms"
+    " UNION ALL SELECT 3, 0, NULL, NULL, NULL, NULL, NULL, kind, id, NULL, NULL, doc FROM catalog"
+    " WHERE gen > $1 AND gen <= (SELECT generation FROM s)"
+    " UNION ALL SELECT 4, 0, NULL, NULL, NULL, NULL, NULL, hash, kind, subject, NULL, NULL FROM tokens"
+    " WHERE (SELECT catalog_generation FROM s) > $1"
+    " ORDER BY 1, 2, 8, 9")
 SPECULATION_PAUSE_S = 2.0  # after another replica wrote, or a speculation failed: groups take the lock first
 
 
@@ -973,30 +994,33 @@ class Writer:
             await self._on_db(self._rollback())
 
     async def _read_changes(self) -> tuple[Found, dict[tuple, list], int] | None:
-        """In a read-only snapshot on the API loop's reading connection: what the database holds (as
-        _begin_snapshot gives it), what _fresh reads where the memory need not be rebuilt, read ahead (the
-        reservations changed and their bookings live now, the catalog rows changed and the tokens), and that now;
-        None where the memory is to be rebuilt."""
+        """What the database holds (as a snapshot gives it), and what _fresh reads where the memory need not be
+        rebuilt, read ahead at a `now` (the reservations changed and their bookings live then; the catalog rows
+        changed and the tokens): in one statement (CHANGES) on the API loop's reading connection, so one snapshot
+        and one round trip. None where the memory is to be rebuilt."""
+        known = self.generation
+        if known is None:
+            return None
         self.reader = conn = await self._speculative_conn(self.reader, "writer reads")
-        try:
-            found, self.next_seq = await _snapshot(conn)
-            known = self._changes_from(found)
-            if known is None:
-                return None
-            ahead: dict[tuple, list] = {}
-            now = self._clock()
-            current = found.generation
-            if current != known:
-                changed = ahead[(CHANGED_SINCE, known, current)] = await conn.fetch(CHANGED_SINCE, known, current)
-                ids = tuple(row[2] for row in changed)
-                ahead[(LIVE_BOOKINGS_OF, now, ids)] = await conn.fetch(LIVE_BOOKINGS_OF, now, ids)
-            if found.catalog > known:  # the catalog or the tokens changed
-                ahead[(CATALOG_CHANGED_SINCE, known, current)] = await conn.fetch(CATALOG_CHANGED_SINCE, known,
-                                                                                current)
-                ahead[(TOKENS,)] = await conn.fetch(TOKENS)
-            return found, ahead, now
-        finally:
-            await conn.execute("ROLLBACK")
+        now = self._clock()
+        rows = await conn.fetch(CHANGES, known, now)
+        state = rows[0]
+        found = Found(state[2], state[3], state[4], conn.server)
+        self.next_seq = state[5] + 1
+        if self._changes_from(found) is None:
+            return None
+        by_kind: tuple[list, ...] = ([], [], [], [], [])
+        for r in rows:
+            by_kind[r[0]].append(r)
+        changed = [(r[11], r[2], r[7]) for r in by_kind[1]]
+        ahead: dict[tuple, list] = {
+            (CHANGED_SINCE, known, found.generation): changed,
+            (LIVE_BOOKINGS_OF, now, tuple(row[2] for row in changed)):
+                [(r[7], r[8], r[9], r[10], r[2], r[3], r[4], r[5], r[6]) for r in by_kind[2]]}
+        if found.catalog > known:
+            ahead[(CATALOG_CHANGED_SINCE, known, found.generation)] = [(r[7], r[8], r[11]) for r in by_kind[3]]
+            ahead[(TOKENS,)] = [(r[7], r[8], r[9]) for r in by_kind[4]]
+        return found, ahead, now
 
     def refresh(self) -> "asyncio.Future[None]":
         """Bring the memory up to the database (another replica wrote); answered once it is."""

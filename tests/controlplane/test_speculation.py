@@ -403,7 +403,9 @@ async def test_the_writers_statements_keep_index_plans_made_on_nearly_empty_and_
         ("BEGUN", postgres.BEGUN, "conn", "'{}'", "reservations_id_key"),
         ("COMMIT_GROUP", postgres.COMMIT_GROUP, "conn", f"false, '{{}}', {rows}", "reservations_id_key"),
         ("CHANGED_SINCE", postgres.CHANGED_SINCE, "conn", "1, 2", "reservations_by_gen"),
-        ("CATALOG_CHANGED_SINCE", postgres.CATALOG_CHANGED_SINCE, "reader", "1, 2", "catalog_by_gen"),
+        ("CHANGES", postgres.CHANGES, "reader", "1, 0", "reservations_by_gen"),
+        ("CHANGES", postgres.CHANGES, "reader", "1, 0", "catalog_by_gen"),
+        ("CHANGES", postgres.CHANGES, "reader", "1, 0", "bookings_by_reservation"),
         ("CATALOG_CHANGED_SINCE", postgres.CATALOG_CHANGED_SINCE, "conn", "1, 2", "catalog_by_gen"),
         ("LIVE_BOOKINGS_OF", postgres.LIVE_BOOKINGS_OF, "conn", "0, '{}'", "bookings_by_reservation"),
     ]
@@ -425,7 +427,9 @@ async def test_the_writers_statements_keep_index_plans_made_on_nearly_empty_and_
                 plan = await asyncio.wrap_future(writer.connector.submit(explain(conn, sql, arguments)))
             else:
                 plan = await explain(conn, sql, arguments)
-            assert "Seq Scan" not in plan, f"{name} on {side}, {tables} tables: a sequential scan\n{plan}"
+            # (every token is read where the catalog changed, so tokens alone are scanned whole)
+            assert "Seq Scan" not in plan.replace("Seq Scan on tokens", ""), \
+                f"{name} on {side}, {tables} tables: a sequential scan\n{plan}"
             if tables == "large":  # (on a table of a row or two, any index will do)
                 assert index in plan, f"{name} on {side}, {tables} tables: not by {index}\n{plan}"
 
