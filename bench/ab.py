@@ -31,7 +31,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import create_throughput as ct  # noqa: E402  (the load client and the server helpers)
 import replicas as rb  # noqa: E402  (the fleet, the counters and the CPU accounting)
 
-from tests.pgcluster import ClusterError, throwaway_cluster  # noqa: E402
 
 PAIR_CREATES = 200_000  # windows each pair's measurements book from (rb.ROUND_CREATES: the horizon's arithmetic)
 MAX_PAIRS = (rb.MAX_ROUNDS * rb.ROUND_CREATES) // PAIR_CREATES - 1
@@ -77,13 +76,7 @@ def main() -> int:
     ratios: list[float] = []
     with contextlib.ExitStack() as stack:
         roots = {"A": tree(args.a, stack), "B": tree(args.b, stack)}
-        try:
-            cluster = stack.enter_context(throwaway_cluster(fsync=True))
-        except ClusterError as exc:
-            print(f"bench/ab.py: {exc}", file=sys.stderr)
-            return 2
-        boot = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="berth-ab-"))) / "bootstrap.json"
-        rb.bootstrap(boot)
+        cluster, boot = rb.cluster_with_fleet(stack, "bench/ab.py")
         servers = {}
         for side, root in roots.items():
             port = ct.free_port()

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import re
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -40,7 +39,6 @@ import create_throughput as ct  # noqa: E402  (the load client and the server he
 import replicas as rb  # noqa: E402  (the fleet, the admin token, the leader)
 
 from controlplane.store.postgres import WRITE_LOCK  # noqa: E402
-from tests.pgcluster import ClusterError, throwaway_cluster  # noqa: E402
 
 # Which session holds the writers' lock (a bigint advisory lock: its high and low halves)
 LOCK_HOLDER = ("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
@@ -146,13 +144,7 @@ def main() -> int:
     start = (int(time.time()) // 3600 + 1) * ct.HOUR
     with contextlib.ExitStack() as stack:
         root = ab.tree(args.tree, stack)
-        try:
-            cluster = stack.enter_context(throwaway_cluster(fsync=True))
-        except ClusterError as exc:
-            print(f"bench/replica_stalls.py: {exc}", file=sys.stderr)
-            return 2
-        boot = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="berth-stalls-"))) / "bootstrap.json"
-        rb.bootstrap(boot)
+        cluster, boot = rb.cluster_with_fleet(stack, "bench/replica_stalls.py")
         db = cluster.createdb("stalls")
         servers = []
         for _ in range(2):

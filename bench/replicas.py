@@ -47,6 +47,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
@@ -101,6 +102,19 @@ def bootstrap(path: Path) -> None:
                          "gpus": 8})
     doc["nodeTokens"] = [{"pool": "watch", "token": NODE_BOOT}]
     path.write_text(json.dumps(doc))
+
+
+def cluster_with_fleet(stack: contextlib.ExitStack, prog: str) -> tuple[Any, Path]:
+    """A throwaway cluster (fsync on) and a bootstrap file of the fleet (bootstrap), both gone when `stack`
+    closes; where no cluster can be made, `prog` exits 2 saying why."""
+    try:
+        cluster = stack.enter_context(throwaway_cluster(fsync=True))
+    except ClusterError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    boot = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="berth-bench-"))) / "bootstrap.json"
+    bootstrap(boot)
+    return cluster, boot
 
 
 def post(base: str, path: str, token: str, body: dict, timeout: float = 30) -> tuple[int, dict]:
