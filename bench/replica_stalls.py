@@ -9,6 +9,8 @@ machine). Then, and what is printed:
 - **a catalog change**: a node cordoned on the leader, then uncordoned, --times changes in all, while a client
   polls the standby's `/healthz` every 5 ms: per change, the longest answer (the standby's loop held while it
   takes the change) and whether the standby rebuilt its memory whole (`berth_store_rebuilds_total`);
+- **a start**: a third replica started on the filled database, until it listens (its memory built whole), against
+  the first two's start on the empty one;
 - **a whole rebuild on both**: the rebuild generation moved (as a `migrate` into the database moves it, without
   its NOTIFY; on a tree older than schema 5, the catalog generation, which then called for the same) and one
   create sent to each replica at once, --times rounds: the longest time one session held the writers' lock
@@ -146,9 +148,11 @@ def main() -> int:
         root = ab.tree(args.tree, stack)
         cluster, boot = rb.cluster_with_fleet(stack, "bench/replica_stalls.py")
         db = cluster.createdb("stalls")
-        servers = []
+        servers, empty_start = [], []
         for _ in range(2):
+            t0 = time.perf_counter()
             proc = ct.serve_berth(db, boot, port := ct.free_port(), root=root)
+            empty_start.append(time.perf_counter() - t0)
             stack.callback(ct.stop, proc)
             servers.append(f"http://127.0.0.1:{port}")
         leader = rb.leader_of(servers)
@@ -156,6 +160,11 @@ def main() -> int:
         filled = ct.run_client(leader + "/api/compute/reservations/create", args.fill_seconds, 32, "filling", start)
         live = asyncio.run(count_live(db))
         print(f"tree {args.tree}: {live:,} live reservations ({filled['errors']} errors while filling)")
+        t0 = time.perf_counter()  # a third replica's start: its memory built whole from the filled database
+        ct.stop(ct.serve_berth(db, boot, ct.free_port(), root=root))
+        filled_start = time.perf_counter() - t0
+        print(f"a replica's start until it listens: {min(empty_start):.2f} s on the empty database,"
+              f" {filled_start:.2f} s on the filled one")
         time.sleep(3)  # the standby caught up, the pause after the leader's writes over
         changes = catalog_changes(leader, standby, args.times)
         rounds = asyncio.run(rebuilds_on_both(db, servers, start, args.times))

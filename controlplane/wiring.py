@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,20 @@ from controlplane.transitions import CatalogRef, Transitions
 
 log = structlog.get_logger("berth.controlplane")
 
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """The cyclic garbage collector off while the writer's memory is built whole: every object that makes is kept,
+    and with the collector's default thresholds (at start, before the server raises them) rescanning the growing
+    heap doubled a rebuild's time (docs/scale-out.md)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def secrets_of(tokens: dict[str, list[tuple[str, str]]], admin: str | None) -> list[str]:
@@ -184,16 +200,17 @@ class ControlPlane:
     def _load(self, tx: Tx) -> None:
         """The writer's memory from the database: at start, after a failed job or commit, and after another
         replica's writes. Whatever reads memory (watches, long polls, the timers) hears of the change."""
-        docs = {kind: tx.catalog_docs(kind) for kind in catalog_mod.KINDS}
-        policies = b"".join(tx.catalog_docs("policies")).decode()
-        before = self.catalog.current.policies
-        self.catalog.current = catalog_mod.load(docs, policies)
-        self.tokens.rows = tx.tokens()
-        now = self.clock.compute_now()
-        live = tx.live_reservations(now)
-        self.state.rebuild(self.catalog.current, live, tx.live_bookings(now), now)
-        self.nodes.resync(live)
-        self.reservations.wake_all(live)
+        with collector_paused():
+            docs = {kind: tx.catalog_docs(kind) for kind in catalog_mod.KINDS}
+            policies = b"".join(tx.catalog_docs("policies")).decode()
+            before = self.catalog.current.policies
+            self.catalog.current = catalog_mod.load(docs, policies)
+            self.tokens.rows = tx.tokens()
+            now = self.clock.compute_now()
+            live = tx.live_reservations(now)
+            self.state.rebuild(self.catalog.current, live, tx.live_bookings(now), now)
+            self.nodes.resync(live)
+            self.reservations.wake_all(live)
         if self.catalog.current.policies != before and self.store.groups:
             self._load_policies()
         self.reconciler.wake()
