@@ -20,8 +20,8 @@ SQLite engine does, and the database keeps the replicas honest:
   the exclusion constraint on booked devices, the unique reservation id of
   (tenant, principal, key). A group that meets one of those, a deadlock or a
   serialization failure (a lost race) is rolled back, the memory brought back
-  to the database and the group run again (`retries` counts them); only after RETRIES attempts do
-  its callers get PROVIDER_UNAVAILABLE.
+  to the database and the group run again (`retries` counts them); only after
+  RETRIES attempts do its callers get PROVIDER_UNAVAILABLE.
 - **Commit order is cursor order.** Events are inserted under the write lock,
   and the lock is released only after the commit is visible, so a later
   `seq` is never visible before an earlier one: listing after a cursor skips
