@@ -238,6 +238,23 @@ async def _snapshot(conn: asyncpg.Connection, settings: str = "") -> tuple[Found
     return Found(state[0], state[1], state[5], conn.server), state[2] + 1
 
 
+def _changes_ahead(rows: list, known: int, now: int) -> dict[tuple, list]:
+    """CHANGES' rows (the state row first) as the reads _fresh makes (PgTx._fetch answers them from it)."""
+    by_kind: tuple[list, ...] = ([], [], [], [], [])
+    for r in rows:
+        by_kind[r[0]].append(r)
+    state, generation = rows[0], rows[0][2]
+    changed = [(r[11], r[2], r[7]) for r in by_kind[1]]
+    ahead: dict[tuple, list] = {
+        (CHANGED_SINCE, known, generation): changed,
+        (LIVE_BOOKINGS_OF, now, tuple(row[2] for row in changed)):
+            [(r[7], r[8], r[9], r[10], r[2], r[3], r[4], r[5], r[6]) for r in by_kind[2]]}
+    if state[3] > known:  # the catalog or the tokens changed
+        ahead[(CATALOG_CHANGED_SINCE, known, generation)] = [(r[7], r[8], r[11]) for r in by_kind[3]]
+        ahead[(TOKENS,)] = [(r[7], r[8], r[9]) for r in by_kind[4]]
+    return ahead
+
+
 def _booking(r) -> Booking:
     return Booking(r[0], r[1], r[2], tuple(r[3]), r[4], r[5], Share(r[6], r[7], r[8]))
 
@@ -722,6 +739,15 @@ class Writer:
         self.stamp = state[0] + 1
         return Found(state[0], state[1], state[5], self.conn.server)
 
+    async def _begin_ahead(self, reads: list[str], known: int | None, now: int) -> tuple[Found, dict[tuple, list]]:
+        """_begin, and where the database moved past `known` (the memory's generation), what _fresh reads then,
+        read ahead at `now` in one more statement (CHANGES, in the locked transaction): one round trip on this
+        thread rather than one hop of the API's loop per read."""
+        found = await self._begin(reads)
+        if known is None or found.generation == known or found.server != self.server:
+            return found, {}
+        return found, _changes_ahead(await self.conn.fetch(CHANGES, known, now), known, now)
+
     async def _connected(self) -> None:
         if self.conn is None or self.conn.is_closed():
             self.conn = None
@@ -911,17 +937,19 @@ class Writer:
     async def _locked(self, group: list["Job"], attempt: int = 1) -> None:
         """One group in a transaction under the write lock: BEGIN and lock, the jobs, one statement, COMMIT."""
         reads = [r for job in group for r in job.reads]
+        now = self._clock()
         try:
-            found = await self._on_db(self._begin(reads))
+            found, ahead = await self._on_db(self._begin_ahead(reads, self.generation, now))
             if self._rebuilding(found):  # reading every live reservation: not while every replica's writes wait
                 await self._on_db(self._rollback())
                 await self._fresh_in_snapshot()
-                found = await self._on_db(self._begin(reads))  # (and what changed meanwhile, read under the lock)
+                # (and what committed meanwhile, read under the lock)
+                found, ahead = await self._on_db(self._begin_ahead(reads, self.generation, now))
         except BaseException as exc:  # noqa: BLE001 - the database is away
             self._give_up(group, exc)
             return
         try:
-            self._fresh(found)
+            self._fresh(found, ahead, now, closed=False)
             answers, wrote = self._run_jobs(group)
         except BaseException as exc:  # noqa: BLE001 - the database went away mid-group
             self.connector.run(self._rollback())
@@ -1009,18 +1037,7 @@ class Writer:
         self.next_seq = state[5] + 1
         if self._changes_from(found) is None:
             return None
-        by_kind: tuple[list, ...] = ([], [], [], [], [])
-        for r in rows:
-            by_kind[r[0]].append(r)
-        changed = [(r[11], r[2], r[7]) for r in by_kind[1]]
-        ahead: dict[tuple, list] = {
-            (CHANGED_SINCE, known, found.generation): changed,
-            (LIVE_BOOKINGS_OF, now, tuple(row[2] for row in changed)):
-                [(r[7], r[8], r[9], r[10], r[2], r[3], r[4], r[5], r[6]) for r in by_kind[2]]}
-        if found.catalog > known:
-            ahead[(CATALOG_CHANGED_SINCE, known, found.generation)] = [(r[7], r[8], r[11]) for r in by_kind[3]]
-            ahead[(TOKENS,)] = [(r[7], r[8], r[9]) for r in by_kind[4]]
-        return found, ahead, now
+        return found, _changes_ahead(rows, known, now), now
 
     def refresh(self) -> "asyncio.Future[None]":
         """Bring the memory up to the database (another replica wrote); answered once it is."""
@@ -1288,17 +1305,18 @@ class Writer:
         return not self._current(found) and self._changes_from(found) is None
 
     def _fresh(self, found: Found, ahead: dict[tuple, list] | None = None,
-               now: int | None = None) -> None:
+               now: int | None = None, closed: bool = True) -> None:
         """Inside the transaction that found `found`: bring the memory up to the database if it moved since this
-        replica last saw it. With `ahead` (_read_changes), after that transaction, from what it read ahead at
-        `now`; a read it did not make raises Unspeculative (and the memory is forgotten: rebuild it)."""
+        replica last saw it. With `ahead`, from what was read ahead at `now` (_read_changes, _begin_ahead); where
+        that transaction is `closed` (_read_changes), a read not made ahead raises Unspeculative (and the memory
+        is forgotten: rebuild it), else it reads in the transaction."""
         if self._current(found):
             return
         generation, server = found.generation, found.server
         if self.generation is not None and (generation != self.generation or server != self.server):
             self._pause_speculation()  # another replica writes, or another server answers
         known = self._changes_from(found)
-        tx = PgTx(self, self._appends, speculative=ahead is not None)  # ahead: its snapshot is closed
+        tx = PgTx(self, self._appends, speculative=ahead is not None and closed)
         self.server = server
         self.generation = generation  # what the hooks bring the memory to (nodes' versions)
         self.read_ahead = ahead or {}

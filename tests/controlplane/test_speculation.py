@@ -194,6 +194,38 @@ async def test_a_refresh_that_needs_more_than_it_read_ahead_or_fails_rebuilds_th
     assert len(check_database(api)) == GPUS
 
 
+async def test_a_locked_group_reads_another_replicas_changes_ahead_in_its_transaction(api, other, monkeypatch):
+    """A group run under the lock that finds another replica's writes (their NOTIFY not yet heard) reads what
+    changed in one more statement on the database's thread (Writer._begin_ahead), not with a hop of the API's loop
+    per read, and its memory is what the database holds after."""
+    writer = api.cp.store.writer
+    await asyncio.sleep(0.5)  # the other replica's start heard
+    status, _ = await api.call("create", "alice", body("warm"))
+    assert status == 202
+    monkeypatch.setattr(api.cp.replicas, "_refresh", lambda: None)  # deaf to the other replica's NOTIFYs
+    for i in range(3):
+        status, doc = await asyncio.to_thread(other.post, "/api/compute/reservations/create", TOKENS["bob"],
+                                              body(f"bob-{i}"))
+        assert status == 202 and doc["reservation"]["state"] == "placed", doc
+    reads, hop = [], postgres.PgTx._hop
+
+    def counted(tx, statement, writes):
+        reads.append(writes)
+        return hop(tx, statement, writes)
+
+    monkeypatch.setattr(postgres.PgTx, "_hop", counted)
+    reloads, rebuilds = writer.reloads, writer.rebuilds
+    status, doc = await api.call("create", "alice", body("after"))  # its speculative read finds them: the lock
+    assert status == 202 and doc["reservation"]["state"] == "placed", doc
+    assert (writer.reloads, writer.rebuilds) == (reloads + 1, rebuilds)
+    assert False not in reads, reads  # (no read went through a hop: each was made ahead)
+    monkeypatch.undo()
+    await check_memory(api)
+    await asyncio.sleep(0.3)
+    assert await fill(api, "rest") == GPUS - 5
+    assert len(check_database(api)) == GPUS
+
+
 async def caught_up(api) -> None:
     """Until the api's memory is at the database's generation (it heard the other replica's NOTIFY)."""
     for _ in range(100):
@@ -406,6 +438,7 @@ async def test_the_writers_statements_keep_index_plans_made_on_nearly_empty_and_
         ("CHANGES", postgres.CHANGES, "reader", "1, 0", "reservations_by_gen"),
         ("CHANGES", postgres.CHANGES, "reader", "1, 0", "catalog_by_gen"),
         ("CHANGES", postgres.CHANGES, "reader", "1, 0", "bookings_by_reservation"),
+        ("CHANGES", postgres.CHANGES, "conn", "1, 0", "reservations_by_gen"),
         ("CATALOG_CHANGED_SINCE", postgres.CATALOG_CHANGED_SINCE, "conn", "1, 2", "catalog_by_gen"),
         ("LIVE_BOOKINGS_OF", postgres.LIVE_BOOKINGS_OF, "conn", "0, '{}'", "bookings_by_reservation"),
     ]
