@@ -35,6 +35,11 @@ class CatalogChanges:
     tokens: dict[str, tuple[str, str]]
 
 
+# What brings a writer's memory up to other writers' changes: (tx, reservations, now, dropped, catalog), as
+# Store.start describes
+OnChanged = Callable[[Any, list[Reservation], int, Collection[str], CatalogChanges | None], None]
+
+
 class Reads(Protocol):
     """Reads by key; on the Store they see committed data, on a Tx also the job's own writes."""
 
@@ -116,8 +121,7 @@ class Store(Reads, Protocol):
     jobs: int  # jobs run
 
     def start(self, on_reset: Callable[[Tx], None], on_group: Callable[[int], None] | None = None,
-              on_changed: Callable[[Any, list[Reservation], int, Collection[str], CatalogChanges | None], None]
-              | None = None, clock: Callable[[], int] | None = None) -> None:
+              on_changed: OnChanged | None = None, clock: Callable[[], int] | None = None) -> None:
         """Start the writer; on_reset(tx) rebuilds the writer's memory from the database; on_group(jobs) hears
         each committed group's size; on_changed(tx, reservations, now, dropped, catalog) brings the memory up to
         date with what other writers (replicas on one database) changed: the reservations

@@ -59,7 +59,7 @@ from controlplane.domain.model import Reservation
 from controlplane.domain.states import TERMINAL
 from controlplane.store import codec, pg_schema
 from controlplane.store.groups import COMMIT_WAIT_S, Appends, JobOutcome, resolve, run_hooks, unavailable
-from controlplane.store.port import CatalogChanges
+from controlplane.store.port import CatalogChanges, OnChanged
 from controlplane.store.reads import CommittedReads, Reads, numbered, reservation_of
 
 log = structlog.get_logger("berth.store")
@@ -383,11 +383,12 @@ CATALOG_CHANGED_SINCE = "SELECT kind, id, doc FROM catalog WHERE gen > $1 AND ge
 TOKENS = "SELECT hash, kind, subject FROM tokens"
 # The bookings that still block someone at $1 (of live reservations, or a released one's turnaround), of every
 # reservation (rebuilding the memory) or only of $2's (bringing it up to other replicas' writes).
+_LIVE = ("(r.state IN ('placed', 'binding', 'active') OR (r.state = 'released' AND b.end_ms > {now}))"
+         " AND b.end_ms > b.start_ms")  # of `bookings b JOIN reservations r`, at the parameter `now`
 _LIVE_BOOKINGS = (
     "SELECT b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib,"
     " b.hugepages_1g FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
-    " WHERE (r.state IN ('placed', 'binding', 'active') OR (r.state = 'released' AND b.end_ms > $1))"
-    " AND b.end_ms > b.start_ms{only} ORDER BY b.id")
+    f" WHERE {_LIVE.format(now='$1')}{{only}} ORDER BY b.id")
 LIVE_BOOKINGS = _LIVE_BOOKINGS.format(only="")
 LIVE_BOOKINGS_OF = _LIVE_BOOKINGS.format(only=" AND b.reservation_id = ANY($2::text[])")
 # What a refresh reads, in one statement (one snapshot, one round trip), each row tagged with its kind: 0 the state
@@ -404,8 +405,7 @@ CHANGES = (
     " UNION ALL SELECT 1, seq, seq, NULL, NULL, NULL, NULL, id, NULL, NULL, NULL, doc FROM c"
     " UNION ALL SELECT 2, b.id, b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib, b.hugepages_1g, b.reservation_id,"
     " b.pool_id, b.node_id, b.units, NULL FROM bookings b JOIN reservations r ON r.id = b.reservation_id"
-    " WHERE b.reservation_id IN (SELECT id FROM c) AND (r.state IN ('placed', 'binding', 'active')"
-    " OR (r.state = 'released' AND b.end_ms > $2)) AND b.end_ms > b.start_ms"
+    f" WHERE b.reservation_id IN (SELECT id FROM c) AND {_LIVE.format(now='$2')}"
     " UNION ALL SELECT 3, 0, NULL, NULL, NULL, NULL, NULL, kind, id, NULL, NULL, doc FROM catalog"
     " WHERE gen > $1 AND gen <= (SELECT generation FROM s)"
     " UNION ALL SELECT 4, 0, NULL, NULL, NULL, NULL, NULL, hash, kind, subject, NULL, NULL FROM tokens"
@@ -665,10 +665,6 @@ class Commit:
         self.group, self.answers, self.hooks, self.stamp, self.touched = group, answers, hooks, stamp, touched
         self.future: asyncio.Future | None = None
         self.done = False
-
-
-# What brings the memory up to other replicas' writes (store/port.py, Store.start)
-OnChanged = Callable[[PgTx, list[Reservation], int, Collection[str], CatalogChanges | None], None]
 
 
 class Writer:
