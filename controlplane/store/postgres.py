@@ -425,6 +425,16 @@ MOVE_END = (
     " UPDATE booked_units u SET during = int8range(b.start_ms, b.end_ms) FROM b WHERE u.booking_id = b.id")
 
 
+class Midway(Exception):
+    """A job of a locked group failed after it changed the memory (a bug's path): its caller's answer. The group's
+    transaction is rolled back and the memory rebuilt without the write lock (not in that transaction, while every
+    replica's writes wait), and the group's other jobs run again."""
+
+    def __init__(self, job: "Job", answer: BaseException):
+        super().__init__(str(answer))
+        self.job, self.answer = job, answer
+
+
 class PgAppends(Appends):
     """Appends written through the asyncpg connection, all in one statement (APPENDED, or COMMIT_GROUP's), filed
     by their row's class: a BookingRow, or a ReservationRow or EventRow with its document's bytes."""
@@ -947,6 +957,12 @@ class Writer:
         try:
             self._fresh(found, ahead, now, closed=False)
             answers, wrote = self._run_jobs(group)
+        except Midway as failed:
+            await self._on_db(self._rollback())
+            self._spoil("a job failed after changing the memory", repairable=False)
+            resolve([(failed.job.fut, None, failed.answer)])
+            self._redo([job for job in group if job is not failed.job])
+            return
         except BaseException as exc:  # noqa: BLE001 - the database went away mid-group
             self.connector.run(self._rollback())
             self.generation = None
@@ -1349,14 +1365,13 @@ class Writer:
             try:
                 value = fn(tx)
             except BaseException as exc:  # noqa: BLE001 - every job gets an answer
-                if tx.saved:
-                    self.connector.run(self.conn.execute("ROLLBACK TO SAVEPOINT job; RELEASE SAVEPOINT job"))
                 if isinstance(exc, UNREACHABLE):
                     raise
-                exc = _as_answer(fn, exc)
-                if tx.dirty:
-                    self._rebuild(PgTx(self, self._appends))
-                answers.append((fut, None, exc))
+                if tx.dirty:  # the memory holds what the job did before it failed: the group is undone
+                    raise Midway(job, _as_answer(fn, exc)) from exc
+                if tx.saved:
+                    self.connector.run(self.conn.execute("ROLLBACK TO SAVEPOINT job; RELEASE SAVEPOINT job"))
+                answers.append((fut, None, _as_answer(fn, exc)))
                 continue
             # A job's savepoint is left open (no RELEASE, one hop less): the next job's own savepoint of the
             # same name is the one a ROLLBACK TO finds.
@@ -1391,10 +1406,13 @@ class Writer:
                         raise
                     self.retries += 1
                     continue
-                except BaseException:
+                except BaseException as exc:
                     self.connector.run(self._rollback())
-                    self.generation = None
+                    self.generation = None  # (the next group rebuilds the memory)
                     self._drop_unwritten()
+                    if isinstance(exc, Midway):
+                        self._reset_now()  # the memory as the database holds it, read without the write lock
+                        raise exc.answer from exc.__cause__
                     raise
             run_hooks(hooks)
             _, value, error = answers[0]

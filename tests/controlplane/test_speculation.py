@@ -10,6 +10,8 @@ import json
 import pytest
 
 from controlplane import catalog as catalog_mod
+from controlplane import schemas
+from controlplane.domain.errors import DomainError
 from controlplane.state import WriterState
 from controlplane.store import postgres
 from tests.controlplane.conftest import T0, TOKENS, bootstrap_doc, h100_node
@@ -317,6 +319,55 @@ async def test_a_memory_rebuilt_whole_is_read_without_the_write_lock_and_brought
     await asyncio.sleep(0.3)
     assert await fill(api, "rest") == GPUS - 3
     assert len(check_database(api)) == GPUS
+
+
+async def test_a_locked_job_that_fails_after_changing_the_memory_is_answered_and_the_rest_run_again(api):
+    """A job of a locked group that fails after it changed the memory (a bug's path) is answered with its failure;
+    the group's transaction is rolled back, the memory rebuilt whole in a snapshot without the write lock (not in
+    that transaction, with every replica's writes waiting), and the group's other jobs, before and after it, run
+    again: each create committed once, and the memory is what the database holds."""
+    cp, writer = api.cp, api.cp.store.writer
+    status, _ = await api.call("create", "alice", body("warm"))
+    assert status == 202
+    reset, held = writer._on_reset, []
+
+    def rebuild(tx):
+        held.append(api.rows(WRITE_LOCK_HELD)[0][0])
+        reset(tx)
+
+    def broken(tx):
+        tx.touch()  # as a job marks the memory before it changes it
+        raise RuntimeError("a bug, midway")
+
+    async def create(key: str):
+        command = schemas.create_command(schemas.CreateBody(poolId="h100", gpuModel="H100_80GB", gpuCount=1,
+                                                            **WINDOW), key)
+        return await cp.reservations.create(cp.catalog.current.principals["alice"], command)
+
+    async def bug():
+        return await cp.store.call(broken)
+
+    writer._on_reset = rebuild
+    writer._pause_speculation()  # one group, under the lock: first, the broken job, last
+    rebuilds, groups = writer.rebuilds, writer.groups
+    first, failed, last = await asyncio.gather(create("first"), bug(), create("last"), return_exceptions=True)
+    writer._on_reset = reset
+    assert isinstance(failed, DomainError) and failed.code == "PROVIDER_UNAVAILABLE", failed
+    assert first.reservation.state == last.reservation.state == "placed"
+    assert held == [0]  # one rebuild, without the lock
+    assert writer.rebuilds == rebuilds + 1 and writer.groups == groups + 1  # the other two in one group, again
+    ids = sorted([first.reservation.id, last.reservation.id])
+    assert [(i,) for i in ids] == api.rows(f"SELECT id FROM reservations WHERE id IN ('{ids[0]}', '{ids[1]}') ORDER BY id")
+    await check_memory(api)
+    assert len(check_database(api)) == 3
+    # One run outside the loop (start-up, a bootstrap applied): its caller hears the failure once the memory is
+    # rebuilt, without the lock, too
+    writer._on_reset = rebuild
+    with pytest.raises(DomainError, match="could not complete"):
+        await asyncio.to_thread(cp.store.call_sync, broken)
+    writer._on_reset = reset
+    assert held == [0, 0] and writer.rebuilds == rebuilds + 2
+    await check_memory(api)
 
 
 async def test_a_create_that_needs_the_database_mid_job_is_run_again_under_the_lock(api):
