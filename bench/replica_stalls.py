@@ -14,7 +14,8 @@ machine). Then, and what is printed:
 - **a whole rebuild on both**: the rebuild generation moved (as a `migrate` into the database moves it, without
   its NOTIFY; on a tree older than schema 5, the catalog generation, which then called for the same) and one
   create sent to each replica at once, --times rounds: the longest time one session held the writers' lock
-  (pg_locks sampled every 0.5 ms: another replica's writes wait that long) and each create's time.
+  (pg_locks sampled every 0.5 ms: another replica's writes wait that long), each create's time, and each
+  replica's longest `/healthz` answer meanwhile (its loop held while it rebuilds).
 
 --tree runs both servers from a git revision (checked out into a temporary worktree, as bench/ab.py) or a
 directory, to measure an earlier release the same way. Needs what bench/replicas.py needs.
@@ -55,40 +56,54 @@ def rebuilds(base: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+@contextlib.contextmanager
+def longest_answers(bases: list[str]):
+    """While inside, each of bases' `/healthz` polled every 5 ms: yields a list that holds each one's longest
+    answer so far in ms (how long its loop was held)."""
+    longest = [0.0] * len(bases)
+    done = threading.Event()
+
+    def poll(i: int) -> None:
+        while not done.is_set():
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(bases[i] + "/healthz", timeout=30) as resp:
+                resp.read()
+            longest[i] = max(longest[i], (time.perf_counter() - t0) * 1000)
+            time.sleep(0.005)
+
+    pollers = [threading.Thread(target=poll, args=(i,)) for i in range(len(bases))]
+    for poller in pollers:
+        poller.start()
+    try:
+        yield longest
+    finally:
+        done.set()
+        for poller in pollers:
+            poller.join()
+
+
 def catalog_changes(leader: str, standby: str, times: int) -> list[tuple[float, float]]:
     """(the standby's longest /healthz answer in ms, its whole rebuilds) per cordon or uncordon on the leader."""
     out = []
     for i in range(times):
-        answers: list[float] = []
-        done = threading.Event()
-
-        def poll() -> None:
-            while not done.is_set():
-                t0 = time.perf_counter()
-                with urllib.request.urlopen(standby + "/healthz", timeout=30) as resp:
-                    resp.read()
-                answers.append(time.perf_counter() - t0)
-                time.sleep(0.005)
-
-        poller = threading.Thread(target=poll)
-        poller.start()
-        time.sleep(0.3)
-        before = rebuilds(standby)
-        action = "cordon" if i % 2 == 0 else "uncordon"
-        status, doc = rb.post(leader, f"/api/admin/nodes/{action}", rb.ADMIN, {"nodeId": NODE})
-        if status != 200:
-            raise RuntimeError(f"{action} {NODE}: {status} {doc}")
-        time.sleep(2.0)
-        done.set()
-        poller.join()
-        out.append((max(answers) * 1000, rebuilds(standby) - before))
+        with longest_answers([standby]) as longest:
+            time.sleep(0.3)
+            before = rebuilds(standby)
+            action = "cordon" if i % 2 == 0 else "uncordon"
+            status, doc = rb.post(leader, f"/api/admin/nodes/{action}", rb.ADMIN, {"nodeId": NODE})
+            if status != 200:
+                raise RuntimeError(f"{action} {NODE}: {status} {doc}")
+            time.sleep(2.0)
+        out.append((longest[0], rebuilds(standby) - before))
         print(f"  {action:8} on the leader: the standby's longest answer {out[-1][0]:7.1f} ms,"
               f" whole rebuilds {out[-1][1]:g}", file=sys.stderr)
     return out
 
 
-async def rebuilds_on_both(db: str, bases: list[str], start: int, times: int) -> list[tuple[float, list[float]]]:
-    """(the longest hold of the writers' lock in ms, each replica's create in ms) per round."""
+async def rebuilds_on_both(db: str, bases: list[str], start: int,
+                           times: int) -> list[tuple[float, list[float], list[float]]]:
+    """(the longest hold of the writers' lock in ms, each replica's create in ms, each replica's longest /healthz
+    answer in ms) per round."""
     conn = await asyncpg.connect(db)
     try:
         column = "rebuild_generation" if await conn.fetchval(
@@ -124,13 +139,15 @@ async def rebuilds_on_both(db: str, bases: list[str], start: int, times: int) ->
                 return (time.perf_counter() - t0) * 1000
 
             sampler = asyncio.ensure_future(sample())
-            took = await asyncio.gather(*(asyncio.to_thread(create, base, n) for n, base in enumerate(bases)))
-            await asyncio.sleep(0.05)
+            with longest_answers(bases) as longest:
+                took = await asyncio.gather(*(asyncio.to_thread(create, base, n) for n, base in enumerate(bases)))
+                await asyncio.sleep(0.05)
             sampling = False
             await sampler
-            out.append((max(holds, default=0.0) * 1000, list(took)))
+            out.append((max(holds, default=0.0) * 1000, list(took), list(longest)))
             print(f"  round {i + 1}: the writers' lock held at most {out[-1][0]:7.1f} ms; the creates "
-                  + ", ".join(f"{t:,.0f} ms" for t in took), file=sys.stderr)
+                  + ", ".join(f"{t:,.0f} ms" for t in took) + "; the loops' longest /healthz "
+                  + ", ".join(f"{t:,.0f} ms" for t in longest), file=sys.stderr)
             await asyncio.sleep(2.5)  # past the pause after another replica's writes
         return out
     finally:
@@ -171,10 +188,12 @@ def main() -> int:
     stalls = [ms for ms, _ in changes]
     print(f"a catalog change on the leader: the standby's loop held {min(stalls):,.1f}-{max(stalls):,.1f} ms"
           f" (the longest /healthz answer), whole rebuilds {sum(n for _, n in changes):g} in {len(changes)} changes")
-    holds = [ms for ms, _ in rounds]
-    took = [t for _, each in rounds for t in each]
+    holds = [ms for ms, _, _ in rounds]
+    took = [t for _, each, _ in rounds for t in each]
+    held = [t for _, _, each in rounds for t in each]
     print(f"both replicas rebuilding at once: the writers' lock held at most {min(holds):,.1f}-{max(holds):,.1f} ms"
-          f" a round; the creates that rebuilt took {min(took):,.0f}-{max(took):,.0f} ms")
+          f" a round; the creates that rebuilt took {min(took):,.0f}-{max(took):,.0f} ms; the replicas' loops held"
+          f" {min(held):,.0f}-{max(held):,.0f} ms (the longest /healthz answer)")
     return 0
 
 

@@ -234,7 +234,7 @@ def main(argv: list[str]) -> int:
     db = args.db or os.environ.get("BERTH_DB") or default_db_url()
     config = Config(db=db, bootstrap=args.bootstrap, synchronous=args.synchronous,
                     authzen=args.authzen, authzen_timeout_s=args.authzen_timeout, node_grace_s=args.node_grace,
-                    commit_wait_s=args.commit_wait)
+                    commit_wait_s=args.commit_wait, freeze_memory=True)
     limits = guard.Limits(request_timeout_s=args.request_timeout, idle_timeout_s=args.idle_timeout,
                           max_connections=args.max_connections)
     try:

@@ -60,6 +60,11 @@ class WriterState:
             if queue:
                 self.timers.retry_pool(pool_id, now + RETRY_MS)
 
+    def replace(self, built: "WriterState") -> None:
+        """Take `built`'s memory as this one's, at once (a rebuild made apart, while this one was still read)."""
+        self.calendar, self.ledger, self.timers = built.calendar, built.ledger, built.timers
+        self.pending, self.spot, self.charged = built.pending, built.spot, built.charged
+
     def apply(self, res: Reservation, bookings: Iterable[Booking], now: int) -> None:
         """One reservation as another replica left it (docs/scale-out.md): its bookings, charge and indexes
         replaced by what the database holds."""

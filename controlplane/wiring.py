@@ -8,7 +8,7 @@ import gc
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Collection
+from typing import Callable, Collection
 
 import structlog
 
@@ -43,14 +43,20 @@ log = structlog.get_logger("berth.controlplane")
 
 
 @contextlib.contextmanager
-def collector_paused():
+def collector_paused(freeze: bool = False):
     """The cyclic garbage collector off while the writer's memory is built whole: every object that makes is kept,
     and with the collector's default thresholds (at start, before the server raises them) rescanning the growing
-    heap doubled a rebuild's time (docs/scale-out.md)."""
+    heap doubled a rebuild's time (docs/scale-out.md). `freeze`: what a build that succeeded made is then frozen
+    out of the collector's reach (as the server freezes what its start made), else the first young collection
+    after scans all of it at once, holding the API's loop (some 130 ms per 25,000 live reservations). Only for a
+    process that keeps one control plane: what is frozen the collector never frees, cyclic garbage of the moment
+    included (the memory itself holds no cycles: it is freed when replaced)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
+        if freeze:
+            gc.freeze()
     finally:
         if enabled:
             gc.enable()
@@ -99,6 +105,7 @@ class Config:
     reconcile: bool = True  # run the reconciler loop (tests of a fake clock may drive passes themselves)
     node_grace_s: float = 30.0  # a node silent for longer is lost
     commit_wait_s: float = COMMIT_WAIT_S  # PostgreSQL: a change not committed by then: PROVIDER_UNAVAILABLE
+    freeze_memory: bool = False  # a memory built whole is frozen out of the collector's reach (collector_paused)
 
 
 def open_store(config: Config) -> Store:
@@ -160,7 +167,7 @@ class ControlPlane:
         self._refresh_again = False
 
     def open(self) -> "ControlPlane":
-        self.store.start(self._load, self.metrics.group_committed, self._changed, self.clock.compute_now)
+        self.store.start(self._read_memory, self.metrics.group_committed, self._changed, self.clock.compute_now)
         self.store.call_sync(self._load)
         if self.config.bootstrap:
             self.apply_bootstrap(self.config.bootstrap)
@@ -198,22 +205,36 @@ class ControlPlane:
 
     # ---- catalog and memory ----------------------------------------------------
     def _load(self, tx: Tx) -> None:
-        """The writer's memory from the database: at start, after a failed job or commit, and after another
-        replica's writes. Whatever reads memory (watches, long polls, the timers) hears of the change."""
-        with collector_paused():
+        """The writer's memory from the database, read and put in place at once (at start)."""
+        self._read_memory(tx)()
+
+    def _read_memory(self, tx: Tx) -> Callable[[], None]:
+        """The writer's memory read whole from the database (at start, after a failover, a migrate's copy or a
+        job that failed midway), built apart from the one in use: returned as the step that puts it in place,
+        after which whatever reads memory (watches, long polls, the timers) hears of the change. Reading touches
+        nothing else, so an engine may read on another thread while the API's loop serves from the memory in use
+        (store/port.py, on_reset)."""
+        with collector_paused(freeze=self.config.freeze_memory):
             docs = {kind: tx.catalog_docs(kind) for kind in catalog_mod.KINDS}
-            policies = b"".join(tx.catalog_docs("policies")).decode()
-            before = self.catalog.current.policies
-            self.catalog.current = catalog_mod.load(docs, policies)
-            self.tokens.rows = tx.tokens()
+            catalog = catalog_mod.load(docs, b"".join(tx.catalog_docs("policies")).decode())
+            tokens = tx.tokens()
             now = self.clock.compute_now()
             live = tx.live_reservations(now)
-            self.state.rebuild(self.catalog.current, live, tx.live_bookings(now), now)
+            state = WriterState()
+            state.rebuild(catalog, live, tx.live_bookings(now), now)
+
+        def put_in_place() -> None:
+            before = self.catalog.current.policies
+            self.catalog.current = catalog
+            self.tokens.rows = tokens
+            self.state.replace(state)
             self.nodes.resync(live)
             self.reservations.wake_all(live)
-        if self.catalog.current.policies != before and self.store.groups:
-            self._load_policies()
-        self.reconciler.wake()
+            if catalog.policies != before and self.store.groups:
+                self._load_policies()
+            self.reconciler.wake()
+
+        return put_in_place
 
     def _changed(self, tx, changed: list, now: int, dropped: Collection[str] = (),
                  catalog: CatalogChanges | None = None) -> None:

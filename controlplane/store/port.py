@@ -120,9 +120,11 @@ class Store(Reads, Protocol):
     groups: int  # writer groups committed (metrics)
     jobs: int  # jobs run
 
-    def start(self, on_reset: Callable[[Tx], None], on_group: Callable[[int], None] | None = None,
+    def start(self, on_reset: Callable[[Tx], Callable[[], None]], on_group: Callable[[int], None] | None = None,
               on_changed: OnChanged | None = None, clock: Callable[[], int] | None = None) -> None:
-        """Start the writer; on_reset(tx) rebuilds the writer's memory from the database; on_group(jobs) hears
+        """Start the writer; on_reset(tx) reads the writer's memory whole from the database, apart from the memory
+        in use, and returns the step that puts it in place (an engine may read on a thread of its own, so the
+        API's loop serves meanwhile, and puts it in place on that loop); on_group(jobs) hears
         each committed group's size; on_changed(tx, reservations, now, dropped, catalog) brings the memory up to
         date with what other writers (replicas on one database) changed: the reservations
         (tx.live_bookings_of(their ids, now) gives their bookings; an engine may have read them ahead, at a `now`

@@ -304,7 +304,7 @@ class Writer:
     at a time. Answers are given after the commit.
     """
 
-    def __init__(self, path: str, synchronous: str, on_reset: Callable[[SqliteTx], None]):
+    def __init__(self, path: str, synchronous: str, on_reset: Callable[[SqliteTx], Callable[[], None]]):
         self._conn = connect(path, synchronous)
         self._on_reset = on_reset
         self._pending: list[tuple[Callable[[SqliteTx], Any], asyncio.Future]] = []
@@ -409,7 +409,7 @@ class Writer:
                     log.exception("store job failed", job=getattr(fn, "__qualname__", repr(fn)))
                     exc = unavailable("the control plane could not complete this request")
                 if tx.dirty:
-                    self._on_reset(SqliteTx(conn, self._appends))
+                    self._on_reset(SqliteTx(conn, self._appends))()
                 answers.append((fut, None, exc))
                 continue
             if tx.saved:
@@ -443,7 +443,7 @@ class Writer:
         """Rebuild the writer's memory from the database, on the thread that owns the memory."""
         self._conn.execute("BEGIN")
         try:
-            self._on_reset(SqliteTx(self._conn, self._appends))
+            self._on_reset(SqliteTx(self._conn, self._appends))()
         finally:
             self._conn.execute("COMMIT")
 
@@ -515,7 +515,7 @@ class SqliteStore(SqliteReads, CommittedReads):
         self.conn = connect(path, synchronous)
         self.writer: Writer | None = None
 
-    def start(self, on_reset: Callable[[SqliteTx], None], on_group: Callable[[int], None] | None = None,
+    def start(self, on_reset: Callable[[SqliteTx], Callable[[], None]], on_group: Callable[[int], None] | None = None,
               on_changed: Callable | None = None, clock: Callable[[], int] | None = None) -> None:
         """on_changed is never called (nor clock): this writer is the file's only one."""
         self.writer = Writer(self.path, self._synchronous, on_reset)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import pytest
 
@@ -304,7 +306,7 @@ async def test_a_memory_rebuilt_whole_is_read_without_the_write_lock_and_brought
         held.append(api.rows(WRITE_LOCK_HELD)[0][0])
         if not held[0]:  # (held: the other replica's create would wait for this one)
             theirs.append(other.post("/api/compute/reservations/create", TOKENS["bob"], body("bob")))
-        reset(tx)
+        return reset(tx)
 
     writer._on_reset = rebuild
     rebuilds, retries = writer.rebuilds, writer.retries
@@ -321,6 +323,53 @@ async def test_a_memory_rebuilt_whole_is_read_without_the_write_lock_and_brought
     assert len(check_database(api)) == GPUS
 
 
+async def test_a_memory_rebuilt_whole_is_read_off_the_api_loop_which_serves_meanwhile(api):
+    """Reading every live reservation takes seconds at 100,000 of them (after a failover, as here, or a migrate's
+    copy): the memory is read and built on a thread of its own while the API's loop goes on answering, and put in
+    place on the loop; the create that found it to rebuild is placed after."""
+    writer = api.cp.store.writer
+    status, _ = await api.call("create", "alice", body("warm"))
+    assert status == 202
+    reset, seen = writer._on_reset, {}
+
+    def slow(tx):
+        seen["read on"] = threading.get_ident()
+        time.sleep(1.0)  # a large memory to read
+        put = reset(tx)
+
+        def put_in_place():
+            seen["put on"] = threading.get_ident()
+            put()
+
+        return put_in_place
+
+    async def ticking(until: asyncio.Future) -> float:
+        """The longest the loop took to come back to a 10 ms sleep until `until` was done."""
+        longest, last = 0.0, time.monotonic()
+        while not until.done():
+            await asyncio.sleep(0.01)
+            longest, last = max(longest, time.monotonic() - last), time.monotonic()
+        return longest
+
+    writer._on_reset = slow
+    rebuilds = writer.rebuilds
+    writer.server = "a server run before a failover"
+    try:
+        create = asyncio.ensure_future(api.call("create", "alice", body("after")))
+        longest = asyncio.ensure_future(ticking(create))
+        await asyncio.sleep(0.3)  # the rebuild under way
+        resp = await api.client.get("/healthz")
+        assert resp.status == 200 and "read on" in seen and "put on" not in seen, seen  # answered meanwhile
+        status, doc = await create
+        assert await longest < 0.4  # (the loop held through the rebuild: 1 s and more)
+    finally:
+        writer._on_reset = reset
+    assert status == 202 and doc["reservation"]["state"] == "placed", doc
+    assert seen["read on"] != threading.get_ident() and seen["put on"] == threading.get_ident()
+    assert writer.rebuilds == rebuilds + 1
+    await check_memory(api)
+
+
 async def test_a_locked_job_that_fails_after_changing_the_memory_is_answered_and_the_rest_run_again(api):
     """A job of a locked group that fails after it changed the memory (a bug's path) is answered with its failure;
     the group's transaction is rolled back, the memory rebuilt whole in a snapshot without the write lock (not in
@@ -333,7 +382,7 @@ async def test_a_locked_job_that_fails_after_changing_the_memory_is_answered_and
 
     def rebuild(tx):
         held.append(api.rows(WRITE_LOCK_HELD)[0][0])
-        reset(tx)
+        return reset(tx)
 
     def broken(tx):
         tx.touch()  # as a job marks the memory before it changes it
