@@ -24,7 +24,7 @@ sys.path[:0] = [str(ROOT)]
 
 import asyncpg  # noqa: E402
 
-from controlplane.store import pg_schema, postgres  # noqa: E402
+from controlplane.store import pg_schema, pg_sql  # noqa: E402
 from tests.pgcluster import ClusterError, throwaway_cluster  # noqa: E402
 
 HOUR = 3_600_000
@@ -66,7 +66,7 @@ async def schema_2(conn: asyncpg.Connection) -> None:
 async def run(dsn: str, label: str, rows: list[tuple], group: int, prepare, write) -> float:
     """prepare(conn) makes the schema; write(conn, columns) writes one group: microseconds per booking over the
     last third."""
-    conn = await asyncpg.connect(dsn, server_settings=postgres.WRITER_SETTINGS)
+    conn = await asyncpg.connect(dsn, server_settings=pg_sql.WRITER_SETTINGS)
     try:
         await prepare(conn)
         timed_from = len(rows) - len(rows) // 3
@@ -92,7 +92,7 @@ async def measure(cluster, count: int, group: int) -> dict[str, float]:
         await conn.execute(SCHEMA_2_GROUP, *columns)
 
     async def latest_write(conn, columns):  # the store's own statement (APPENDED), with bookings only
-        await conn.execute(postgres.APPENDED, *no_reservations, *columns, *no_events)
+        await conn.execute(pg_sql.APPENDED, *no_reservations, *columns, *no_events)
 
     latest = f"schema {pg_schema.LATEST}"
     return {

@@ -41,7 +41,7 @@ import ab  # noqa: E402  (a tree from a revision)
 import create_throughput as ct  # noqa: E402  (the load client and the server helpers)
 import replicas as rb  # noqa: E402  (the fleet, the admin token, the leader)
 
-from controlplane.store.postgres import WRITE_LOCK  # noqa: E402
+from controlplane.store.pg_sql import WRITE_LOCK  # noqa: E402
 
 # Which session holds the writers' lock (a bigint advisory lock: its high and low halves)
 LOCK_HOLDER = ("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"

@@ -8,7 +8,7 @@
   stays conditional on the state it leaves, so a short overlap of two
   leaders (a partition) moves nothing twice.
 - **Hearing each other.** A replica that commits writes sends
-  `NOTIFY berth_changes` (store/postgres.py); the others LISTEN and refresh
+  `NOTIFY berth_changes` (store/pg_writer.py); the others LISTEN and refresh
   their memory at once (store.refresh: a snapshot of what moved, read
   without the write lock, so a replica that follows never holds up the one
   that writes), so
@@ -29,7 +29,8 @@ from typing import Callable
 import asyncpg
 import structlog
 
-from controlplane.store.postgres import UNREACHABLE, PgStore
+from controlplane.store.pg_connect import UNREACHABLE
+from controlplane.store.postgres import PgStore
 
 log = structlog.get_logger("berth.replicas")
 

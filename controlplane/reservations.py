@@ -394,7 +394,7 @@ class ReservationService:
             conf = confirmations.open_for(res, principal, verdict.approver, plan, now)
             res.confirmation_id = conf.id
             states.move(res, states.AWAITING_CONFIRMATION, now)
-            # The confirmation's row before the reservation is saved: a speculative run (store/postgres.py) stops
+            # The confirmation's row before the reservation is saved: a speculative run (store/pg_writer.py) stops
             # at that statement having changed nothing, and runs again under the lock without rebuilding memory.
             tx.put_confirmation(conf)
             self.moves.save(tx, res)

@@ -119,7 +119,7 @@ class Transitions:
         read: list[Reservation | None] = []
         if placements is None and may_preempt and not res.spot:
             # The victims found by a dry run and read before the calendar changes: a job that cannot read them
-            # (a speculative one, store/postgres.py) then stops with the memory as it was.
+            # (a speculative one, store/pg_writer.py) then stops with the memory as it was.
             victims = would_preempt(self.state.calendar, res.pool_id, catalog.nodes, ask,
                                     self.state.spot.get(res.pool_id, ())) or []
             if victims:

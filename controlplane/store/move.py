@@ -43,7 +43,7 @@ import asyncpg
 
 from common.logs import redact_url
 from controlplane.replicas import CHANNEL
-from controlplane.store import pg_schema, postgres, sqlite
+from controlplane.store import pg_connect, pg_schema, pg_sql, sqlite
 
 BATCH = 2000  # rows per executemany: large enough to pipeline, small enough for steady progress
 
@@ -97,7 +97,7 @@ TABLES: tuple[Table, ...] = (
     Table("reservations", ("seq", "id", "tenant_id", "principal_id", "pool_id", "state", "doc")),
     # The engine's own statement: the booking row and one booked_units row per device, in one.
     Table("bookings", ("reservation_id", "pool_id", "node_id", "units", "start_ms", "end_ms", "vcpu_milli",
-                       "memory_mib", "hugepages_1g"), insert=postgres.INSERT_BOOKING, convert=_booking),
+                       "memory_mib", "hugepages_1g"), insert=pg_sql.INSERT_BOOKING, convert=_booking),
     Table("operation_aliases", ("id", "reservation_id")),
     Table("events", ("seq", "tenant_id", "reservation_id", "type", "at", "data")),
     Table("confirmations", ("id", "tenant_id", "reservation_id", "agent_id", "user_id", "status", "created_at",
@@ -168,12 +168,12 @@ def open_source(path: str) -> sqlite3.Connection:
 async def open_target(dsn: str) -> asyncpg.Connection:
     try:
         return await asyncpg.connect(dsn, timeout=10)
-    except (*postgres.UNREACHABLE, asyncpg.PostgresError, ValueError) as exc:
+    except (*pg_connect.UNREACHABLE, asyncpg.PostgresError, ValueError) as exc:
         if isinstance(exc, ValueError):  # asyncpg could not read the URL
             raise Refused(f"--to {redact_url(dsn)}: {exc}; give postgresql://USER@HOST[:PORT]/DB (or "
                           "postgresql://USER@/DB?host=/run/postgresql for a unix socket) of an existing database") \
                 from None
-        raise Refused(f"--to {redact_url(dsn)}: cannot connect: {postgres.cannot_connect(exc)}") from None
+        raise Refused(f"--to {redact_url(dsn)}: cannot connect: {pg_connect.cannot_connect(exc)}") from None
 
 
 async def migrate_target(pg: asyncpg.Connection, shown_target: str) -> None:
@@ -247,7 +247,7 @@ async def copy_into(src: sqlite3.Connection, pg: asyncpg.Connection, shown_targe
     rows: dict[str, int] = {}
     async with pg.transaction():
         await migrate_target(pg, shown_target)
-        await pg.execute("SELECT pg_advisory_xact_lock($1)", postgres.WRITE_LOCK)  # replicas' writes wait
+        await pg.execute("SELECT pg_advisory_xact_lock($1)", pg_sql.WRITE_LOCK)  # replicas' writes wait
         held = await _held(pg)
         if any(held.values()) and not replace:
             what = ", ".join(f"{n} {GUARDED[name]}" for name, n in held.items() if n)
@@ -294,7 +294,7 @@ async def _move(src: sqlite3.Connection, dsn: str, replace: bool, progress: Prog
     pg = await open_target(dsn)
     try:
         return await copy_into(src, pg, redact_url(dsn), replace, progress)
-    except (*postgres.UNREACHABLE, asyncpg.PostgresError) as exc:  # the connection lost midway, a failed commit
+    except (*pg_connect.UNREACHABLE, asyncpg.PostgresError) as exc:  # the connection lost midway, a failed commit
         raise Failed(f"--to {redact_url(dsn)}: {type(exc).__name__}: {exc}; the target was not changed (retry "
                      "once the database is reachable)") from None
     finally:

@@ -23,7 +23,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from controlplane.store.postgres import READ_POOL, SESSIONS, SPECULATION_PAUSE_S, WRITE_LOCK
+from controlplane.store.pg_connect import READ_POOL, SESSIONS
+from controlplane.store.pg_sql import WRITE_LOCK
+from controlplane.store.pg_writer import SPECULATION_PAUSE_S
 from tests import dbrows
 from tests.controlplane.conftest import TOKENS, bootstrap_doc, h100_node
 from tests.serverproc import ServerProcess, post

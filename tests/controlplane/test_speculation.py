@@ -1,4 +1,4 @@
-"""The PostgreSQL writer's speculative groups (store/postgres.py, Writer._speculate): creates are run while the
+"""The PostgreSQL writer's speculative groups (store/pg_writer.py, Writer._speculate): creates are run while the
 group before them commits, and committed by one compare-and-set statement. When another replica writes between a
 group's read and its commit, or a job needs more of the database than its prefetched reads, the group is run
 again under the write lock: nothing lost, doubled or overbooked, and the memory is what the database holds."""
@@ -15,7 +15,7 @@ from controlplane import catalog as catalog_mod
 from controlplane import schemas
 from controlplane.domain.errors import DomainError
 from controlplane.state import WriterState
-from controlplane.store import postgres
+from controlplane.store import pg_sql, pg_tx, pg_writer
 from tests.controlplane.conftest import T0, TOKENS, bootstrap_doc, h100_node
 from tests.controlplane.test_metrics import scrape
 from tests.serverproc import ServerProcess
@@ -29,7 +29,7 @@ GPUS = 16  # pool h100: nodes h1 and h2, 8 GPUs each
 
 @pytest.fixture(autouse=True)
 def short_pause(monkeypatch):
-    monkeypatch.setattr(postgres, "SPECULATION_PAUSE_S", 0.2)  # after another replica wrote: 0.2 s, not 2
+    monkeypatch.setattr(pg_writer, "SPECULATION_PAUSE_S", 0.2)  # after another replica wrote: 0.2 s, not 2
 
 
 def body(key: str) -> dict:
@@ -211,13 +211,13 @@ async def test_a_locked_group_reads_another_replicas_changes_ahead_in_its_transa
         status, doc = await asyncio.to_thread(other.post, "/api/compute/reservations/create", TOKENS["bob"],
                                               body(f"bob-{i}"))
         assert status == 202 and doc["reservation"]["state"] == "placed", doc
-    reads, hop = [], postgres.PgTx._hop
+    reads, hop = [], pg_tx.PgTx._hop
 
     def counted(tx, statement, writes):
         reads.append(writes)
         return hop(tx, statement, writes)
 
-    monkeypatch.setattr(postgres.PgTx, "_hop", counted)
+    monkeypatch.setattr(pg_tx.PgTx, "_hop", counted)
     reloads, rebuilds = writer.reloads, writer.rebuilds
     status, doc = await api.call("create", "alice", body("after"))  # its speculative read finds them: the lock
     assert status == 202 and doc["reservation"]["state"] == "placed", doc
@@ -288,7 +288,7 @@ async def test_another_replicas_catalog_and_token_changes_are_applied_without_re
 
 # Whether any session holds the writers' lock (a bigint advisory lock: its high and low halves)
 WRITE_LOCK_HELD = ("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
-                   f" AND classid = {postgres.WRITE_LOCK >> 32} AND objid = {postgres.WRITE_LOCK & 0xFFFFFFFF}")
+                   f" AND classid = {pg_sql.WRITE_LOCK >> 32} AND objid = {pg_sql.WRITE_LOCK & 0xFFFFFFFF}")
 
 
 async def test_a_memory_rebuilt_whole_is_read_without_the_write_lock_and_brought_up_under_it(api, other):
@@ -406,7 +406,8 @@ async def test_a_locked_job_that_fails_after_changing_the_memory_is_answered_and
     assert held == [0]  # one rebuild, without the lock
     assert writer.rebuilds == rebuilds + 1 and writer.groups == groups + 1  # the other two in one group, again
     ids = sorted([first.reservation.id, last.reservation.id])
-    assert [(i,) for i in ids] == api.rows(f"SELECT id FROM reservations WHERE id IN ('{ids[0]}', '{ids[1]}') ORDER BY id")
+    assert [(i,) for i in ids] == api.rows(
+        f"SELECT id FROM reservations WHERE id IN ('{ids[0]}', '{ids[1]}') ORDER BY id")
     await check_memory(api)
     assert len(check_database(api)) == 3
     # One run outside the loop (start-up, a bootstrap applied): its caller hears the failure once the memory is
@@ -530,17 +531,17 @@ async def test_the_writers_statements_keep_index_plans_made_on_nearly_empty_and_
     assert status == 202 and writer.speculated >= 1
     rows = "'[]', '[]', '[]', '[]', '[]', ''"  # no appended rows of any kind (PgAppends.parameters)
     checks = [  # (statement, its connection, arguments, the index its plan must use on a large table)
-        ("BEGUN", postgres.BEGUN, "reader", "'{}'", "reservations_id_key"),
-        ("SPECULATED", postgres.SPECULATED, "sender", f"0, '{{}}', {rows}", "reservations_id_key"),
-        ("BEGUN", postgres.BEGUN, "conn", "'{}'", "reservations_id_key"),
-        ("COMMIT_GROUP", postgres.COMMIT_GROUP, "conn", f"false, '{{}}', {rows}", "reservations_id_key"),
-        ("CHANGED_SINCE", postgres.CHANGED_SINCE, "conn", "1, 2", "reservations_by_gen"),
-        ("CHANGES", postgres.CHANGES, "reader", "1, 0", "reservations_by_gen"),
-        ("CHANGES", postgres.CHANGES, "reader", "1, 0", "catalog_by_gen"),
-        ("CHANGES", postgres.CHANGES, "reader", "1, 0", "bookings_by_reservation"),
-        ("CHANGES", postgres.CHANGES, "conn", "1, 0", "reservations_by_gen"),
-        ("CATALOG_CHANGED_SINCE", postgres.CATALOG_CHANGED_SINCE, "conn", "1, 2", "catalog_by_gen"),
-        ("LIVE_BOOKINGS_OF", postgres.LIVE_BOOKINGS_OF, "conn", "0, '{}'", "bookings_by_reservation"),
+        ("BEGUN", pg_sql.BEGUN, "reader", "'{}'", "reservations_id_key"),
+        ("SPECULATED", pg_sql.SPECULATED, "sender", f"0, '{{}}', {rows}", "reservations_id_key"),
+        ("BEGUN", pg_sql.BEGUN, "conn", "'{}'", "reservations_id_key"),
+        ("COMMIT_GROUP", pg_sql.COMMIT_GROUP, "conn", f"false, '{{}}', {rows}", "reservations_id_key"),
+        ("CHANGED_SINCE", pg_sql.CHANGED_SINCE, "conn", "1, 2", "reservations_by_gen"),
+        ("CHANGES", pg_sql.CHANGES, "reader", "1, 0", "reservations_by_gen"),
+        ("CHANGES", pg_sql.CHANGES, "reader", "1, 0", "catalog_by_gen"),
+        ("CHANGES", pg_sql.CHANGES, "reader", "1, 0", "bookings_by_reservation"),
+        ("CHANGES", pg_sql.CHANGES, "conn", "1, 0", "reservations_by_gen"),
+        ("CATALOG_CHANGED_SINCE", pg_sql.CATALOG_CHANGED_SINCE, "conn", "1, 2", "catalog_by_gen"),
+        ("LIVE_BOOKINGS_OF", pg_sql.LIVE_BOOKINGS_OF, "conn", "0, '{}'", "bookings_by_reservation"),
     ]
     for tables in ("nearly empty", "large"):
         if tables == "large":
