@@ -367,7 +367,7 @@ class Writer:
                 if self.closing:
                     await self._settle()
                     group, self._pending = self._pending, []
-                    self._give_up(group, ConnectionError("the control plane is stopping"))
+                    await self._give_up(group, ConnectionError("the control plane is stopping"))
                     continue
                 if self._pending[0].refresh:
                     n = next((i for i, job in enumerate(self._pending) if not job.refresh), len(self._pending))
@@ -405,7 +405,7 @@ class Writer:
                 # (and what committed meanwhile, read under the lock)
                 found, ahead = await self._on_db(self._begin_ahead(reads, self.generation, now))
         except BaseException as exc:  # noqa: BLE001 - the database is away
-            self._give_up(group, exc)
+            await self._give_up(group, exc)
             return
         try:
             self._fresh(found, ahead, now, closed=False)
@@ -417,9 +417,9 @@ class Writer:
             self._redo([job for job in group if job is not failed.job])
             return
         except BaseException as exc:  # noqa: BLE001 - the database went away mid-group
-            self.connector.run(self._rollback())
+            await self._on_db(self._rollback())
             self.generation = None
-            self._give_up(group, exc)
+            await self._give_up(group, exc)
             return
         hooks, self._hooks = self._hooks, []
         appends = self._appends.take()
@@ -436,7 +436,7 @@ class Writer:
                          attempt=attempt)
                 await self._locked(group, attempt + 1)
                 return
-            self._give_up(group, exc)
+            await self._give_up(group, exc)
             return
         self.generation = generation
         self.sent = max(self.sent, generation)
@@ -458,7 +458,7 @@ class Writer:
                 await self._on_db(self._drop_ahead())  # the lock taken ahead, given back: this writes nothing
             ahead = await self._read_changes()
         except BaseException as exc:  # noqa: BLE001 - the database is away
-            self._give_up(jobs, exc)
+            await self._give_up(jobs, exc)
             return
         if ahead is not None:
             try:
@@ -472,7 +472,7 @@ class Writer:
         try:
             await self._fresh_in_snapshot()
         except BaseException as exc:  # noqa: BLE001 - the database is away, or went away mid-read
-            self._give_up(jobs, exc)
+            await self._give_up(jobs, exc)
             return
         resolve([(job.fut, None, None) for job in jobs])
 
@@ -687,7 +687,7 @@ class Writer:
             self.retries += 1
             self._redo(commit.group)
         else:
-            self._give_up(commit.group, exc if isinstance(exc, BaseException) else ConnectionError("cancelled"))
+            await self._give_up(commit.group, exc if isinstance(exc, BaseException) else ConnectionError("cancelled"))
 
     def _spoil(self, why: str, repairable: bool = True) -> None:
         """The memory holds changes the database will not: repair it at the next group (forget the unlanded
@@ -705,19 +705,26 @@ class Writer:
             self._pause_speculation()
         self._pending[:0] = [Job(job.fn, job.fut, job.reads, False) for job in jobs]
 
-    def _give_up(self, group: list["Job"], exc: BaseException) -> None:
-        """The group could not be committed: its callers hear PROVIDER_UNAVAILABLE, and the memory is rebuilt
-        from what the database holds (at the next group, if the database cannot be read now)."""
+    async def _give_up(self, group: list["Job"], exc: BaseException) -> None:
+        """The group could not be committed: the memory is rebuilt from what the database holds, as any whole
+        rebuild (read off the API's loop, which never waits here for a connection to a database that is away; at
+        the next group, if the database cannot be read now), then its callers hear PROVIDER_UNAVAILABLE."""
         log.error("store group failed", error=f"{type(exc).__name__}: {exc}")
         self._drop_unwritten()
         if not self.connector.closed and not self.closing:
-            self._reset_now()
+            self.generation = None
+            try:
+                await self._fresh_in_snapshot()
+            except Exception as failed:  # noqa: BLE001 - the next group rebuilds it (the generation is unknown)
+                self.generation = None
+                log.warning("could not rebuild the writer's memory now; the next group will", error=str(failed))
         err = unavailable(f"the database is unavailable ({type(exc).__name__}); retry with the same idempotency "
                           "key")
         self._answered(len(group))
         resolve([(job.fut, None, err) for job in group])
 
     def _reset_now(self) -> None:
+        """The memory rebuilt now, outside any event loop (call_sync)."""
         self.generation = None
         try:
             with self._sync:

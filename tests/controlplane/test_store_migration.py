@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 
 import pytest
 
@@ -91,11 +92,19 @@ async def test_a_group_whose_rows_cannot_be_written_fails_whole_and_memory_follo
                  "$$ BEGIN RAISE EXCEPTION 'disk full'; END $$")
         api.rows("CREATE TRIGGER refuse_events BEFORE INSERT ON events FOR EACH ROW EXECUTE FUNCTION refuse_events()")
         undo = ["DROP TRIGGER refuse_events ON events", "DROP FUNCTION refuse_events()"]
+    read_on: list[int] = []
+    if conn is None:  # PostgreSQL: the memory is read off the API's loop, as every whole rebuild there
+        writer = api.cp.store.writer
+        reset = writer._on_reset
+        writer._on_reset = lambda tx: (read_on.append(threading.get_ident()), reset(tx))[1]
     try:
         status, doc = await api.create(key="lost")
         assert (503, "PROVIDER_UNAVAILABLE") == (status, doc["error"]["code"])
         assert api.cp.store.reservation(doc["error"]["details"].get("reservationId") or "none") is None
         assert {} == api.cp.state.calendar.by_reservation and {} == dict(api.cp.state.ledger.usage("acme"))
+        if conn is None:
+            writer._on_reset = reset
+            assert len(read_on) == 1 and read_on[0] != threading.get_ident()
     finally:
         for sql in undo:
             if conn is not None:
