@@ -106,6 +106,18 @@ def binding_of(res: Reservation, node: Node | None, node_id: str, pool: Pool | N
     )
 
 
+def wanted_of(res: Reservation, catalog: Catalog) -> dict[str, Binding]:
+    """The bindings a reservation wants, by node: on the nodes it is placed on while binding or active; a held
+    kubernetes release, on the nodes that have not let go of its devices yet (released). Plain data: a memory
+    rebuilt whole computes them apart from the API's loop (ControlPlane._read_memory)."""
+    wanted = res.state in (states.BINDING, states.ACTIVE)
+    on = {p.node_id for p in res.placements} if wanted else set(res.hold.nodes) if res.hold else set()
+    if not on:
+        return {}
+    pool = catalog.pools.get(res.pool_id)
+    return {node_id: binding_of(res, catalog.nodes.get(node_id), node_id, pool) for node_id in on}
+
+
 @dataclass
 class NodeLive:
     rv: int
@@ -142,13 +154,12 @@ class NodeService:
         moves.listeners.append(self._reservation_changed)
 
     # ---- desired bindings -----------------------------------------------------------
-    def resync(self, live: list[Reservation]) -> None:
-        """The bindings wanted now, from the live reservations as the database has them (at start, and when the
-        writer's memory was rebuilt, as after another replica's writes): only the nodes whose set changed move."""
-        ids = {res.id for res in live}
-        for res in live:
-            self._reservation_changed(res)
-        for rid in [rid for rid in self.wanted_on if rid not in ids]:  # ended, or no longer live
+    def resync(self, wanted: dict[str, dict[str, Binding]]) -> None:
+        """The bindings wanted now, by live reservation as the database has them (wanted_of each: at start, and
+        when the writer's memory was rebuilt whole): only the nodes whose set changed move."""
+        for rid, on in wanted.items():
+            self._want(rid, on)
+        for rid in [rid for rid in self.wanted_on if rid not in wanted]:  # ended, or no longer live
             for node_id in self.wanted_on.pop(rid):
                 node = self.live.get(node_id)
                 if node is not None and node.bindings.pop(rid, None) is not None:
@@ -183,26 +194,24 @@ class NodeService:
             live.changed = None
 
     def _reservation_changed(self, res: Reservation) -> None:
-        wanted = res.state in (states.BINDING, states.ACTIVE)
-        nodes = self.catalog.current.nodes
-        pool = self.catalog.current.pools.get(res.pool_id)
-        # a held kubernetes release stays wanted (released) on the nodes that have not let go of its devices yet
-        on = {p.node_id for p in res.placements} if wanted else set(res.hold.nodes) if res.hold else set()
-        for node_id in on:
+        self._want(res.id, wanted_of(res, self.catalog.current))
+
+    def _want(self, rid: str, on: dict[str, Binding]) -> None:
+        """The reservation's bindings as `on` has them, by node: a node whose binding changed moves."""
+        for node_id, doc in on.items():
             live = self._node(node_id)
-            doc = binding_of(res, nodes.get(node_id), node_id, pool)
-            if live.bindings.get(res.id) != doc:
-                live.bindings[res.id] = doc
+            if live.bindings.get(rid) != doc:
+                live.bindings[rid] = doc
                 self._bump(live)
         # Only the nodes that hold it are visited (not every node of the fleet, on every save of any reservation).
-        for node_id in self.wanted_on.get(res.id, set()) - on:
+        for node_id in self.wanted_on.get(rid, set()).difference(on):
             live = self.live.get(node_id)
-            if live is not None and live.bindings.pop(res.id, None) is not None:
+            if live is not None and live.bindings.pop(rid, None) is not None:
                 self._bump(live)
         if on:
-            self.wanted_on[res.id] = on
+            self.wanted_on[rid] = set(on)
         else:
-            self.wanted_on.pop(res.id, None)
+            self.wanted_on.pop(rid, None)
 
     # ---- authentication ------------------------------------------------------------
     def node_of_token(self, token: str) -> Node:

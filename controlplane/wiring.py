@@ -25,7 +25,7 @@ from controlplane.cleaning import Cleaner
 from controlplane.confirmations import ConfirmationService
 from controlplane.fleet import FleetService
 from controlplane.iam.authorizer import Authorizer
-from controlplane.nodes import NodeService
+from controlplane.nodes import NodeService, wanted_of
 from controlplane.operations import OperationService
 from controlplane.quotes import Quotes
 from controlplane.reconciler import Reconciler
@@ -222,13 +222,14 @@ class ControlPlane:
             live = tx.live_reservations(now)
             state = WriterState()
             state.rebuild(catalog, live, tx.live_bookings(now), now)
+            bindings = {res.id: wanted_of(res, catalog) for res in live}  # (the nodes' watches: only compared)
 
         def put_in_place() -> None:
             before = self.catalog.current.policies
             self.catalog.current = catalog
             self.tokens.rows = tokens
             self.state.replace(state)
-            self.nodes.resync(live)
+            self.nodes.resync(bindings)
             self.reservations.wake_all(live)
             if catalog.policies != before and self.store.groups:
                 self._load_policies()

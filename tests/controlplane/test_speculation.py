@@ -12,7 +12,7 @@ import time
 import pytest
 
 from controlplane import catalog as catalog_mod
-from controlplane import schemas
+from controlplane import schemas, wiring
 from controlplane.domain.errors import DomainError
 from controlplane.state import WriterState
 from controlplane.store import pg_sql, pg_tx, pg_writer
@@ -323,14 +323,18 @@ async def test_a_memory_rebuilt_whole_is_read_without_the_write_lock_and_brought
     assert len(check_database(api)) == GPUS
 
 
-async def test_a_memory_rebuilt_whole_is_read_off_the_api_loop_which_serves_meanwhile(api):
+async def test_a_memory_rebuilt_whole_is_read_off_the_api_loop_which_serves_meanwhile(api, monkeypatch):
     """Reading every live reservation takes seconds at 100,000 of them (after a failover, as here, or a migrate's
-    copy): the memory is read and built on a thread of its own while the API's loop goes on answering, and put in
-    place on the loop; the create that found it to rebuild is placed after."""
+    copy): the memory is read and built on a thread of its own, each reservation's bindings for the nodes' watches
+    too, while the API's loop goes on answering, and put in place on the loop; the create that found it to rebuild
+    is placed after."""
     writer = api.cp.store.writer
     status, _ = await api.call("create", "alice", body("warm"))
     assert status == 202
-    reset, seen = writer._on_reset, {}
+    reset, seen, bindings_on = writer._on_reset, {}, set()
+    wanted_of = wiring.wanted_of
+    monkeypatch.setattr(wiring, "wanted_of", lambda res, catalog: (bindings_on.add(threading.get_ident()),
+                                                                   wanted_of(res, catalog))[1])
 
     def slow(tx):
         seen["read on"] = threading.get_ident()
@@ -366,6 +370,7 @@ async def test_a_memory_rebuilt_whole_is_read_off_the_api_loop_which_serves_mean
         writer._on_reset = reset
     assert status == 202 and doc["reservation"]["state"] == "placed", doc
     assert seen["read on"] != threading.get_ident() and seen["put on"] == threading.get_ident()
+    assert bindings_on == {seen["read on"]}
     assert writer.rebuilds == rebuilds + 1
     await check_memory(api)
 
