@@ -222,7 +222,7 @@ class ControlPlane:
             live = tx.live_reservations(now)
             state = WriterState()
             state.rebuild(catalog, live, tx.live_bookings(now), now)
-            bindings = {res.id: wanted_of(res, catalog) for res in live}  # (the nodes' watches: only compared)
+            bindings = {res.id: wanted_of(res, catalog) for res in live}  # for the nodes' watches (resync compares)
 
         def put_in_place() -> None:
             before = self.catalog.current.policies
