@@ -60,10 +60,10 @@ async def _begun(conn: asyncpg.Connection, reads: Iterable[str]) -> tuple[Any, d
     return state, rows
 
 
-async def _snapshot(conn: asyncpg.Connection, settings: str = "") -> tuple[Found, int]:
+async def _snapshot(conn: asyncpg.Connection) -> tuple[Found, int]:
     """BEGIN a read-only snapshot on conn: what it shows, and the seq the next reservation gets, the one after its
     last (as a locked group's BEGIN reads it: a speculative group after a refresh takes its seqs from here)."""
-    await conn.execute(f"BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {settings}")
+    await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
     state, _ = await _begun(conn, ())
     return Found(state[0], state[1], state[5], conn.server), state[2] + 1
 
@@ -238,17 +238,11 @@ class Writer:
         if self.conn is not None:
             await self.conn.close(timeout=5)
 
-    async def _begin_read(self) -> int:
-        """A snapshot to rebuild the memory from, with the generation it shows (no lock: it writes nothing)."""
-        found = await self._begin_snapshot(WHOLE_READS)
-        self.server = found.server
-        return found.generation
-
-    async def _begin_snapshot(self, settings: str = "") -> Found:
+    async def _begin_snapshot(self) -> Found:
         """A read-only snapshot on the writer's connection (_snapshot), the lock taken ahead given back first."""
         await self._drop_ahead()
         await self._connected()
-        found, self.next_seq = await _snapshot(self.conn, settings)
+        found, self.next_seq = await _snapshot(self.conn)
         return found
 
     async def _commit(self, appends: Appends, wrote: bool, touched: set[str], catalog: bool) -> int:
@@ -716,7 +710,6 @@ class Writer:
             try:
                 await self._fresh_in_snapshot()
             except Exception as failed:  # noqa: BLE001 - the next group rebuilds it (the generation is unknown)
-                self.generation = None
                 log.warning("could not rebuild the writer's memory now; the next group will", error=str(failed))
         err = unavailable(f"the database is unavailable ({type(exc).__name__}); retry with the same idempotency "
                           "key")
@@ -724,21 +717,16 @@ class Writer:
         resolve([(job.fut, None, err) for job in group])
 
     def _reset_now(self) -> None:
-        """The memory rebuilt now, outside any event loop (call_sync)."""
+        """The memory rebuilt whole now, in a snapshot without the write lock, outside any event loop (call_sync):
+        as _fresh_in_snapshot, read on the caller's thread."""
         self.generation = None
+        self.prefetched = {}  # (a group's reads: none here)
         try:
-            with self._sync:
-                self.generation = self.connector.run(self._begin_read())
-                try:
-                    self._on_reset(PgTx(self, PgAppends()))()
-                except BaseException:
-                    self.generation = None
-                    raise
-                finally:
-                    self.connector.run(self._rollback())
-                self.rebuilds += 1
-                self._poisoned = self._unrepairable = False
-                self.unlanded = set()
+            found = self.connector.run(self._begin_snapshot())
+            try:
+                self._fresh(found)
+            finally:
+                self.connector.run(self._rollback())
         except Exception as exc:  # noqa: BLE001 - the next group rebuilds it (the generation is unknown)
             log.warning("could not rebuild the writer's memory now; the next group will", error=str(exc))
 
