@@ -29,7 +29,7 @@ from typing import Callable
 import asyncpg
 import structlog
 
-from controlplane.store.pg_connect import UNREACHABLE
+from controlplane.store.pg_connect import LEADER, LISTEN, UNREACHABLE
 from controlplane.store.postgres import PgStore
 
 log = structlog.get_logger("berth.replicas")
@@ -130,7 +130,7 @@ class Shared:
             try:
                 if conn is None or conn.is_closed():
                     self.leading = False
-                    conn = await self.connector.connect("leader")
+                    conn = await self.connector.connect(LEADER)
                 if not self.leading:
                     if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK):
                         self.leading = True
@@ -167,7 +167,7 @@ class Shared:
             try:
                 if conn is None or conn.is_closed():
                     lost.clear()
-                    conn = await self.connector.connect("listen")
+                    conn = await self.connector.connect(LISTEN)
                     conn.add_termination_listener(lambda _c: lost.set())
                     await conn.add_listener(CHANNEL, notice)
                     self._heard(None)  # what was committed while nobody listened

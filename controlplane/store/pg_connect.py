@@ -15,10 +15,13 @@ from typing import Any, Awaitable
 import asyncpg
 
 
-# The sessions a replica holds on the database (docs/scale-out.md sizes max_connections by them): the writer's,
-# its speculative groups' reads and commits, the leader lock's, the listener's, and committed reads' pool.
-READ_POOL = 4
-SESSIONS = ("writer", "writer reads", "writer commits", "leader", "listen")  # each one, beside READ_POOL "reads"
+# The sessions a replica holds on the database, by the role its application_name ends with (docs/scale-out.md sizes
+# max_connections by them): the writer's, its speculative groups' reads and commits, the leader lock's, the
+# listener's, one each, and committed reads' pool of READ_POOL. MIGRATE is open at start only, before any other.
+WRITER, WRITER_READS, WRITER_COMMITS, LEADER, LISTEN = "writer", "writer reads", "writer commits", "leader", "listen"
+SESSIONS = (WRITER, WRITER_READS, WRITER_COMMITS, LEADER, LISTEN)
+READS, READ_POOL = "reads", 4
+MIGRATE = "migrate"
 STATEMENT_TIMEOUT_S = 30.0
 UNREACHABLE = (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.CannotConnectNowError,
                asyncpg.AdminShutdownError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
@@ -104,6 +107,8 @@ class Connector:
 
     async def connect(self, role: str, **settings: str) -> Session:
         """A new connection, or UNREACHABLE at once while the backoff after a failure lasts (0.1 s doubling to 5 s)."""
+        if role not in SESSIONS and role != MIGRATE:  # a session the sizing of max_connections does not count
+            raise ValueError(f"session {role!r} is not one of SESSIONS: list it there and in docs/scale-out.md")
         now = time.monotonic()
         if now < self._next_try:
             raise ConnectionError(f"the database is unreachable; next attempt in {self._next_try - now:.1f} s")

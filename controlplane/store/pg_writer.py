@@ -21,7 +21,7 @@ import structlog
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import DomainError
 from controlplane.store.groups import COMMIT_WAIT_S, Appends, resolve, run_hooks, unavailable
-from controlplane.store.pg_connect import UNREACHABLE, Connector, Session
+from controlplane.store.pg_connect import UNREACHABLE, WRITER, WRITER_COMMITS, WRITER_READS, Connector, Session
 from controlplane.store.pg_sql import (BEGUN, CATALOG_CHANGED_SINCE, CHANGED_SINCE, CHANGES, COMMIT_GROUP,
                                        LIVE_BOOKINGS_OF, LOCKED, SPECULATED, TOKENS, WHOLE_READS, WRITER_SETTINGS,
                                        PgAppends)
@@ -210,7 +210,7 @@ class Writer:
     async def _connected(self) -> None:
         if self.conn is None or self.conn.is_closed():
             self.conn = None
-            self.conn = await self.connector.connect("writer", **WRITER_SETTINGS)
+            self.conn = await self.connector.connect(WRITER, **WRITER_SETTINGS)
 
     async def _ahead_taken(self) -> bool:
         """Whether the lock taken ahead (after the previous group's commit, while it was answered) is held now in an
@@ -274,7 +274,7 @@ class Writer:
         """The generation and the reservations `reads`, in one snapshot (BEGUN without the lock), on a connection
         of their own (the previous group's commit may be on its way); no generation from another server run than
         the memory's."""
-        self.reader = await self._speculative_conn(self.reader, "writer reads")
+        self.reader = await self._speculative_conn(self.reader, WRITER_READS)
         state, rows = await _begun(self.reader, reads)
         return (state[0] if self.reader.server == self.server else None), rows
 
@@ -283,7 +283,7 @@ class Writer:
         `expected` or the connection reached another server run than the memory's (nothing written). Its own
         connection: the writer's may hold the lock taken ahead of a locked group only when no speculative commit
         is on its way (_speculable), so the two never wait for each other."""
-        self.sender = await self._speculative_conn(self.sender, "writer commits")
+        self.sender = await self._speculative_conn(self.sender, WRITER_COMMITS)
         if self.sender.server != self.server:
             return None
         return await self.sender.fetchval(SPECULATED, expected, list(touched), *appends.parameters())
@@ -492,7 +492,7 @@ class Writer:
         known = self.generation
         if known is None:
             return None
-        self.reader = conn = await self._speculative_conn(self.reader, "writer reads")
+        self.reader = conn = await self._speculative_conn(self.reader, WRITER_READS)
         now = self._clock()
         rows = await conn.fetch(CHANGES, known, now)
         state = rows[0]

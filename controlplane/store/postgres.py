@@ -47,7 +47,8 @@ import asyncpg
 
 from controlplane.store import pg_schema
 from controlplane.store.groups import COMMIT_WAIT_S, unavailable
-from controlplane.store.pg_connect import READ_POOL, SERVER_SETTINGS, UNREACHABLE, Connector, cannot_connect
+from controlplane.store.pg_connect import (MIGRATE, READ_POOL, READS, SERVER_SETTINGS, UNREACHABLE, Connector,
+                                           cannot_connect)
 from controlplane.store.pg_tx import PgTx
 from controlplane.store.pg_writer import Writer
 from controlplane.store.port import OnChanged
@@ -78,7 +79,7 @@ class PgStore(CommittedReads):
         self.writer: Writer | None = None
 
     async def _open(self) -> None:
-        conn = await self.connector.connect("migrate")
+        conn = await self.connector.connect(MIGRATE)
         try:
             await pg_schema.migrate(conn)
         finally:
@@ -86,7 +87,7 @@ class PgStore(CommittedReads):
         # min_size 0: the pool keeps no floor of connections, so it does not retry (and log) while the database is away
         self.pool = await asyncpg.create_pool(
             self.dsn, min_size=0, max_size=READ_POOL, statement_cache_size=256,
-            server_settings={**SERVER_SETTINGS, "application_name": f"{self.connector.application} reads"})
+            server_settings={**SERVER_SETTINGS, "application_name": f"{self.connector.application} {READS}"})
 
     def start(self, on_reset: Callable[[PgTx], Callable[[], None]], on_group: Callable[[int], None] | None = None,
               on_changed: OnChanged | None = None,

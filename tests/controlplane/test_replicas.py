@@ -23,7 +23,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from controlplane.store.pg_connect import READ_POOL, SESSIONS
+from controlplane.store.pg_connect import LEADER, LISTEN, READ_POOL, READS, SESSIONS, WRITER, Connector
 from controlplane.store.pg_sql import WRITE_LOCK
 from controlplane.store.pg_writer import SPECULATION_PAUSE_S
 from tests import dbrows
@@ -147,9 +147,9 @@ def test_two_replicas_split_a_burst_for_the_last_gpus_without_double_booking(dat
         held = Counter(r[0].removeprefix("berth-controlplane ") for r in dbrows.rows(
             database, "SELECT application_name FROM pg_stat_activity WHERE datname = current_database() AND "
                       "application_name LIKE 'berth-controlplane %'"))
-        assert {"writer", "listen", "leader"} <= set(held) <= {*SESSIONS, "reads"}, held
-        assert held["reads"] <= 2 * READ_POOL, held
-        assert all(n <= 2 for role, n in held.items() if role != "reads"), held
+        assert {WRITER, LISTEN, LEADER} <= set(held) <= {*SESSIONS, READS}, held
+        assert held[READS] <= 2 * READ_POOL, held
+        assert all(n <= 2 for role, n in held.items() if role != READS), held
         # one key sent to both replicas at once: one reservation, the other call replays it
         before = {r[0] for r in dbrows.rows(database, "SELECT id FROM reservations")}
         with ThreadPoolExecutor(2) as pool:
@@ -163,6 +163,18 @@ def test_two_replicas_split_a_burst_for_the_last_gpus_without_double_booking(dat
             status, doc = server.post("/api/compute/reservations/create", TOKENS["alice"],
                                       create_body("same-key", gpus=2))
             assert (409, "CONFLICT") == (status, doc["error"]["code"]), doc
+
+
+def test_a_session_the_sizing_of_max_connections_does_not_count_is_refused_before_it_connects():
+    connector = Connector("postgresql://nobody@/none?host=/nonexistent", "berth-controlplane")
+    try:
+        with pytest.raises(ValueError, match="'scratch' is not one of SESSIONS"):
+            connector.run(connector.connect("scratch"))
+        # a listed one does try (and finds no server there)
+        with pytest.raises(OSError):
+            connector.run(connector.connect(LEADER))
+    finally:
+        connector.close()
 
 
 def test_kill_9_of_one_replica_mid_burst_and_a_retry_on_the_other_books_exactly_once(database, bootstrap):
