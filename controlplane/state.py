@@ -65,21 +65,26 @@ class WriterState:
         self.calendar, self.ledger, self.timers = built.calendar, built.ledger, built.timers
         self.pending, self.spot, self.charged = built.pending, built.spot, built.charged
 
-    def apply(self, res: Reservation, bookings: Iterable[Booking], now: int) -> None:
-        """One reservation as another replica left it (docs/scale-out.md): its bookings, charge and indexes
-        replaced by what the database holds."""
-        self.calendar.remove(res.id)
+    def apply(self, changed: Iterable[Reservation], bookings: Iterable[Booking], now: int) -> None:
+        """Reservations as other replicas left them (docs/scale-out.md): their bookings, charges and indexes
+        replaced by what the database holds. Every old booking of theirs goes before any new one comes: another
+        replica may have placed one of them where another one's booking ended (a pending reservation placed on the
+        devices a cancel freed), whichever comes first."""
+        changed = list(changed)
+        for res in changed:
+            self.calendar.remove(res.id)
         for booking in bookings:
             self.calendar.add_node(booking.pool_id, booking.node_id, booking.units)
             self.calendar.book(booking)
-        old = self.charged.get(res.tenant_id, {}).get(res.id)
-        if old is not None:
-            self.ledger.refund(old.tenant_id, old.charge)
-        if res.state in states.CHARGED:
-            self.ledger.hold(res.tenant_id, res.charge)
-        self.track(res)
-        if res.state == states.PENDING:
-            self.timers.retry_pool(res.pool_id, now + RETRY_MS)
+        for res in changed:
+            old = self.charged.get(res.tenant_id, {}).get(res.id)
+            if old is not None:
+                self.ledger.refund(old.tenant_id, old.charge)
+            if res.state in states.CHARGED:
+                self.ledger.hold(res.tenant_id, res.charge)
+            self.track(res)
+            if res.state == states.PENDING:
+                self.timers.retry_pool(res.pool_id, now + RETRY_MS)
 
     def forget(self, reservation_id: str) -> None:
         """A reservation the database does not hold after all (a create whose speculative commit did not land):

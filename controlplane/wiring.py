@@ -248,11 +248,7 @@ class ControlPlane:
             self._catalog_changed(catalog)
         for reservation_id in dropped:
             self.state.forget(reservation_id)
-        bookings: dict[str, list] = {}
-        for booking in tx.live_bookings_of([res.id for res in changed], now):
-            bookings.setdefault(booking.reservation_id, []).append(booking)
-        for res in changed:
-            self.state.apply(res, bookings.get(res.id, ()), now)
+        self.state.apply(changed, tx.live_bookings_of([res.id for res in changed], now), now)
         for res in changed:
             self.moves.notify(res)  # watches of the nodes it is on, long polls on its tenant's events and on it
         self.reconciler.wake()
