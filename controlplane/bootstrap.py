@@ -231,7 +231,7 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
     tenants = {}
     for i, t in enumerate(doc.tenants):
         budget = _money(t.budgetUsd, f"tenants[{i}].budgetUsd") if t.budgetUsd is not None else None
-        tenants[t.id] = Tenant(t.id, _quota(t.quota, f"tenants[{i}].quota"), budget)
+        tenants[t.id] = Tenant(t.id, _quota(t.quota, f"tenants[{i}].quota"), budget, declared_budget_usd=budget)
 
     principals = {}
     tokens: dict[str, list[tuple[str, str]]] = {"principal": [], "node-bootstrap": []}
@@ -348,8 +348,14 @@ def merge(current: Catalog, declared: Catalog) -> Catalog:
 
     A declared node that an agent has taken over keeps the agent's inventory (and takes the file's BMC); every
     node keeps the state an operator set (a cordon survives the restart that applies the file again) and a
-    cleaning under way.
+    cleaning under way. A tenant keeps a budget set through the admin API while the file declares the budget it
+    declared before (every replica applies the file at its start), and takes the file's once it declares another.
     """
+    tenants = dict(current.tenants)
+    for tenant_id, tenant in declared.tenants.items():
+        existing = tenants.get(tenant_id)
+        kept = existing is not None and existing.declared_budget_usd == tenant.declared_budget_usd
+        tenants[tenant_id] = replace(tenant, budget_usd=existing.budget_usd) if kept else tenant
     nodes = dict(current.nodes)
     for node_id, node in declared.nodes.items():
         existing = nodes.get(node_id)
@@ -360,7 +366,7 @@ def merge(current: Catalog, declared: Catalog) -> Catalog:
                                   cleaning=existing.cleaning)
                           if existing is not None else node)
     return Catalog(
-        {**current.tenants, **declared.tenants},
+        tenants,
         {**current.principals, **declared.principals},
         {**current.pools, **declared.pools},
         nodes,

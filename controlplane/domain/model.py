@@ -32,6 +32,8 @@ class Tenant:
     # "vcpu_milli" millicpu, "memory_mib" MiB. A missing row grants 0.
     quota: Mapping[str, int] = field(default_factory=dict)
     budget_usd: Decimal | None = None
+    # What the bootstrap last declared: a budget set since (the admin API) stays until the file declares another
+    declared_budget_usd: Decimal | None = None
 
 
 @dataclass(frozen=True, slots=True)

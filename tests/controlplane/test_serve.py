@@ -82,3 +82,26 @@ async def test_admin_sets_a_budget_and_applies_a_bootstrap_at_run_time(api):
     assert (status, doc["error"]["code"]) == (403, "ACCESS_DENIED")
     status, doc = await api.post("/api/admin/bootstrap", admin, {"pools": [{"id": "x"}]})
     assert status == 400 and doc["error"]["code"] == "INVALID_INPUT"
+
+
+async def test_a_budget_set_at_run_time_outlives_the_bootstrap_applied_again_until_the_file_declares_another(api):
+    """Every replica applies the bootstrap file at its start: a budget set through the admin API stays while the
+    file declares the budget it declared before, and the file's wins once it declares another."""
+    admin = "admin-token-for-tests-0001"
+
+    async def budget() -> str:
+        status, doc = await api.post("/api/admin/tenants/get", admin, {"tenantId": "acme"})
+        assert status == 200, doc
+        return doc["tenant"]["budgetUsd"]
+
+    assert await budget() == "100.000000"  # the file's
+    status, doc = await api.post("/api/admin/tenants/budget", admin, {"tenantId": "acme", "budgetUsd": "250"})
+    assert status == 200, doc
+    boot = bootstrap_doc()
+    status, doc = await api.post("/api/admin/bootstrap", admin, boot)  # as a replica's start applies it
+    assert status == 200, doc
+    assert await budget() == "250.000000"
+    next(t for t in boot["tenants"] if t["id"] == "acme")["budgetUsd"] = "80"
+    status, doc = await api.post("/api/admin/bootstrap", admin, boot)
+    assert status == 200, doc
+    assert await budget() == "80.000000"
