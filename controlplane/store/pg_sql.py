@@ -166,8 +166,10 @@ CHANGES = (
 
 
 # A booking's end moves with its devices' ranges, in one statement (the exclusion constraint checks the new ranges).
+# Of live bookings only: one ended where it started (a reservation moved off a node before its start) stays so
 MOVE_END = (
-    "WITH b AS (UPDATE bookings SET end_ms = {end} WHERE reservation_id = $1 RETURNING id, start_ms, end_ms)"
+    "WITH b AS (UPDATE bookings SET end_ms = {end} WHERE reservation_id = $1 AND end_ms > start_ms"
+    " RETURNING id, start_ms, end_ms)"
     " UPDATE booked_units u SET during = int8range(b.start_ms, b.end_ms) FROM b WHERE u.booking_id = b.id")
 
 

@@ -78,7 +78,8 @@ class Tx(Reads, Protocol):
     def end_bookings(self, reservation_id: str, at: int) -> None:
         """Bookings end at `at`; one not yet started ends where it starts (kept, empty, for history)."""
 
-    def set_bookings_end(self, reservation_id: str, end: int) -> None: ...
+    def set_bookings_end(self, reservation_id: str, end: int) -> None:
+        """Live bookings end at `end` (an extend, a carry-on); one ended where it started stays so."""
 
     # events, confirmations (a reservation's operations are saved with it)
     def event(self, tenant_id: str, reservation_id: str | None, type_: str, at: int, data: dict[str, Any]) -> None: ...

@@ -212,14 +212,17 @@ class SqliteTx(SqliteReads, JobOutcome):
 
     def end_bookings(self, reservation_id: str, at: int) -> None:
         """Bookings end at `at`; one not yet started ends where it starts (kept, empty, for history)."""
-        self.flush()
-        self._writing().execute(
-            "UPDATE bookings SET end_ms = MAX(start_ms, MIN(end_ms, ?)) WHERE reservation_id = ?", (at, reservation_id)
-        )
+        self._move_end("MAX(start_ms, MIN(end_ms, ?))", at, reservation_id)
 
     def set_bookings_end(self, reservation_id: str, end: int) -> None:
+        self._move_end("?", end, reservation_id)
+
+    def _move_end(self, end: str, at: int, reservation_id: str) -> None:
+        """Of live bookings only: one ended where it started (a reservation moved off a node before its start)
+        stays so."""
         self.flush()
-        self._writing().execute("UPDATE bookings SET end_ms = ? WHERE reservation_id = ?", (end, reservation_id))
+        self._writing().execute(f"UPDATE bookings SET end_ms = {end} WHERE reservation_id = ? AND end_ms > start_ms",
+                                (at, reservation_id))
 
     # events
     def event(self, tenant_id: str, reservation_id: str | None, type_: str, at: int, data: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from controlplane.api.app import CONTROL_PLANE, create_app
 from controlplane.domain.clock import FakeClock
+from controlplane.state import WriterState
 from controlplane.wiring import Config
 from tests import dbrows
 from tests.pgcluster import pg_cluster  # noqa: F401 (fixture)
@@ -167,6 +168,33 @@ class Api:
         status, doc = await self.post("/api/compute/events/list", who, {"after": after} if after else {})
         assert status == 200, doc
         return doc["events"]
+
+
+def snapshot(state: WriterState) -> dict:
+    """What a writer's memory says of the bookings, the quota held and the indexes, comparable."""
+    return {
+        "bookings": sorted((b.reservation_id, b.pool_id, b.node_id, tuple(b.units), b.start, b.end, b.share)
+                           for held in state.calendar.by_reservation.values() for b in held),
+        "ledger": {t: {k: v for k, v in used.items() if v} for t, used in state.ledger.used.items()
+                   if any(used.values())},
+        "charged": {t: sorted(held) for t, held in state.charged.items() if held},
+        "pending": {p: list(ids) for p, ids in state.pending.items() if ids},
+        "spot": {p: list(ids) for p, ids in state.spot.items() if ids},
+    }
+
+
+async def check_memory(api: Api) -> None:
+    """The writer's memory equals one rebuilt from what the database holds (read in a group of the writer)."""
+    cp = api.cp
+
+    def both(tx):
+        now = cp.clock.compute_now()
+        rebuilt = WriterState()
+        rebuilt.rebuild(cp.catalog.current, tx.live_reservations(now), tx.live_bookings(now), now)
+        return snapshot(cp.state), snapshot(rebuilt)
+
+    held, rebuilt = await cp.store.call(both)
+    assert held == rebuilt
 
 
 @pytest.fixture

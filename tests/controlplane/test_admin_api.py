@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.controlplane.conftest import HOUR, T0, bootstrap_doc
+from tests.controlplane.conftest import HOUR, T0, bootstrap_doc, check_memory
 from tests.controlplane.test_fleet import OPERATOR_POLICIES, OPERATORS
 from tests.controlplane.test_nodes import inventory, node_call, register
 
@@ -87,6 +87,29 @@ async def test_cordon_outlives_the_agents_inventory_and_drain_moves_work_over_ht
     assert "fan failure" == events[0]["data"]["reason"]
     page = await ok(api, "events/list", {"after": events[1]["seq"], "limit": 1})
     assert ([events[2]["seq"]], events[2]["seq"]) == ([e["seq"] for e in page["events"]], page["nextCursor"])
+
+
+async def test_an_extend_after_a_drain_moved_the_reservation_leaves_its_old_booking_ended(api):
+    """A drain moves a placed reservation that has not started to another node; its booking on the drained node
+    ends where it starts (kept, empty, for history). An extend then moves the end of the live booking only: the
+    emptied one used to come back, on the devices booked by others since (PostgreSQL refused it by its exclusion
+    constraint, a 503; SQLite kept both)."""
+    for host in ("h1.test", "h2.test"):
+        await register(api, host)
+    start, end = T0 + 3 * HOUR, T0 + 4 * HOUR
+    first = (await api.create(key="first", gpuCount=8, start=start, end=end))[1]["reservation"]
+    a = first["placements"][0]["nodeId"]
+    b = "h2" if a == "h1" else "h1"
+    await ok(api, "nodes/drain", {"nodeId": a})
+    await ok(api, "nodes/uncordon", {"nodeId": a})
+    status, second = await api.create(key="second", gpuCount=8, start=start, end=end)
+    assert (202, a) == (status, second["reservation"]["placements"][0]["nodeId"]), second
+    status, doc = await api.call("extend", "alice", {"reservationId": first["id"], "by": HOUR})
+    assert (202, True) == (status, doc.get("extended")), doc
+    live = api.rows("SELECT node_id, end_ms FROM bookings WHERE reservation_id = ? AND end_ms > start_ms",
+                    first["id"])
+    assert [(b, end + HOUR)] == live
+    await check_memory(api)
 
 
 @pytest.mark.parametrize("path, body, status, code, field", [

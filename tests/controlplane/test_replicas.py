@@ -216,10 +216,12 @@ def test_kill_9_of_one_replica_mid_burst_and_a_retry_on_the_other_books_exactly_
 
 def test_mixed_changes_from_many_clients_on_two_replicas_leave_one_truth(database, tmp_path):
     """Creates (spot and on demand, in overlapping windows, some replayed on the other replica), cancels, extends
-    and releases from 16 clients of two principals of one tenant, each request to either replica: speculative
-    groups, locked groups and the replicas' reloads interleave. Never a 5xx; no device booked twice; each key one
-    reservation; and the two replicas, a third one started afterwards (its memory read whole from the database)
-    and the database's own rows agree on every reservation's state and on the tenant's quota and budget."""
+    and releases from 16 clients of two principals of one tenant, each request to either replica, while an
+    operator drains, cordons and uncordons nodes and sets the tenant's budget, on either replica too: speculative
+    groups, locked groups, catalog changes and the replicas' reloads interleave. Never a 5xx; no device booked
+    twice; each key one reservation; and the two replicas, a third one started afterwards (its memory read whole
+    from the database) and the database's own rows agree on every reservation's state, every node's state and
+    the tenant's quota and budget."""
     doc = bootstrap_doc()
     doc["nodes"].append(h100_node("x0"))
     acme = doc["tenants"][0]
@@ -264,8 +266,27 @@ def test_mixed_changes_from_many_clients_on_two_replicas_leave_one_truth(databas
                 with lock:
                     statuses[status] += 1
 
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(client, range(16)))
+        done = threading.Event()
+
+        def operator() -> None:
+            actions = [("nodes/drain", {"nodeId": "x0"}), ("nodes/uncordon", {"nodeId": "x0"}),
+                       ("nodes/cordon", {"nodeId": "h2"}), ("nodes/uncordon", {"nodeId": "h2"})]
+            for i in range(10_000):
+                if done.is_set():
+                    return
+                method, body = actions[i % len(actions)] if i % 5 else ("tenants/budget", {
+                    "tenantId": "acme", "budgetUsd": str(1_000_000 + i)})
+                status, answer = replicas[i % 2].post("/api/admin/" + method, ADMIN, body)
+                assert status == 200, (method, status, answer)
+                time.sleep(0.02)
+
+        with ThreadPoolExecutor(17) as pool:
+            operating = pool.submit(operator)
+            try:
+                list(pool.map(client, range(16)))
+            finally:
+                done.set()  # (also when a client failed: the operator stops)
+            operating.result()
         assert statuses[202] >= 200, statuses  # most changes went through (refusals are 4xx, never 5xx)
         assert [(0,)] == dbrows.rows(
             database, "SELECT count(*) FROM booked_units a JOIN booked_units b ON a.node_id = b.node_id AND "
@@ -281,12 +302,16 @@ def test_mixed_changes_from_many_clients_on_two_replicas_leave_one_truth(databas
                 states[rid] = answer["reservation"]["state"]
             status, tenant = server.post("/api/admin/tenants/get", ADMIN, {"tenantId": "acme"})
             assert status == 200, tenant
+            for node in ("h1", "h2", "x0"):
+                status, answer = server.post("/api/admin/nodes/get", ADMIN, {"nodeId": node})
+                assert status == 200, answer
+                states[node] = answer["node"]["state"]
             return states, tenant["tenant"]
 
         seen_a = wait_for(lambda: (v := views(a)) == views(b) and v)  # the follower caught up
         with ServerProcess(database, path) as c:
             assert views(c) == seen_a
-        assert seen_a[0] == in_db
+        assert {rid: state for rid, state in seen_a[0].items() if rid in in_db} == in_db
         assert int(seen_a[1]["used"].get("gpu:H100_80GB", 0)) == charged_gpus(database)
 
 

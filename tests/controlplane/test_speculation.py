@@ -14,9 +14,8 @@ import pytest
 from controlplane import catalog as catalog_mod
 from controlplane import schemas, wiring
 from controlplane.domain.errors import DomainError
-from controlplane.state import WriterState
 from controlplane.store import pg_sql, pg_tx, pg_writer
-from tests.controlplane.conftest import T0, TOKENS, bootstrap_doc, h100_node
+from tests.controlplane.conftest import T0, TOKENS, bootstrap_doc, check_memory, h100_node
 from tests.controlplane.test_metrics import scrape
 from tests.serverproc import ServerProcess
 
@@ -57,33 +56,6 @@ async def fill(api, prefix: str) -> int:
             return placed
         placed += 1
     raise AssertionError("more creates placed than the pool has GPUs")
-
-
-def snapshot(state: WriterState) -> dict:
-    """What a writer's memory says of the bookings, the quota held and the indexes, comparable."""
-    return {
-        "bookings": sorted((b.reservation_id, b.pool_id, b.node_id, tuple(b.units), b.start, b.end, b.share)
-                           for held in state.calendar.by_reservation.values() for b in held),
-        "ledger": {t: {k: v for k, v in used.items() if v} for t, used in state.ledger.used.items()
-                   if any(used.values())},
-        "charged": {t: sorted(held) for t, held in state.charged.items() if held},
-        "pending": {p: list(ids) for p, ids in state.pending.items() if ids},
-        "spot": {p: list(ids) for p, ids in state.spot.items() if ids},
-    }
-
-
-async def check_memory(api) -> None:
-    """The writer's memory equals one rebuilt from what the database holds (read in a group of the writer)."""
-    cp = api.cp
-
-    def both(tx):
-        now = cp.clock.compute_now()
-        rebuilt = WriterState()
-        rebuilt.rebuild(cp.catalog.current, tx.live_reservations(now), tx.live_bookings(now), now)
-        return snapshot(cp.state), snapshot(rebuilt)
-
-    held, rebuilt = await cp.store.call(both)
-    assert held == rebuilt
 
 
 @pytest.fixture
