@@ -266,8 +266,11 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                 body.update(gpuCount=8, nodeCount=2)  # a gang: two whole nodes
             elif shape < 0.25:
                 body["resources"] = {"vcpu": rng.choice([2, 4]), "memoryGiB": rng.choice([8, 16])}
-            if rng.random() < 0.1:
+            when = rng.random()
+            if when < 0.1:
                 body["durationHours"] = 1  # as soon as possible: from now, so the leader binds it meanwhile
+            elif when < 0.15:
+                body["durationHours"] = 0.001  # 3.6 s from now: the leader ends it meanwhile too
             else:
                 body["start"], body["end"] = rng.choice(windows)
             return body
