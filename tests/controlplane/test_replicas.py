@@ -275,9 +275,21 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                 body["start"], body["end"] = rng.choice(windows)
             return body
 
+        def confirmed(rng: random.Random, body: dict, answer: dict) -> tuple[str, int, dict]:
+            """An agent's create that needs alice's confirmation: she approves or denies it (on either server),
+            and the agent sends the create again (on either server): placed or pending, or ACCESS_DENIED."""
+            cid = answer["error"]["details"]["confirmationId"]
+            decision = "approve" if rng.random() < 0.7 else "deny"
+            status, decided = servers[rng.randrange(len(servers))].post(
+                f"/api/iam/confirmations/{decision}", TOKENS["alice"], {"confirmationId": cid})
+            assert status == 200, decided
+            status, answer = servers[rng.randrange(len(servers))].post(api + "create", TOKENS["agent"], body)
+            assert (status == 202) == (decision == "approve") and status in (202, 403), (decision, status, answer)
+            return f"create {decision}d", status, answer
+
         def client(i: int) -> None:
             rng = random.Random(i)
-            token = TOKENS["alice" if i % 2 else "bob"]
+            token = TOKENS[("bob", "alice", "bob", "agent")[i % 4]]  # the agent acts for alice
             mine: list[str] = []
             for j in range(24):
                 n = rng.randrange(len(servers))
@@ -295,7 +307,13 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                     elif rng.random() < 0.1:
                         body["maxHourlyPrice"] = rng.choice(["1.000000", "100.000000"])  # refused, or not
                     method = "create with a quote" if "quoteId" in body else "create"
+                    if token == TOKENS["agent"]:
+                        body["gpuCount"] = rng.choice([1, 4])  # more than 2 GPUs: alice confirms
                     status, answer = servers[n].post(api + "create", token, body)
+                    if status == 403 and answer["error"]["code"] == "CONFIRMATION_REQUIRED":
+                        with lock:
+                            statuses["create", status] += 1
+                        method, status, answer = confirmed(rng, body, answer)
                     if status == 202:
                         mine.append(answer["reservation"]["id"])
                         with lock:
@@ -336,12 +354,13 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
             operating.result()
         # each kind of change went through, most of them (refusals are 4xx, never 5xx)
         assert sum(n for (_, status), n in statuses.items() if status == 202) >= 200, statuses
-        assert {"quote", "create", "create with a quote", "cancel", "extend", "release"} == {
+        assert {"quote", "create", "create with a quote", "create approved", "cancel", "extend", "release"} == {
             method for (method, status), n in statuses.items() if status in (200, 202)}, statuses
         assert [] == double_bookings(database)
 
-        def in_db() -> dict[str, str]:
-            return dict(dbrows.rows(database, "SELECT id, state FROM reservations"))
+        def in_db() -> dict[str, str]:  # (drafts, and those awaiting a confirmation, are no one's to read)
+            return dict(dbrows.rows(database, "SELECT id, state FROM reservations WHERE state NOT IN "
+                                              "('draft', 'awaiting-confirmation')"))
 
         reservations = in_db()
         assert len(set(created.values())) == len(created) and set(created.values()) <= set(reservations)
