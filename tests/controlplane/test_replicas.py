@@ -231,17 +231,20 @@ def double_bookings(db: str) -> list[tuple]:
     return found
 
 
-@pytest.mark.parametrize("engine", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql", "postgresql, kill -9"])
 def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_path):
     """16 clients of two principals of one tenant create (spot and on demand, one node or a gang of two, with or
     without host resources, in overlapping windows or as soon as possible), replay creates, cancel, extend (by and
     until) and release, while an operator drains, cordons and uncordons nodes and sets the tenant's budget; on
     PostgreSQL each request goes to either of two replicas (speculative groups, locked groups, catalog changes and
-    the replicas' reloads interleave), on SQLite to the one server. Never a 5xx; no device booked twice; each key
-    one reservation; and the servers, one started afterwards on the same database (its memory read whole from it)
-    and the database's own rows agree on every reservation's state, every node's state and the tenant's quota
-    and budget."""
-    database = request.getfixturevalue("database") if engine == "postgresql" else f"sqlite:///{tmp_path / 'cp.db'}"
+    the replicas' reloads interleave), on SQLite to the one server; and with `kill -9`, the first replica is
+    killed a second in and started again (a request it took with it is sent again to the other). Never a 5xx; no
+    device booked twice; each key one reservation; and the servers, one started afterwards on the same database
+    (its memory read whole from it) and the database's own rows agree on every reservation's state, every node's
+    state and the tenant's quota and budget."""
+    killing = engine.endswith("kill -9")
+    database = (request.getfixturevalue("database") if engine.startswith("postgresql")
+                else f"sqlite:///{tmp_path / 'cp.db'}")
     doc = bootstrap_doc()
     doc["nodes"].append(h100_node("x0"))
     acme = doc["tenants"][0]
@@ -253,7 +256,7 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
     windows = [(base + h * 1_800_000, base + h * 1_800_000 + 3_600_000 * (1 + h % 2)) for h in range(4)]
     api = "/api/compute/reservations/"
     with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(ServerProcess(database, path)) for _ in range(2 if engine == "postgresql" else 1)]
+        servers = [stack.enter_context(ServerProcess(database, path)) for _ in range(1 if engine == "sqlite" else 2)]
         statuses: Counter = Counter()
         created: dict[str, str] = {}
         lock = threading.Lock()
@@ -275,15 +278,27 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                 body["start"], body["end"] = rng.choice(windows)
             return body
 
+        def send(n: int, path: str, token: str, body: dict) -> tuple[int, dict]:
+            """POST to server n; where it was killed under the request, the same again to the last one (never
+            killed): an extend by some time may then extend twice, as a client's retry would."""
+            try:
+                return servers[n].post(path, token, body)
+            except OSError:
+                if not killing:
+                    raise
+                with lock:
+                    statuses["sent again after the kill", 0] += 1
+                return servers[-1].post(path, token, body)
+
         def confirmed(rng: random.Random, body: dict, answer: dict) -> tuple[str, int, dict]:
             """An agent's create that needs alice's confirmation: she approves or denies it (on either server),
             and the agent sends the create again (on either server): placed or pending, or ACCESS_DENIED."""
             cid = answer["error"]["details"]["confirmationId"]
             decision = "approve" if rng.random() < 0.7 else "deny"
-            status, decided = servers[rng.randrange(len(servers))].post(
-                f"/api/iam/confirmations/{decision}", TOKENS["alice"], {"confirmationId": cid})
+            status, decided = send(rng.randrange(len(servers)), f"/api/iam/confirmations/{decision}", TOKENS["alice"],
+                                   {"confirmationId": cid})
             assert status == 200, decided
-            status, answer = servers[rng.randrange(len(servers))].post(api + "create", TOKENS["agent"], body)
+            status, answer = send(rng.randrange(len(servers)), api + "create", TOKENS["agent"], body)
             assert (status == 202) == (decision == "approve") and status in (202, 403), (decision, status, answer)
             return f"create {decision}d", status, answer
 
@@ -297,8 +312,8 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                 if roll < 0.5 or not mine:
                     body = create_body(rng, f"m{i}-{j}")
                     if rng.random() < 0.1:  # priced first (on either server), the create names the quote
-                        status, answer = servers[rng.randrange(len(servers))].post(
-                            api + "quote", token, {k: v for k, v in body.items() if k != "idempotencyKey"})
+                        status, answer = send(rng.randrange(len(servers)), api + "quote", token,
+                                              {k: v for k, v in body.items() if k != "idempotencyKey"})
                         assert status < 500, (status, answer)
                         with lock:
                             statuses["quote", status] += 1
@@ -309,7 +324,7 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                     method = "create with a quote" if "quoteId" in body else "create"
                     if token == TOKENS["agent"]:
                         body["gpuCount"] = rng.choice([1, 4])  # more than 2 GPUs: alice confirms
-                    status, answer = servers[n].post(api + "create", token, body)
+                    status, answer = send(n, api + "create", token, body)
                     if status == 403 and answer["error"]["code"] == "CONFIRMATION_REQUIRED":
                         with lock:
                             statuses["create", status] += 1
@@ -319,14 +334,14 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                         with lock:
                             created[body["idempotencyKey"]] = mine[-1]
                         if rng.random() < 0.2:  # the same create again, on the other replica: replayed
-                            again = servers[1 - n if len(servers) == 2 else n].post(api + "create", token, body)
+                            again = send(1 - n if len(servers) == 2 else n, api + "create", token, body)
                             assert (202, mine[-1]) == (again[0], again[1].get("reservation", {}).get("id")), again
                 else:
                     rid = rng.choice(mine)
                     method, extra = (
                         ("cancel", {}) if roll < 0.65 else ("extend", {"by": 1_800_000}) if roll < 0.75
                         else ("extend", {"until": rng.choice(windows)[1] + 3_600_000}) if roll < 0.85 else ("release", {}))
-                    status, answer = servers[n].post(api + method, token, {"reservationId": rid, **extra})
+                    status, answer = send(n, api + method, token, {"reservationId": rid, **extra})
                 assert status < 500, (status, answer, [line for line in servers[n].lines if '"error"' in line])
                 with lock:
                     statuses[method, status] += 1
@@ -341,21 +356,31 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                     return
                 method, body = actions[i % len(actions)] if i % 5 else ("tenants/budget", {
                     "tenantId": "acme", "budgetUsd": str(1_000_000 + i)})
-                status, answer = servers[i % len(servers)].post("/api/admin/" + method, ADMIN, body)
+                status, answer = send(i % len(servers), "/api/admin/" + method, ADMIN, body)
                 assert status == 200, (method, status, answer)
                 time.sleep(0.02)
 
-        with ThreadPoolExecutor(17) as pool:
+        def kill_and_start_again() -> None:
+            time.sleep(1)
+            servers[0].kill()
+            time.sleep(0.5)
+            servers[0] = stack.enter_context(ServerProcess(database, path))
+
+        with ThreadPoolExecutor(18) as pool:
             operating = pool.submit(operator)
+            killed = pool.submit(kill_and_start_again) if killing else None
             try:
                 list(pool.map(client, range(16)))
             finally:
                 done.set()  # (also when a client failed: the operator stops)
             operating.result()
+            if killed is not None:
+                killed.result()
         # each kind of change went through, most of them (refusals are 4xx, never 5xx)
         assert sum(n for (_, status), n in statuses.items() if status == 202) >= 200, statuses
         assert {"quote", "create", "create with a quote", "create approved", "cancel", "extend", "release"} == {
             method for (method, status), n in statuses.items() if status in (200, 202)}, statuses
+        assert killing == bool(statuses["sent again after the kill", 0]), statuses
         assert [] == double_bookings(database)
 
         def in_db() -> dict[str, str]:  # (drafts, and those awaiting a confirmation, are no one's to read)
