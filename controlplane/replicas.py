@@ -36,6 +36,7 @@ log = structlog.get_logger("berth.replicas")
 
 LEADER_LOCK = 0x62657274_0003  # "bert" and 3: held for the session by the replica that leads
 CHANNEL = "berth_changes"
+CATCH_UP_S = 2.0
 
 
 class Solo:
@@ -60,6 +61,9 @@ class Solo:
 
     async def stop(self) -> None:
         pass
+
+    async def caught_up(self) -> None:
+        """Nobody else writes: the memory has everything."""
 
 
 class Shared:
@@ -118,6 +122,15 @@ class Shared:
         await asyncio.gather(*(asyncio.wrap_future(t) if not isinstance(t, asyncio.Future) else t
                                for t in self._tasks), return_exceptions=True)
         self.leading = False
+
+    async def caught_up(self) -> None:
+        """The memory brought up to what other replicas committed before now (a token one of them issued a moment
+        ago, before its NOTIFY was heard here); at most CATCH_UP_S, and not at all while the database is away: the
+        caller then judges on the memory as it is."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.store.refresh()), CATCH_UP_S)
+        except Exception as exc:  # noqa: BLE001 - the database away, or slow: what the memory holds decides
+            log.info("could not catch up with the database", error=f"{type(exc).__name__}: {exc}")
 
     def _to_main(self, fn: Callable[[], None]) -> None:
         if self._main is not None and not self._main.is_closed():

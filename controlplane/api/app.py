@@ -24,7 +24,7 @@ from controlplane.api import openapi
 from controlplane.api import pools as pool_api
 from controlplane.api import reservations as reservation_api
 from controlplane.api import ui as ui_api
-from controlplane.api.auth import bearer, principal_of
+from controlplane.api.auth import bearer, known_first, principal_of
 from controlplane.api.errors import answer_errors
 from controlplane.domain.errors import COMPUTE_ACCESS_REQUIRED, UNAUTHENTICATED, DomainError
 from controlplane.wiring import Config, ControlPlane
@@ -44,8 +44,10 @@ async def api_middleware(request: web.Request, handler):
     with every refusal as the error envelope; meanwhile the connection guard counts the connection busy."""
 
     async def call():
+        cp = request.app.get(CONTROL_PLANE)
+        if cp is not None and "Authorization" in request.headers:
+            await known_first(request, cp.tokens, cp.replicas.caught_up)
         if request.path.startswith(TENANT_PATHS):
-            cp = request.app[CONTROL_PLANE]
             principal = request["principal"] = principal_of(request, cp.tokens, cp.catalog.current.principals)
             if principal.scope != "manage" and request.path in MUTATIONS:
                 raise DomainError(COMPUTE_ACCESS_REQUIRED, f"{principal.id}'s token has {principal.scope} access: "

@@ -2,6 +2,8 @@
 the token table."""
 from __future__ import annotations
 
+from typing import Awaitable, Callable
+
 from aiohttp import web
 
 from controlplane.domain.errors import UNAUTHENTICATED, DomainError
@@ -18,6 +20,19 @@ def bearer(request: web.Request) -> str:
         raise DomainError(UNAUTHENTICATED, "Authorization: send 'Bearer <token>' (printable ASCII)",
                           {"field": "Authorization"})
     return token
+
+
+async def known_first(request: web.Request, tokens: Tokens, catch_up: Callable[[], Awaitable[None]]) -> None:
+    """A token this replica does not know may have been issued a moment ago by another one (an agent registered
+    there, a bootstrap applied there) whose commit it has not heard of yet: the memory catches up (`catch_up`)
+    before the token is judged, so a client behind a balancer is not refused for the replica it reached. A request
+    without a well-formed bearer token is left to the checks that refuse it."""
+    try:
+        token = bearer(request)
+    except DomainError:
+        return
+    if tokens.resolve(token) is None:
+        await catch_up()
 
 
 def principal_of(request: web.Request, tokens: Tokens, principals) -> Principal:

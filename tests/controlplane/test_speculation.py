@@ -586,3 +586,23 @@ async def test_a_create_that_preempts_spot_work_runs_under_the_lock_without_rebu
     assert status == 202 and doc["reservation"]["state"] == "placed" and writer.speculated > speculated, doc
     assert api.cp.state.calendar.overlaps() == []
     assert len(check_database(api)) == 5  # the firm one, three spot reservations and the later one
+
+
+async def test_a_token_another_replica_issued_a_moment_ago_is_known_here_at_once(api, other):
+    """An agent registers on another replica and its next call reaches this one (a balancer's choice) before this
+    replica heard of that commit: the token is unknown here, so the memory catches up with the database first
+    (controlplane/api/auth.known_first), and the call is served, not refused 401. A token nobody issued is still
+    refused, after the same catch-up."""
+    from tests.controlplane.test_nodes import inventory
+
+    await asyncio.sleep(0.5)  # the other replica's start heard
+    api.cp.replicas._refresh = lambda: None  # this replica hears no NOTIFY now: only the catch-up brings the token
+    reloads = api.cp.store.writer.reloads
+    status, registered = await asyncio.to_thread(other.post, "/api/nodes/register", "node-token-h100-000001",
+                                                 {"hostname": "h1.test", "inventory": inventory("h1.test")})
+    assert status == 200, registered
+    status, doc = await api.post("/api/nodes/heartbeat", registered["nodeToken"], {})
+    assert status == 200, doc
+    assert api.cp.store.writer.reloads == reloads + 1
+    status, doc = await api.post("/api/nodes/heartbeat", "nt_nobody-issued-this-one", {})
+    assert (status, doc["error"]["code"]) == (401, "UNAUTHENTICATED"), doc
