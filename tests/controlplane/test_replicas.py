@@ -34,6 +34,7 @@ from tests.controlplane.conftest import TOKENS, bootstrap_doc, h100_node
 from tests.serverproc import ServerProcess, post
 
 ADMIN = bootstrap_doc()["adminToken"]
+NODE_BOOT = bootstrap_doc()["nodeTokens"][0]["token"]  # pool h100's
 GPUS = 3 * 8  # pool h100 below: h1, h2 and x0, 8 GPUs each
 CLIENTS = 32
 
@@ -242,6 +243,8 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
     device booked twice; each key one reservation; and the servers, one started afterwards on the same database
     (its memory read whole from it) and the database's own rows agree on every reservation's state, every node's
     state and the tenant's quota and budget."""
+    from tests.controlplane.test_nodes import inventory
+
     killing = engine.endswith("kill -9")
     database = (request.getfixturevalue("database") if engine.startswith("postgresql")
                 else f"sqlite:///{tmp_path / 'cp.db'}")
@@ -360,20 +363,50 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                 assert status == 200, (method, status, answer)
                 time.sleep(0.02)
 
+        def agent(hostname: str) -> None:
+            """A node's agent as the node API sees one: it registers, then heartbeats, long-polls its bindings on
+            either server and reports each new one bound (and each new end), and each one gone unbound."""
+            rng = random.Random(hostname)
+            status, registered = send(0, "/api/nodes/register", NODE_BOOT,
+                                      {"hostname": hostname, "inventory": inventory(hostname)})
+            assert status == 200, registered
+            token, version, bound = registered["nodeToken"], None, {}
+            while not done.is_set():
+                n = rng.randrange(len(servers))
+                status, answer = send(n, "/api/nodes/heartbeat", token, {})
+                assert status == 200, answer
+                status, answer = send(n, "/api/nodes/watch", token, {"resourceVersion": version, "timeoutMs": 300}
+                                      if version is not None else {"timeoutMs": 0})
+                assert status == 200, answer
+                version = answer["resourceVersion"]
+                held = {b["reservationId"]: b["end"] for b in answer["bindings"]}
+                reports = [{"reservationId": rid, "status": "bound", "end": end} for rid, end in held.items()
+                           if bound.get(rid) != end]
+                reports += [{"reservationId": rid, "status": "unbound"} for rid in bound if rid not in held]
+                if reports:
+                    status, answer = send(n, "/api/nodes/report", token, {"reports": reports})
+                    assert status == 200, answer
+                    with lock:
+                        statuses["reported", len(answer["accepted"]) > 0] += 1
+                bound = held
+
         def kill_and_start_again() -> None:
             time.sleep(1)
             servers[0].kill()
             time.sleep(0.5)
             servers[0] = stack.enter_context(ServerProcess(database, path))
 
-        with ThreadPoolExecutor(18) as pool:
+        with ThreadPoolExecutor(21) as pool:
             operating = pool.submit(operator)
+            agents = [pool.submit(agent, f"{node}.test") for node in ("h1", "h2", "x0")]
             killed = pool.submit(kill_and_start_again) if killing else None
             try:
                 list(pool.map(client, range(16)))
             finally:
                 done.set()  # (also when a client failed: the operator stops)
             operating.result()
+            for running in agents:
+                running.result()
             if killed is not None:
                 killed.result()
         # each kind of change went through, most of them (refusals are 4xx, never 5xx)
@@ -381,6 +414,7 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
         assert {"quote", "create", "create with a quote", "create approved", "cancel", "extend", "release"} == {
             method for (method, status), n in statuses.items() if status in (200, 202)}, statuses
         assert killing == bool(statuses["sent again after the kill", 0]), statuses
+        assert statuses["reported", True], statuses  # the agents bound what started meanwhile
         assert [] == double_bookings(database)
 
         def in_db() -> dict[str, str]:  # (drafts, and those awaiting a confirmation, are no one's to read)
