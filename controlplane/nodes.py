@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Awaitable, Callable
 
 import structlog
 
@@ -118,6 +118,10 @@ def wanted_of(res: Reservation, catalog: Catalog) -> dict[str, Binding]:
     return {node_id: binding_of(res, catalog.nodes.get(node_id), node_id, pool) for node_id in on}
 
 
+async def _nothing_to_catch_up() -> None:
+    """A lone control plane: nobody else writes."""
+
+
 @dataclass
 class NodeLive:
     rv: int
@@ -151,6 +155,7 @@ class NodeService:
         self.heard: Callable[[str, int], None] = lambda node_id, at_ms: None
         self.heard_elsewhere: Callable[[], dict[str, int]] = dict
         self.version: Callable[[], int | None] = lambda: None  # the database's generation, where replicas share one
+        self.caught_up: Callable[[], Awaitable[None]] = _nothing_to_catch_up  # that memory brought up to now
         moves.listeners.append(self._reservation_changed)
 
     # ---- desired bindings -----------------------------------------------------------
@@ -475,6 +480,11 @@ class NodeService:
 
     # ---- watch ----------------------------------------------------------------------------------
     async def watch(self, node: Node, rv: int | None, timeout_ms: int) -> WatchAnswer:
+        known = self.version()
+        if rv is not None and known is not None and rv > known:
+            # The agent's last answer came from a replica further on than this one: catch up first, or this one
+            # would answer an older set (and the agent unbind what that replica bound, or bind what it released).
+            await self.caught_up()
         live = self._node(node.id)
         if rv is None or rv != live.rv or timeout_ms <= 0 or self.closing:
             return self._watch_answer(live, changed=rv != live.rv)

@@ -606,3 +606,46 @@ async def test_a_token_another_replica_issued_a_moment_ago_is_known_here_at_once
     assert api.cp.store.writer.reloads == reloads + 1
     status, doc = await api.post("/api/nodes/heartbeat", "nt_nobody-issued-this-one", {})
     assert (status, doc["error"]["code"]) == (401, "UNAUTHENTICATED"), doc
+
+
+async def test_a_watch_with_a_version_from_a_replica_further_on_waits_for_this_one_to_catch_up(api, other):
+    """An agent's last watch was answered by the other replica, which had just committed a release of the node's
+    binding; its next watch reaches this replica before it heard of that commit. This one catches up first and
+    answers as the other would (no change since that version): not its older set, which still held the binding
+    (the agent would bind a released reservation again)."""
+    from tests.controlplane.test_nodes import BOOT, inventory
+
+    await asyncio.sleep(0.5)  # the other replica's start heard
+    tokens = {}
+    for host in ("h1", "h2"):
+        status, doc = await api.post("/api/nodes/register", BOOT, {"hostname": f"{host}.test",
+                                                                    "inventory": inventory(f"{host}.test")})
+        assert status == 200, doc
+        tokens[host] = doc["nodeToken"]
+    status, doc = await api.create(key="soon", start=T0 + 60_000, end=T0 + 3_600_000)
+    assert status == 202, doc
+    rid, node = doc["reservation"]["id"], doc["reservation"]["placements"][0]["nodeId"]
+    await api.settle(120_000)  # its window started: binding (this replica leads)
+    status, first = await api.post("/api/nodes/watch", tokens[node], {"timeoutMs": 0})
+    assert [rid] == [b["reservationId"] for b in first["bindings"]], first
+    await caught_up(api)
+
+    def binding_there() -> bool:
+        return other.post("/api/compute/reservations/get", TOKENS["alice"], {"reservationId": rid})[1][
+            "reservation"]["state"] == "binding"
+
+    for _ in range(100):  # the other replica heard it too
+        if await asyncio.to_thread(binding_there):
+            break
+        await asyncio.sleep(0.05)
+    api.cp.replicas._refresh = lambda: None  # this replica hears no NOTIFY now: only a catch-up brings it on
+    status, doc = await asyncio.to_thread(other.post, "/api/compute/reservations/release", TOKENS["alice"],
+                                          {"reservationId": rid})
+    assert status == 202, doc
+    status, there = await asyncio.to_thread(other.post, "/api/nodes/watch", tokens[node],
+                                            {"resourceVersion": first["resourceVersion"], "timeoutMs": 5000})
+    assert status == 200 and there["changed"] and there["bindings"] == [], there
+    status, here = await api.post("/api/nodes/watch", tokens[node],
+                                  {"resourceVersion": there["resourceVersion"], "timeoutMs": 300})
+    assert status == 200, here
+    assert (False, [], there["resourceVersion"]) == (here["changed"], here["bindings"], here["resourceVersion"])
