@@ -370,7 +370,7 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
             status, registered = send(0, "/api/nodes/register", NODE_BOOT,
                                       {"hostname": hostname, "inventory": inventory(hostname)})
             assert status == 200, registered
-            token, version, bound = registered["nodeToken"], None, {}
+            token, version, bound, gone = registered["nodeToken"], None, {}, set()
             while not done.is_set():
                 n = rng.randrange(len(servers))
                 status, answer = send(n, "/api/nodes/heartbeat", token, {})
@@ -380,6 +380,8 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                 assert status == 200, answer
                 version = answer["resourceVersion"]
                 held = {b["reservationId"]: b["end"] for b in answer["bindings"]}
+                assert not gone & set(held), (hostname, gone & set(held))  # a binding once gone never comes back
+                gone |= set(bound) - set(held)
                 reports = [{"reservationId": rid, "status": "bound", "end": end} for rid, end in held.items()
                            if bound.get(rid) != end]
                 reports += [{"reservationId": rid, "status": "unbound"} for rid in bound if rid not in held]
