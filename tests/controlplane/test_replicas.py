@@ -392,15 +392,31 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                         statuses["reported", len(answer["accepted"]) > 0] += 1
                 bound = held
 
+        followed: list[int] = []
+
+        def follow_events() -> None:
+            """The tenant's events, listed after the last cursor on either server, until the clients are done and
+            nothing more comes: a cursor never skips an event another replica committed late."""
+            rng, cursor, quiet = random.Random("events"), None, 0
+            while quiet < 3:
+                status, page = send(rng.randrange(len(servers)), "/api/compute/events/list", TOKENS["alice"],
+                                    {"after": cursor, "limit": 50} if cursor is not None else {"limit": 50})
+                assert status == 200, page
+                followed.extend(e["seq"] for e in page["events"])
+                cursor = page["nextCursor"]
+                quiet = quiet + 1 if done.is_set() and not page["events"] else 0
+                time.sleep(0.01)
+
         def kill_and_start_again() -> None:
             time.sleep(1)
             servers[0].kill()
             time.sleep(0.5)
             servers[0] = stack.enter_context(ServerProcess(database, path))
 
-        with ThreadPoolExecutor(21) as pool:
+        with ThreadPoolExecutor(22) as pool:
             operating = pool.submit(operator)
             agents = [pool.submit(agent, f"{node}.test") for node in ("h1", "h2", "x0")]
+            following = pool.submit(follow_events)
             killed = pool.submit(kill_and_start_again) if killing else None
             try:
                 list(pool.map(client, range(16)))
@@ -409,6 +425,7 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
             operating.result()
             for running in agents:
                 running.result()
+            following.result()
             if killed is not None:
                 killed.result()
         # each kind of change went through, most of them (refusals are 4xx, never 5xx)
@@ -418,6 +435,8 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
         assert killing == bool(statuses["sent again after the kill", 0]), statuses
         assert statuses["reported", True], statuses  # the agents bound what started meanwhile
         assert [] == double_bookings(database)
+        assert followed and followed == [seq for (seq,) in dbrows.rows(
+            database, "SELECT seq FROM events WHERE tenant_id = 'acme' AND seq <= ? ORDER BY seq", followed[-1])]
 
         def in_db() -> dict[str, str]:  # (drafts, and those awaiting a confirmation, are no one's to read)
             return dict(dbrows.rows(database, "SELECT id, state FROM reservations WHERE state NOT IN "
