@@ -14,6 +14,10 @@ class Tokens:
 
     def __init__(self, rows: dict[str, tuple[str, str]] | None = None):
         self.rows = dict(rows or {})
+        self._last: tuple[str, str] = ("", token_hash(""))  # (token, its hash): the last one resolved
 
     def resolve(self, token: str) -> tuple[str, str] | None:
-        return self.rows.get(token_hash(token))
+        # A request's token is resolved twice (known first, then judged): hashed once
+        if token != self._last[0]:
+            self._last = (token, token_hash(token))
+        return self.rows.get(self._last[1])
