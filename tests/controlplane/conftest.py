@@ -2,6 +2,7 @@
 PostgreSQL database) and a fake clock."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import struct
@@ -16,6 +17,7 @@ from controlplane.state import WriterState
 from controlplane.wiring import Config
 from tests import dbrows
 from tests.pgcluster import pg_cluster  # noqa: F401 (fixture)
+from tests.serverproc import ServerProcess
 
 T0 = 1_800_000_000_000  # the fake clock's start, epoch ms
 K8S_BOOT = "node-token-k8s-0000001"  # the kubernetes pool's node bootstrap token
@@ -243,3 +245,16 @@ async def api(db_url, aiohttp_client, bootstrap_file, clock) -> Api:  # db_url f
     config = Config(db=db_url, bootstrap=bootstrap_file(), clock=clock, synchronous="NORMAL", reconcile=False)
     client = await aiohttp_client(create_app(config))
     return Api(client, clock)
+
+
+@pytest.fixture
+async def other(api, db_url, tmp_path):
+    """Another replica on the api's database (PostgreSQL), in its own process, stopped after the test."""
+    boot = tmp_path / "b.json"
+    boot.write_text(json.dumps(bootstrap_doc()))
+    replica = ServerProcess(db_url, boot)
+    await asyncio.to_thread(replica.start)  # this replica's loop goes on meanwhile (its writer may hold the lock)
+    try:
+        yield replica
+    finally:
+        replica.stop()

@@ -10,7 +10,7 @@ import pytest
 from controlplane.domain.clock import FakeClock
 from controlplane.store import pg_writer
 from tests.controlplane.conftest import TOKENS
-from tests.controlplane.test_speculation import WINDOW, caught_up, other  # noqa: F401  (other: a fixture)
+from tests.controlplane.test_speculation import WINDOW, caught_up
 
 pytestmark = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 

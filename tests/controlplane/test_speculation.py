@@ -5,7 +5,6 @@ again under the write lock: nothing lost, doubled or overbooked, and the memory 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
@@ -17,7 +16,6 @@ from controlplane.domain.errors import DomainError
 from controlplane.store import pg_sql, pg_tx, pg_writer
 from tests.controlplane.conftest import T0, TOKENS, bootstrap_doc, check_memory, h100_node
 from tests.controlplane.test_metrics import scrape
-from tests.serverproc import ServerProcess
 
 pytestmark = pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 
@@ -56,19 +54,6 @@ async def fill(api, prefix: str) -> int:
             return placed
         placed += 1
     raise AssertionError("more creates placed than the pool has GPUs")
-
-
-@pytest.fixture
-async def other(api, db_url, tmp_path):
-    """Another replica on the api's database, in its own process, stopped after the test."""
-    boot = tmp_path / "b.json"
-    boot.write_text(json.dumps(bootstrap_doc()))
-    replica = ServerProcess(db_url, boot)
-    await asyncio.to_thread(replica.start)  # this replica's loop goes on meanwhile (its writer may hold the lock)
-    try:
-        yield replica
-    finally:
-        replica.stop()
 
 
 async def test_a_create_by_another_replica_between_a_groups_read_and_its_commit(api, other):
