@@ -30,7 +30,7 @@ from controlplane.store.pg_connect import LEADER, LISTEN, READ_POOL, READS, SESS
 from controlplane.store.pg_sql import WRITE_LOCK
 from controlplane.store.pg_writer import SPECULATION_PAUSE_S
 from tests import dbrows
-from tests.controlplane.conftest import TOKENS, bootstrap_doc, h100_node
+from tests.controlplane.conftest import K8S_BOOT, TOKENS, bootstrap_doc, h100_node
 from tests.serverproc import ServerProcess, post
 
 ADMIN = bootstrap_doc()["adminToken"]
@@ -263,14 +263,16 @@ def transitions_and_billing(db: str, renewed: dict[str, int]) -> list[tuple]:
 @pytest.mark.parametrize("engine", ["sqlite", "postgresql", "postgresql, kill -9"])
 def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_path):
     """16 clients of two principals of one tenant create (spot and on demand, one node or a gang of two, with or
-    without host resources, in overlapping windows or as soon as possible), replay creates, cancel, extend (by and
-    until) and release, while an operator drains, cordons and uncordons nodes and sets the tenant's budget; on
-    PostgreSQL each request goes to either of two replicas (speculative groups, locked groups, catalog changes and
-    the replicas' reloads interleave), on SQLite to the one server; and with `kill -9`, the first replica is
-    killed a second in and started again (a request it took with it is sent again to the other). Never a 5xx; no
-    device booked twice; each key one reservation; and the servers, one started afterwards on the same database
-    (its memory read whole from it) and the database's own rows agree on every reservation's state, every node's
-    state and the tenant's quota and budget."""
+    without host resources, in overlapping windows or as soon as possible, some on a lease, some bound by
+    kubernetes), replay creates, cancel, extend (by and until), renew leases and release, while an operator drains,
+    cordons and uncordons nodes and sets the tenant's budget, and an agent per node binds what starts (the
+    kubernetes node's agent reports a release held by a pod, then let go); on PostgreSQL each request goes to
+    either of two replicas (speculative groups, locked groups, catalog changes and the replicas' reloads
+    interleave), on SQLite to the one server; and with `kill -9`, the first replica is killed a second in and
+    started again (a request it took with it is sent again to the other). Never a 5xx; no device booked twice;
+    each key one reservation; no reservation active or ended twice, and its billing row as its events say; and
+    the servers, one started afterwards on the same database (its memory read whole from it) and the database's
+    own rows agree on every reservation's state, every node's state and the tenant's quota and budget."""
     from tests.controlplane.test_nodes import inventory
 
     killing = engine.endswith("kill -9")
@@ -300,8 +302,13 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                 body.update(gpuCount=8, nodeCount=2)  # a gang: two whole nodes
             elif shape < 0.25:
                 body["resources"] = {"vcpu": rng.choice([2, 4]), "memoryGiB": rng.choice([8, 16])}
+            kubernetes = rng.random() < 0.15
+            if kubernetes:  # on the kubernetes pool's one node, half of them from now: a release holds the devices
+                body.update(poolId="k8s", binding="kubernetes", gpuCount=rng.choice([1, 2, 4]), spot=False)
+                body.pop("nodeCount", None)
+                body.pop("resources", None)
             when = rng.random()
-            if when < 0.1:
+            if when < 0.1 or (kubernetes and when < 0.5):
                 body["durationHours"] = 1  # as soon as possible: from now, so the leader binds it meanwhile
             elif when < 0.15:
                 body["durationHours"] = 0.001  # 3.6 s from now: the leader ends it meanwhile too
@@ -406,11 +413,13 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                 assert status == 200, (method, status, answer)
                 time.sleep(0.02)
 
-        def agent(hostname: str) -> None:
+        def agent(hostname: str, boot: str = NODE_BOOT) -> None:
             """A node's agent as the node API sees one: it registers, then heartbeats, long-polls its bindings on
-            either server and reports each new one bound (and each new end), and each one gone unbound."""
+            either server and reports each new one bound (and each new end), and each one gone unbound. On the
+            kubernetes pool's node a released binding is reported held by a pod, then the pod let go
+            (AllocationReleased: unbound)."""
             rng = random.Random(hostname)
-            status, registered = send(0, "/api/nodes/register", NODE_BOOT,
+            status, registered = send(0, "/api/nodes/register", boot,
                                       {"hostname": hostname, "inventory": inventory(hostname)})
             assert status == 200, registered
             token, version, bound, gone = registered["nodeToken"], None, {}, set()
@@ -422,11 +431,14 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                                       if version is not None else {"timeoutMs": 0})
                 assert status == 200, answer
                 version = answer["resourceVersion"]
-                held = {b["reservationId"]: b["end"] for b in answer["bindings"]}
+                held = {b["reservationId"]: (b["end"], b.get("released", False)) for b in answer["bindings"]}
                 assert not gone & set(held), (hostname, gone & set(held))  # a binding once gone never comes back
                 gone |= set(bound) - set(held)
-                reports = [{"reservationId": rid, "status": "bound", "end": end} for rid, end in held.items()
-                           if bound.get(rid) != end]
+                reports = [{"reservationId": rid, "status": "bound", "end": end} for rid, (end, released) in
+                           held.items() if not released and bound.get(rid) != (end, released)]
+                reports += [{"reservationId": rid, "status": "held", "holders": ["team/trainer-0"]} if bound.get(
+                    rid, (0, False))[1] is False else {"reservationId": rid, "status": "unbound"}
+                            for rid, (_, released) in held.items() if released]  # held once, then let go
                 reports += [{"reservationId": rid, "status": "unbound"} for rid in bound if rid not in held]
                 if reports:
                     status, answer = send(n, "/api/nodes/report", token, {"reports": reports})
@@ -456,9 +468,10 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
             time.sleep(0.5)
             servers[0] = stack.enter_context(ServerProcess(database, path))
 
-        with ThreadPoolExecutor(22) as pool:
+        with ThreadPoolExecutor(24) as pool:
             operating = pool.submit(operator)
             agents = [pool.submit(agent, f"{node}.test") for node in ("h1", "h2", "x0")]
+            agents.append(pool.submit(agent, "k1.test", K8S_BOOT))
             following = pool.submit(follow_events)
             killed = pool.submit(kill_and_start_again) if killing else None
             try:
@@ -478,6 +491,8 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
             method for (method, status), n in statuses.items() if status in (200, 202)}, statuses
         assert killing == bool(statuses["sent again after the kill", 0]), statuses
         assert statuses["reported", True], statuses  # the agents bound what started meanwhile
+        assert dbrows.rows(database, "SELECT count(*) FROM events WHERE type = 'reservation.hold-ended'")[0][0], \
+            "no kubernetes release was held and let go"  # (2 to 4 of them in a run)
         assert [] == double_bookings(database)
         assert followed and followed == [seq for (seq,) in dbrows.rows(
             database, "SELECT seq FROM events WHERE tenant_id = 'acme' AND seq <= ? ORDER BY seq", followed[-1])]
