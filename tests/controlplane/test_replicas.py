@@ -53,10 +53,6 @@ def database(pg_cluster):
 def bootstrap(tmp_path):
     doc = bootstrap_doc()
     doc["nodes"].append(h100_node("x0"))
-    doc["pools"].append({"id": "root", "owner": "acme", "region": "eu", "gpuModel": "H100_80GB",
-                         "policy": {"tenantRoot": {"turnaroundMinutes": 1}}})
-    doc["nodes"].append(h100_node("r1", pool="root"))
-    doc["nodeTokens"].append({"pool": "root", "token": ROOT_BOOT})
     doc["tenants"][0]["quota"]["gpu:H100_80GB"] = 1000
     path = tmp_path / "b.json"
     path.write_text(json.dumps(doc))
@@ -451,13 +447,16 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
                 nodes = {b["reservationId"] for b in answer["bindings"] if b["kind"] == "node"}
                 assert not gone & set(held), (hostname, gone & set(held))  # a binding once gone never comes back
                 gone |= set(bound) - set(held)
-                reports = [{"reservationId": rid, "status": "bound", "end": end, **({"ssh": {
-                    "host": hostname, "port": 22, "user": "root", "hostKeys": ["SHA256:" + "h" * 43]}}
-                    if rid in nodes else {})} for rid, (end, released) in held.items()
-                    if not released and bound.get(rid) != (end, released)]
-                reports += [{"reservationId": rid, "status": "held", "holders": ["team/trainer-0"]} if bound.get(
-                    rid, (0, False))[1] is False else {"reservationId": rid, "status": "unbound"}
-                            for rid, (_, released) in held.items() if released]  # held once, then let go
+                reports = []
+                for rid, (end, released) in held.items():
+                    if released:  # a kubernetes release: held by a pod the first time, then let go (unbound)
+                        reports.append({"reservationId": rid, "status": "unbound"} if bound.get(rid, (0, False))[1] else
+                                       {"reservationId": rid, "status": "held", "holders": ["team/trainer-0"]})
+                    elif bound.get(rid) != (end, released):  # new, or a new end
+                        reports.append({"reservationId": rid, "status": "bound", "end": end})
+                        if rid in nodes:  # handed over: how the tenant logs in
+                            reports[-1]["ssh"] = {"host": hostname, "port": 22, "user": "root",
+                                                  "hostKeys": ["SHA256:" + "h" * 43]}
                 reports += [{"reservationId": rid, "status": "unbound"} for rid in bound if rid not in held]
                 # a node handed back (unbound, above, the round before): its clean check passed
                 reports += [{"reservationId": rid, "status": "cleaned", "clean": {"ok": True}} for rid in handed_back]
