@@ -130,6 +130,7 @@ class NodeLive:
     lost: bool = False
     changed: asyncio.Event | None = None
     agent_version: str = ""
+    answered: bool = False  # an answer (watch, heartbeat, register) carried rv since it was set
 
 
 class NodeService:
@@ -190,10 +191,14 @@ class NodeService:
 
     def _bump(self, live: NodeLive) -> None:
         rv = self._next_rv()
-        if rv == live.rv:  # changed twice at one generation (only a memory rebuilt at it does): never the same
+        if rv == live.rv and live.answered:
+            # Changed again at a generation an answer already carried with the set before (a memory rebuilt at
+            # it): the agent must see a change, so a version no generation reaches. Changed twice before any
+            # answer (two reservations of one commit on the node, applied one after the other) it keeps the
+            # generation's version, as every other replica gives that set.
             self._rv += 1
             rv = self._rv
-        live.rv = rv
+        live.rv, live.answered = rv, False
         if live.changed is not None:
             live.changed.set()
             live.changed = None
@@ -269,6 +274,7 @@ class NodeService:
         if self._is_lost(node.id):
             await self._found(node.id)
         log.info("node registered", node_id=node.id, pool_id=pool.id, units=len(node.units), agent_version=agent_version)
+        live.answered = True
         return RegisterAnswer(node.id, token, pool.id, self.heartbeat_s, self.grace_s, live.rv)
 
     def _check_takeover(self, node: Node, machine_id: str, boot_id: str | None = None) -> None:
@@ -373,6 +379,7 @@ class NodeService:
             await self.update_inventory(node, inventory)
         if self._is_lost(node.id):
             await self._found(node.id)
+        live.answered = True
         return HeartbeatAnswer(live.rv, self.grace_s)
 
     def _is_lost(self, node_id: str) -> bool:
@@ -507,6 +514,7 @@ class NodeService:
 
     @staticmethod
     def _watch_answer(live: NodeLive, changed: bool) -> WatchAnswer:
+        live.answered = True
         return WatchAnswer(live.rv, changed, tuple(sorted(live.bindings.values(), key=lambda b: b.reservationId)))
 
     # ---- reports ----------------------------------------------------------------------------------

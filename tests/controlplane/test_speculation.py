@@ -634,3 +634,48 @@ async def test_a_watch_with_a_version_from_a_replica_further_on_waits_for_this_o
                                   {"resourceVersion": there["resourceVersion"], "timeoutMs": 300})
     assert status == 200, here
     assert (False, [], there["resourceVersion"]) == (here["changed"], here["bindings"], here["resourceVersion"])
+
+
+async def test_two_bindings_of_one_commit_on_a_node_give_it_the_commits_version_on_every_replica(api, other):
+    """One reconciler pass (one commit) moves two reservations of one node to binding: the node's set changes twice
+    as the commit's changes are applied, here after the commit and on the other replica as it reads them. Both give
+    the set the commit's generation, so an agent whose next watch reaches the other replica waits there. (It used
+    to take a version from the clock on each, unequal: every watch moving between the replicas was answered at once
+    as a change, a long poll turned into a busy one.) A node changed again at a version an answer already carried
+    still gets a new one."""
+    from tests.controlplane.test_nodes import BOOT, inventory
+
+    await asyncio.sleep(0.5)  # the other replica's start heard
+    status, doc = await api.post("/api/nodes/register", BOOT, {"hostname": "h1.test", "inventory": inventory("h1.test")})
+    assert status == 200, doc
+    token = doc["nodeToken"]
+    rids = []  # half of a node each: both on h1, the node booked first
+    for key in ("a", "b"):
+        status, doc = await api.create(key=f"half-{key}", gpuCount=4, start=T0 + 60_000, end=T0 + 3_600_000)
+        assert status == 202 and doc["reservation"]["placements"][0]["nodeId"] == "h1", doc
+        rids.append(doc["reservation"]["id"])
+    await api.settle(120_000)  # both windows started: one pass, one commit
+    status, here = await api.post("/api/nodes/watch", token, {"timeoutMs": 0})
+    assert sorted(rids) == [b["reservationId"] for b in here["bindings"]], here
+    assert here["resourceVersion"] == api.cp.store.generation  # the commit's, not one from the clock
+    await caught_up(api)
+
+    def both_binding_there() -> bool:
+        return all(other.post("/api/compute/reservations/get", TOKENS["alice"], {"reservationId": rid})[1][
+            "reservation"]["state"] == "binding" for rid in rids)
+
+    for _ in range(100):  # the other replica heard the commit
+        if await asyncio.to_thread(both_binding_there):
+            break
+        await asyncio.sleep(0.05)
+    status, there = await asyncio.to_thread(other.post, "/api/nodes/watch", token,
+                                            {"resourceVersion": here["resourceVersion"], "timeoutMs": 300})
+    assert status == 200, there
+    assert (False, here["resourceVersion"]) == (there["changed"], there["resourceVersion"]), there
+
+    # Answered at that version: a change at the same generation (a memory rebuilt at it) takes a version of its own.
+    nodes = api.cp.nodes
+    live = nodes.live["h1"]
+    answered = live.rv
+    nodes._want(rids[0], {})  # (as a rebuild's resync would, had the database lost the binding)
+    assert live.rv != answered and not live.answered
