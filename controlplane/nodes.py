@@ -5,19 +5,21 @@ the node's bookable units (whole GPUs, MIG instances or slots, by the
 pool's sharing) and its allocatable host resources; a declared node with the
 same hostname is taken over. The bindings wanted on a node are the
 reservations in `binding` or `active` that hold units there; they are kept
-per node in memory, with a resource version that changes with every change
-(the database's generation where replicas share one, so every replica gives
-one set one version), so a long-polling watch answers within milliseconds of a change and a
-reconnect resumes without missing or replaying anything (each answer is the
-whole set). A node silent for longer than the grace is lost.
+per node in memory, with a resource version that is a digest of the set (so
+every replica, and a restarted one, gives one set one version), so a
+long-polling watch answers within milliseconds of a change and a reconnect
+resumes without missing or replaying anything (each answer is the whole set).
+A node silent for longer than the grace is lost.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
 
+import msgspec
 import structlog
 
 from controlplane.catalog import Catalog, encode_item
@@ -122,15 +124,27 @@ async def _nothing_to_catch_up() -> None:
     """A lone control plane: nobody else writes."""
 
 
+# A node's resource version is a digest of its set of bindings: the XOR of each binding's own digest (52 bits, so
+# that JSON carries it exactly) with EMPTY_SET. Equal sets have equal versions on every replica and across restarts,
+# whatever order or batches the changes came in, so an agent whose watch moves to another replica, or comes back
+# after a restart, waits there while its set stands. Never 0: an agent that knows nothing sends 0 and is answered.
+EMPTY_SET = 1 << 52
+_DIGEST_BITS = (1 << 52) - 1
+_encode_binding = msgspec.json.Encoder().encode
+
+
+def binding_digest(doc: Binding) -> int:
+    return int.from_bytes(hashlib.blake2b(_encode_binding(doc), digest_size=8).digest(), "big") & _DIGEST_BITS
+
+
 @dataclass
 class NodeLive:
-    rv: int
+    rv: int  # the version of the set of bindings (EMPTY_SET ^ each binding's digest)
     bindings: dict[str, Binding]
     last_seen: float | None = None  # monotonic seconds of the last heartbeat; None: never (a declared node)
     lost: bool = False
     changed: asyncio.Event | None = None
     agent_version: str = ""
-    answered: bool = False  # an answer (watch, heartbeat, register) carried rv since it was set
 
 
 class NodeService:
@@ -149,13 +163,11 @@ class NodeService:
         self.wanted_on: dict[str, set[str]] = {}  # reservation -> the nodes it is wanted on now
         self.heartbeat_s = min(HEARTBEAT_S, max(0.2, grace_s / 3))  # three heartbeats fit in the grace
         self.closing = False
-        self._rv = clock.compute_now() * 1000  # grows across restarts too
         # Several replicas (controlplane/replicas.py): only the leader declares nodes lost; a heartbeat heard here
         # is shared with it, and heartbeats heard by the others are merged in before each check.
         self.leads: Callable[[], bool] = lambda: True
         self.heard: Callable[[str, int], None] = lambda node_id, at_ms: None
         self.heard_elsewhere: Callable[[], dict[str, int]] = dict
-        self.version: Callable[[], int | None] = lambda: None  # the database's generation, where replicas share one
         self.caught_up: Callable[[], Awaitable[None]] = _nothing_to_catch_up  # that memory brought up to now
         moves.listeners.append(self._reservation_changed)
 
@@ -168,37 +180,25 @@ class NodeService:
         for rid in [rid for rid in self.wanted_on if rid not in wanted]:  # ended, or no longer live
             for node_id in self.wanted_on.pop(rid):
                 node = self.live.get(node_id)
-                if node is not None and node.bindings.pop(rid, None) is not None:
-                    self._bump(node)
+                if node is not None:
+                    self._set(node, rid, None)
 
     def _node(self, node_id: str) -> NodeLive:
         live = self.live.get(node_id)
         if live is None:
-            # Shared versions: 0 is a set never changed, so empty, on every replica (a node is met mid-way through
-            # applying a generation, whose own version its first binding then takes).
-            live = self.live[node_id] = NodeLive(0 if self.version() is not None else self._next_rv(), {})
+            live = self.live[node_id] = NodeLive(EMPTY_SET, {})
         return live
 
-    def _next_rv(self) -> int:
-        """The database's generation the memory shows, where replicas share one: a node's set is a function of
-        what is committed, so every replica versions it alike and an agent moving between replicas resumes its
-        watch (equal versions, equal sets). Else a counter from the clock's start, which no generation reaches."""
-        generation = self.version()
-        if generation is not None:
-            return generation
-        self._rv += 1
-        return self._rv
-
-    def _bump(self, live: NodeLive) -> None:
-        rv = self._next_rv()
-        if rv == live.rv and live.answered:
-            # Changed again at a generation an answer already carried with the set before (a memory rebuilt at
-            # it): the agent must see a change, so a version no generation reaches. Changed twice before any
-            # answer (two reservations of one commit on the node, applied one after the other) it keeps the
-            # generation's version, as every other replica gives that set.
-            self._rv += 1
-            rv = self._rv
-        live.rv, live.answered = rv, False
+    @staticmethod
+    def _set(live: NodeLive, rid: str, doc: Binding | None) -> None:
+        """The node's binding of reservation rid becomes doc (None: none): its version follows the set (each
+        binding's digest in or out of it), and its watches are answered."""
+        old = live.bindings.pop(rid, None) if doc is None else live.bindings.get(rid)
+        if old == doc:
+            return
+        if doc is not None:
+            live.bindings[rid] = doc
+        live.rv ^= (0 if old is None else binding_digest(old)) ^ (0 if doc is None else binding_digest(doc))
         if live.changed is not None:
             live.changed.set()
             live.changed = None
@@ -209,15 +209,12 @@ class NodeService:
     def _want(self, rid: str, on: dict[str, Binding]) -> None:
         """The reservation's bindings as `on` has them, by node: a node whose binding changed moves."""
         for node_id, doc in on.items():
-            live = self._node(node_id)
-            if live.bindings.get(rid) != doc:
-                live.bindings[rid] = doc
-                self._bump(live)
+            self._set(self._node(node_id), rid, doc)
         # Only the nodes that hold it are visited (not every node of the fleet, on every save of any reservation).
         for node_id in self.wanted_on.get(rid, set()).difference(on):
             live = self.live.get(node_id)
-            if live is not None and live.bindings.pop(rid, None) is not None:
-                self._bump(live)
+            if live is not None:
+                self._set(live, rid, None)
         if on:
             self.wanted_on[rid] = set(on)
         else:
@@ -274,7 +271,6 @@ class NodeService:
         if self._is_lost(node.id):
             await self._found(node.id)
         log.info("node registered", node_id=node.id, pool_id=pool.id, units=len(node.units), agent_version=agent_version)
-        live.answered = True
         return RegisterAnswer(node.id, token, pool.id, self.heartbeat_s, self.grace_s, live.rv)
 
     def _check_takeover(self, node: Node, machine_id: str, boot_id: str | None = None) -> None:
@@ -379,7 +375,6 @@ class NodeService:
             await self.update_inventory(node, inventory)
         if self._is_lost(node.id):
             await self._found(node.id)
-        live.answered = True
         return HeartbeatAnswer(live.rv, self.grace_s)
 
     def _is_lost(self, node_id: str) -> bool:
@@ -432,7 +427,7 @@ class NodeService:
 
     def _reservations_on(self, tx: Tx, node_id: str) -> list[Reservation]:
         out = []
-        for rid in list(self.live.get(node_id, NodeLive(0, {})).bindings):
+        for rid in list(self.live.get(node_id, NodeLive(EMPTY_SET, {})).bindings):
             res = tx.reservation(rid)
             if res is not None and res.state in (states.BINDING, states.ACTIVE):
                 out.append(res)
@@ -453,7 +448,7 @@ class NodeService:
             res.set_condition("NodeLost", "True", "HeartbeatMissed", message, now)
             self.moves.save(tx, res)
             self.moves.event(tx, res, "reservation.node-lost", now, nodeId=node_id)
-        for rid in list(self.live.get(node_id, NodeLive(0, {})).bindings):  # held releases: the hold ends with it
+        for rid in list(self.live.get(node_id, NodeLive(EMPTY_SET, {})).bindings):  # held releases: the hold ends with it
             res = tx.reservation(rid)
             if res is not None and res.hold is not None and self.moves.allocation_released(
                     tx, res, node_id, now, "NodeLost", f"node {node_id} was lost while it held the devices"):
@@ -487,10 +482,10 @@ class NodeService:
 
     # ---- watch ----------------------------------------------------------------------------------
     async def watch(self, node: Node, rv: int | None, timeout_ms: int) -> WatchAnswer:
-        known = self.version()
-        if rv is not None and known is not None and rv > known:
-            # The agent's last answer came from a replica further on than this one: catch up first, or this one
-            # would answer an older set (and the agent unbind what that replica bound, or bind what it released).
+        if rv is not None and rv != self._node(node.id).rv:
+            # The agent's last answer may have come from a replica further on than this one: catch up first, or
+            # this one would answer an older set (and the agent unbind what that replica bound, or bind what it
+            # released). A lone control plane has nothing to catch up with.
             await self.caught_up()
         live = self._node(node.id)
         if rv is None or rv != live.rv or timeout_ms <= 0 or self.closing:
@@ -502,7 +497,7 @@ class NodeService:
             await asyncio.wait_for(event.wait(), timeout_ms / 1000)
         except asyncio.TimeoutError:
             return self._watch_answer(live, changed=False)
-        return self._watch_answer(live, changed=True)
+        return self._watch_answer(live, changed=rv != live.rv)  # (changed, and back again: no change)
 
     def close(self) -> None:
         """Answer every long poll now (the control plane is stopping)."""
@@ -514,7 +509,6 @@ class NodeService:
 
     @staticmethod
     def _watch_answer(live: NodeLive, changed: bool) -> WatchAnswer:
-        live.answered = True
         return WatchAnswer(live.rv, changed, tuple(sorted(live.bindings.values(), key=lambda b: b.reservationId)))
 
     # ---- reports ----------------------------------------------------------------------------------

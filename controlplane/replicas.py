@@ -47,9 +47,6 @@ class Solo:
     def leads(self) -> bool:
         return True
 
-    def version(self) -> int | None:
-        return None  # no version shared with anyone: nodes count their own
-
     def heard(self, node_id: str, at_ms: int) -> None:
         pass
 
@@ -88,11 +85,6 @@ class Shared:
 
     def leads(self) -> bool:
         return self.leading
-
-    def version(self) -> int | None:
-        """The database's generation the memory shows (or is being brought to): what every replica versions a
-        node's bindings with when they change, so that an agent moving to another replica resumes its watch."""
-        return self.store.generation
 
     def heard(self, node_id: str, at_ms: int) -> None:
         if at_ms > self._seen.get(node_id, 0):

@@ -162,7 +162,6 @@ class ControlPlane:
         self.reconciler.leads = self.nodes.leads = self.replicas.leads
         self.nodes.heard = self.replicas.heard
         self.nodes.heard_elsewhere = self.replicas.heard_elsewhere
-        self.nodes.version = self.replicas.version
         self.nodes.caught_up = self.replicas.caught_up
         self._refreshing: asyncio.Future | None = None
         self._refresh_again = False

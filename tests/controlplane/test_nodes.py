@@ -131,7 +131,7 @@ async def test_watch_answers_the_whole_set_at_once_and_within_100_ms_of_a_change
     t = loop.time()
     status, changed = await node_call(api, "watch", token, {"resourceVersion": rv, "timeoutMs": 5000})
     await task
-    assert changed["changed"] and changed["resourceVersion"] > rv
+    assert changed["changed"] and changed["resourceVersion"] != rv
     assert loop.time() - t < 0.2 + 0.5
     status, now = await node_call(api, "watch", token, {"resourceVersion": rv, "timeoutMs": 5000})
     [binding] = now["bindings"]

@@ -636,19 +636,24 @@ async def test_a_watch_with_a_version_from_a_replica_further_on_waits_for_this_o
     assert (False, [], there["resourceVersion"]) == (here["changed"], here["bindings"], here["resourceVersion"])
 
 
-async def test_two_bindings_of_one_commit_on_a_node_give_it_the_commits_version_on_every_replica(api, other):
+async def test_one_set_of_bindings_has_one_version_on_every_replica_however_its_changes_came(api, other):
     """One reconciler pass (one commit) moves two reservations of one node to binding: the node's set changes twice
-    as the commit's changes are applied, here after the commit and on the other replica as it reads them. Both give
-    the set the commit's generation, so an agent whose next watch reaches the other replica waits there. (It used
-    to take a version from the clock on each, unequal: every watch moving between the replicas was answered at once
-    as a change, a long poll turned into a busy one.) A node changed again at a version an answer already carried
-    still gets a new one."""
+    as the commit's changes are applied, here after the commit and on the other replica as it reads them (in
+    whatever batches its refreshes take). A node's version is a digest of its set, so both give it one version, and
+    an agent whose next watch reaches the other replica waits there. (Versions were generations: a node changed
+    twice at one took a version from the clock on each replica, unequal, and a replica that read several commits at
+    once stamped the last one's generation where the writer had stamped its own; every watch moving between the
+    replicas was then answered at once as a change, a long poll turned into a busy one.) The same set again is the
+    same version: a restarted replica, or a change undone, answers an agent that has it by waiting."""
+    from controlplane.nodes import EMPTY_SET
     from tests.controlplane.test_nodes import BOOT, inventory
 
     await asyncio.sleep(0.5)  # the other replica's start heard
     status, doc = await api.post("/api/nodes/register", BOOT, {"hostname": "h1.test", "inventory": inventory("h1.test")})
     assert status == 200, doc
     token = doc["nodeToken"]
+    status, empty = await api.post("/api/nodes/watch", token, {"timeoutMs": 0})
+    assert (EMPTY_SET, []) == (empty["resourceVersion"], empty["bindings"])
     rids = []  # half of a node each: both on h1, the node booked first
     for key in ("a", "b"):
         status, doc = await api.create(key=f"half-{key}", gpuCount=4, start=T0 + 60_000, end=T0 + 3_600_000)
@@ -657,7 +662,6 @@ async def test_two_bindings_of_one_commit_on_a_node_give_it_the_commits_version_
     await api.settle(120_000)  # both windows started: one pass, one commit
     status, here = await api.post("/api/nodes/watch", token, {"timeoutMs": 0})
     assert sorted(rids) == [b["reservationId"] for b in here["bindings"]], here
-    assert here["resourceVersion"] == api.cp.store.generation  # the commit's, not one from the clock
     await caught_up(api)
 
     def both_binding_there() -> bool:
@@ -673,9 +677,13 @@ async def test_two_bindings_of_one_commit_on_a_node_give_it_the_commits_version_
     assert status == 200, there
     assert (False, here["resourceVersion"]) == (there["changed"], there["resourceVersion"]), there
 
-    # Answered at that version: a change at the same generation (a memory rebuilt at it) takes a version of its own.
-    nodes = api.cp.nodes
-    live = nodes.live["h1"]
-    answered = live.rv
-    nodes._want(rids[0], {})  # (as a rebuild's resync would, had the database lost the binding)
-    assert live.rv != answered and not live.answered
+    # The set changed and back (a binding gone, then back, as a memory rebuilt twice would have it): its version
+    # is the one it had, and a watch at it waits.
+    live = api.cp.nodes.live["h1"]
+    binding = live.bindings[rids[0]]
+    api.cp.nodes._want(rids[0], {})
+    assert live.rv not in (here["resourceVersion"], EMPTY_SET)
+    api.cp.nodes._want(rids[0], {"h1": binding})
+    status, again = await api.post("/api/nodes/watch", token, {"resourceVersion": here["resourceVersion"],
+                                                               "timeoutMs": 200})
+    assert (False, here["resourceVersion"]) == (again["changed"], again["resourceVersion"]), again
