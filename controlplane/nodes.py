@@ -203,6 +203,10 @@ class NodeService:
             live.changed.set()
             live.changed = None
 
+    def _wanted_on_node(self, node_id: str) -> list[str]:
+        live = self.live.get(node_id)
+        return list(live.bindings) if live is not None else []
+
     def _reservation_changed(self, res: Reservation) -> None:
         self._want(res.id, wanted_of(res, self.catalog.current))
 
@@ -427,7 +431,7 @@ class NodeService:
 
     def _reservations_on(self, tx: Tx, node_id: str) -> list[Reservation]:
         out = []
-        for rid in list(self.live.get(node_id, NodeLive(EMPTY_SET, {})).bindings):
+        for rid in self._wanted_on_node(node_id):
             res = tx.reservation(rid)
             if res is not None and res.state in (states.BINDING, states.ACTIVE):
                 out.append(res)
@@ -448,7 +452,7 @@ class NodeService:
             res.set_condition("NodeLost", "True", "HeartbeatMissed", message, now)
             self.moves.save(tx, res)
             self.moves.event(tx, res, "reservation.node-lost", now, nodeId=node_id)
-        for rid in list(self.live.get(node_id, NodeLive(EMPTY_SET, {})).bindings):  # held releases: the hold ends with it
+        for rid in self._wanted_on_node(node_id):  # held releases: the hold ends with it
             res = tx.reservation(rid)
             if res is not None and res.hold is not None and self.moves.allocation_released(
                     tx, res, node_id, now, "NodeLost", f"node {node_id} was lost while it held the devices"):
