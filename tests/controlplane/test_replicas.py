@@ -645,6 +645,40 @@ def test_when_the_leader_is_killed_another_replica_takes_the_timers_over(databas
         assert moved.count("reservation.binding") == 1, moved
 
 
+def test_heartbeats_heard_by_a_replica_that_does_not_lead_keep_the_node_alive_on_the_leader(database, bootstrap):
+    """An agent behind a balancer beats on any replica: one whose heartbeats all reach the replica that does not
+    lead is not declared lost by the one that does (each replica records what it heard in node_seen, and the
+    leader merges that in before it judges); once they stop, the leader declares it lost within the grace."""
+    from tests.controlplane.test_nodes import inventory
+
+    grace = 2.0
+    with contextlib.ExitStack() as stack:
+        a = stack.enter_context(ServerProcess(database, bootstrap, ["--node-grace", str(grace)]))
+        wait_for(lambda: leads(a))
+        b = stack.enter_context(ServerProcess(database, bootstrap, ["--node-grace", str(grace)]))
+        assert not leads(b)
+        status, node = a.post("/api/nodes/register", NODE_BOOT,
+                              {"hostname": "h1.test", "inventory": inventory("h1.test")})
+        assert status == 200, node
+
+        def lost() -> bool:
+            status, doc = a.post("/api/admin/nodes/get", ADMIN, {"nodeId": "h1"})
+            assert status == 200, doc
+            return doc["node"]["lost"]
+
+        beating = time.monotonic()
+        while time.monotonic() - beating < 3 * grace:  # every heartbeat to the replica that does not lead
+            status, doc = b.post("/api/nodes/heartbeat", node["nodeToken"], {})
+            assert status == 200, doc
+            assert not lost(), "the leader declared lost a node whose heartbeats the other replica heard"
+            time.sleep(grace / 8)
+        stopped = time.monotonic()
+        wait_for(lambda: lost(), timeout=3 * grace, every=0.1)
+        assert grace <= time.monotonic() - stopped < 3 * grace
+        # the replica that heard the heartbeats agrees, from the database
+        wait_for(lambda: b.post("/api/admin/nodes/get", ADMIN, {"nodeId": "h1"})[1]["node"]["lost"], timeout=5)
+
+
 def test_an_agent_watching_one_replica_is_bound_by_a_create_on_the_other(database, tmp_path):
     from tests.controlplane.test_nodes import inventory
 
