@@ -322,7 +322,7 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
             else:
                 body["start"], body["end"] = rng.choice(windows)
             if rng.random() < 0.15:  # on a lease, renewed on either server (none lapses within the test: at least
-                body["leaseSeconds"] = rng.choice([30, 60])  # 30 s; test_leases_across_replicas.py lapses one)
+                body["leaseSeconds"] = rng.choice([30, 60])  # 30 s; test_timers_across_replicas.py lapses one)
             return body
 
         def send(n: int, path: str, token: str, body: dict) -> tuple[int, dict]:
