@@ -1,6 +1,7 @@
 """Two control-plane replicas (two `berth controlplane serve` processes) on one PostgreSQL database: no double
 booking under a burst split across them, idempotency across them (also after a kill -9 of one), exact quota, the
-timers taken over when the leader dies, an agent on one replica bound by a create on the other, and HAProxy in
+timers taken over when the leader dies, heartbeats heard by the replica that does not lead keeping the node alive on
+the leader, an agent on one replica bound by a create on the other, and HAProxy in
 front of them as examples/haproxy.cfg configures it (every request to the leader, and on past its death). The
 mixed stress of creates, cancels, extends, releases and an operator's node and budget changes runs on SQLite's one
 server too."""
