@@ -783,7 +783,7 @@ class Writer:
         known = self._changes_from(found)
         tx = PgTx(self, self._appends, speculative=ahead is not None and closed)
         self.server = server
-        self.generation = generation  # what the hooks bring the memory to (nodes' versions)
+        self.generation = generation  # what the hooks bring the memory to
         self.read_ahead = ahead or {}
         try:
             if known is None:
