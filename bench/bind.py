@@ -61,8 +61,10 @@ def restore(own: Path, controllers: list[str], timeout: float = 5.0) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=100)
+    parser.add_argument("--count", type=int, default=100, help="cgroups bound, at least 20 (default 100)")
     args = parser.parse_args()
+    if args.count < 20:
+        parser.error("--count: at least 20 (the first 10 binds are compared with the last 10)")
     if os.geteuid() != 0:
         print("bench/bind.py needs root (cgroup writes and bpf)", file=sys.stderr)
         return 2

@@ -86,13 +86,16 @@ async def run(dsn: str, label: str, rows: list[tuple], group: int, prepare, writ
 
 async def measure(cluster, count: int, group: int) -> dict[str, float]:
     rows = bookings(count)
-    no_reservations, no_events = [[] for _ in range(8)], [[] for _ in range(5)]
 
     async def schema_2_write(conn, columns):
         await conn.execute(SCHEMA_2_GROUP, *columns)
 
-    async def latest_write(conn, columns):  # the store's own statement (APPENDED), with bookings only
-        await conn.execute(pg_sql.APPENDED, *no_reservations, *columns, *no_events)
+    async def latest_write(conn, columns):  # the store's own rows and statement (APPENDED), bookings only
+        appends = pg_sql.PgAppends()
+        for rid, pool, node, units, start, end, vcpu, mem, hp in zip(*columns):
+            appends.add(pg_sql.BookingRow, pg_sql.BookingRow(rid, pool, node, json.loads(units), start, end, vcpu,
+                                                             mem, hp))
+        await appends.write(conn)
 
     latest = f"schema {pg_schema.LATEST}"
     return {

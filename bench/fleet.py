@@ -297,7 +297,8 @@ def real_agent(args, cp: ControlPlaneProcess, workdir: Path, results: dict) -> N
             req = urllib.request.Request(f"{cp.url}/api/compute/reservations/create", method="POST",
                                          data=json.dumps({"poolId": "real", "gpuModel": "H100_80GB", "gpuCount": 2,
                                                           "durationHours": 1}).encode(),
-                                         headers={"Authorization": f"Bearer {TENANT_TOKEN}"})
+                                         headers={"Authorization": f"Bearer {TENANT_TOKEN}",
+                                                  "Content-Type": "application/json"})
             urllib.request.urlopen(req, timeout=10).read()
         progress(f"real agent (pid {proc.pid}) up with 2 bindings; measuring it idle for {args.real_seconds:.0f} s")
         time.sleep(3)
