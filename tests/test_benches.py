@@ -18,15 +18,16 @@ from pathlib import Path
 
 import pytest
 
+from cgroups import host
 from tests.pgcluster import binaries
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOT_ONLY = os.geteuid() != 0
+NOT_ROOT = os.geteuid() != 0
 
 # (the bench and its smallest arguments, what it needs, a pattern of its last line, whether it has targets that
 # make it exit 1 when missed)
 BENCHES = [
-    (["bench/bind.py", "--count", "20"], "root", r"^apply median, first 10 .* ratio \d", False),
+    (["bench/bind.py", "--count", "20"], "root cgroup2", r"^apply median, first 10 .* ratio \d", False),
     (["bench/discovery.py", "--runs", "2"], "", r"^stand-in libnvidia-ml\.so\.1 via pynvml +8 +56 ", False),
     (["bench/reconciler.py", "--live", "500", "--changes", "20"], "", r"^cost ratio 500 live / 20 live: ", True),
     (["bench/create_throughput.py", "--seconds", "0.5", "--prefill", "200", "--latency-seconds", "0.5"], "",
@@ -46,9 +47,11 @@ BENCHES = [
 
 def _missing(needs: str) -> str | None:
     for need in needs.split():
-        if need == "root" and ROOT_ONLY:
+        if need == "root" and NOT_ROOT:
             return "needs root"
-        if need == "pg" and (ROOT_ONLY or binaries() is None):
+        if need == "cgroup2" and host.cgroup2_mount() is None:
+            return "needs cgroup2 mounted"
+        if need == "pg" and (NOT_ROOT or binaries() is None):
             return "needs root and PostgreSQL (apt-get install postgresql)"
         if need == "valgrind" and shutil.which("callgrind_control") is None:
             return "needs valgrind (apt-get install valgrind)"
