@@ -23,8 +23,8 @@ runs as `nobody`), PostgreSQL's binaries (apt-get install postgresql) and valgri
 from __future__ import annotations
 
 import argparse
-import contextlib
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -130,7 +130,8 @@ def main() -> int:
     try:
         with contextlib.ExitStack() as stack:
             cluster = stack.enter_context(throwaway_cluster(fsync=True))
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="berth-bench-", dir=os.environ.get("BENCH_TMP")))
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="berth-bench-",
+                                                                  dir=os.environ.get("BENCH_TMP")))
             tree = ab.tree(args.tree, stack)
             boot = Path(tmp) / "bootstrap.json"
             replicas.bootstrap(boot)
