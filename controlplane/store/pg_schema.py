@@ -177,6 +177,11 @@ BEGIN
 END $$;
 CREATE TRIGGER catalog_stamped BEFORE INSERT OR UPDATE ON catalog FOR EACH ROW EXECUTE FUNCTION catalog_gen();
 """),
+    (6, "no index of bookings by node: no statement reads bookings by node, and every booking wrote it", """
+-- Bookings are read by reservation (bookings_by_reservation) or whole; the free devices of a node are the writer's
+-- memory and the exclusion constraint on booked_units, never this index.
+DROP INDEX IF EXISTS bookings_by_node;
+"""),
 )
 LATEST = MIGRATIONS[-1][0]
 

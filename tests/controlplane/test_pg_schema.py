@@ -158,3 +158,26 @@ async def test_a_catalog_row_carries_the_generation_its_group_commits_whoever_wr
         assert 0 == await conn.fetchval("SELECT rebuild_generation FROM replica_state")
     finally:
         await conn.close()
+
+
+async def test_schema_6_drops_the_index_of_bookings_by_node_and_keeps_the_bookings(database):
+    """No statement reads bookings by node, so schema 6 drops the index every booking wrote; the bookings a
+    schema-5 Berth left stay, with their devices' exclusion."""
+    cluster, name = database
+    conn = await connect(cluster, name)
+    try:
+        await conn.execute("CREATE TABLE schema_version (version INT PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL "
+                           "DEFAULT now(), what TEXT NOT NULL)")
+        for version, what, sql in pg_schema.MIGRATIONS[:5]:
+            await conn.execute(sql)
+            await conn.execute("INSERT INTO schema_version (version, what) VALUES ($1, $2)", version, what)
+        await book(conn, "old1", "n1", ["gpu0"], 0, 100)
+        indexes = "SELECT indexname FROM pg_indexes WHERE tablename = 'bookings' ORDER BY indexname"
+        assert "bookings_by_node" in [r[0] for r in await conn.fetch(indexes)]
+        assert pg_schema.LATEST == await pg_schema.migrate(conn)
+        assert ["bookings_by_reservation", "bookings_pkey"] == [r[0] for r in await conn.fetch(indexes)]
+        assert ["old1"] == [r[0] for r in await conn.fetch("SELECT reservation_id FROM bookings")]
+        with pytest.raises(asyncpg.ExclusionViolationError):
+            await book(conn, "new1", "n1", ["gpu0"], 50, 150)
+    finally:
+        await conn.close()
