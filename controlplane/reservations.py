@@ -218,16 +218,10 @@ class ReservationService:
         The draft is still written first; a crash before the commit leaves
         nothing, so a retry decides afresh.
         """
-        existing, approved = self._existing(tx, principal, key, cmd)
-        if isinstance(existing, Answer):
-            return existing
-        now = self.clock.compute_now()
-        plan = self._plan(tx, principal, tenant, cmd, now)
-        if existing is None:
-            res = draft_of(principal, key, cmd.fingerprint, plan, now)
-        else:
-            res = existing
-            apply_plan(res, plan)
+        drafted = self._draft(tx, principal, tenant, key, cmd)
+        if isinstance(drafted, Answer):
+            return drafted
+        res, plan, approved, now = drafted
         request = self._create_request(principal, res.id, plan)
         verdict = approved or self._verdict(principal, request, self.authorizer.decide_now(request),
                                             self.authorizer.decide_now)
@@ -237,22 +231,15 @@ class ReservationService:
         """A create decided by a remote service: the draft in one job, the decision awaited, the admission in another."""
 
         def draft_job(tx: Tx):
-            existing, approved = self._existing(tx, principal, key, cmd)
-            if isinstance(existing, Answer):
-                return existing
-            now = self.clock.compute_now()
-            plan = self._plan(tx, principal, tenant, cmd, now)
-            if existing is None:
-                existing = draft_of(principal, key, cmd.fingerprint, plan, now)
-            else:
-                apply_plan(existing, plan)
-            tx.save_reservation(existing)
-            return existing, plan, approved
+            drafted = self._draft(tx, principal, tenant, key, cmd)
+            if not isinstance(drafted, Answer):
+                tx.save_reservation(drafted[0])
+            return drafted
 
         drafted = await self.store.call(draft_job)
         if isinstance(drafted, Answer):
             return drafted
-        draft, plan, approved = drafted
+        draft, plan, approved, _ = drafted
         request = self._create_request(principal, draft.id, plan)
         verdict = approved or await self._verdict_async(principal, request)
 
@@ -267,6 +254,21 @@ class ReservationService:
             return self._admit(tx, res, plan, verdict, principal, tenant, self.clock.compute_now())
 
         return await self.store.call(admit_job)
+
+    def _draft(self, tx: Tx, principal: Principal, tenant: Tenant, key: str,
+               cmd: Create) -> Answer | tuple[Reservation, Plan, Verdict | None, int]:
+        """What a create's key leads to: the answer to replay, or the draft to decide (a new one, or the key's
+        earlier draft planned again) with its plan, the verdict of its approved confirmation, and now."""
+        existing, approved = self._existing(tx, principal, key, cmd)
+        if isinstance(existing, Answer):
+            return existing
+        now = self.clock.compute_now()
+        plan = self._plan(tx, principal, tenant, cmd, now)
+        if existing is None:
+            existing = draft_of(principal, key, cmd.fingerprint, plan, now)
+        else:
+            apply_plan(existing, plan)
+        return existing, plan, approved, now
 
     def _existing(self, tx: Tx, principal: Principal, key: str, cmd: Create) -> tuple[Reservation | Answer | None,
                                                                                        Verdict | None]:
