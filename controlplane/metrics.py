@@ -109,6 +109,10 @@ class _Snapshot:
                                   value=getattr(writer, "expired", 0))
         yield GaugeMetricFamily("berth_replica_leader", "1 while this replica leads: drives the timers and "
                                 "watches for lost nodes (always 1 on SQLite).", value=int(self.cp.replicas.leads()))
+        yield CounterMetricFamily("berth_replica_catch_ups", "Times this replica brought its memory up to the "
+                                  "database for requests that could not wait for the NOTIFY: an unknown token, a "
+                                  "watch's version it did not hold (PostgreSQL; at most 20 a second).",
+                                  value=getattr(self.cp.replicas, "catch_ups", 0))
         yield CounterMetricFamily("berth_reconciler_passes", "Reconciler passes run.",
                                   value=self.cp.reconciler.passes)
         yield CounterMetricFamily("berth_reconciler_transitions", "Reservations the reconciler moved (a window "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from typing import Callable
 
 import asyncpg
@@ -37,6 +38,10 @@ log = structlog.get_logger("berth.replicas")
 LEADER_LOCK = 0x62657274_0003  # "bert" and 3: held for the session by the replica that leads
 CHANNEL = "berth_changes"
 CATCH_UP_S = 2.0
+# Between the starts of two catch-ups: anyone can send unknown tokens, and each catch-up waits for the speculative
+# commit on its way and drops the lock taken ahead (store/pg_writer.py), so a flood of them costs the database and
+# the writer at most 20 reads a second, however fast it comes; a token issued a moment ago waits at most this more.
+CATCH_UP_SPACING_S = 0.05
 
 
 class Solo:
@@ -82,6 +87,9 @@ class Shared:
         self._became_leader: Callable[[], None] = lambda: None
         self._tried: concurrent.futures.Future = concurrent.futures.Future()
         self.notices = 0  # NOTIFYs heard from other replicas' commits (metrics, tests)
+        self.catch_ups = 0  # the memory brought up for a request that could not wait for the NOTIFY (metrics)
+        self._next_catch_up: asyncio.Future | None = None  # the catch-up every request asking now waits for
+        self._caught_up_at = float("-inf")  # (monotonic) when the last one began
 
     def leads(self) -> bool:
         return self.leading
@@ -109,6 +117,8 @@ class Shared:
 
     async def stop(self) -> None:
         self._stopping = True
+        if self._next_catch_up is not None:
+            self._next_catch_up.cancel()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*(asyncio.wrap_future(t) if not isinstance(t, asyncio.Future) else t
@@ -118,11 +128,24 @@ class Shared:
     async def caught_up(self) -> None:
         """The memory brought up to what other replicas committed before now (a token one of them issued a moment
         ago, before its NOTIFY was heard here); at most CATCH_UP_S, and not at all while the database is away: the
-        caller then judges on the memory as it is."""
+        caller then judges on the memory as it is. Requests that ask together share one catch-up, which begins
+        CATCH_UP_SPACING_S after the last one began at the earliest."""
+        if self._next_catch_up is None:
+            self._next_catch_up = asyncio.ensure_future(self._catch_up())
         try:
-            await asyncio.wait_for(asyncio.shield(self.store.refresh()), CATCH_UP_S)
+            await asyncio.wait_for(asyncio.shield(self._next_catch_up), CATCH_UP_S)
         except Exception as exc:  # noqa: BLE001 - the database away, or slow: what the memory holds decides
             log.info("could not catch up with the database", error=f"{type(exc).__name__}: {exc}")
+
+    async def _catch_up(self) -> None:
+        """The next catch-up: once the spacing since the last one is over, one refresh of the memory. It reads what
+        committed before it begins, so it serves every request that asked until then (later ones wait for the
+        next)."""
+        await asyncio.sleep(self._caught_up_at + CATCH_UP_SPACING_S - time.monotonic())
+        self._next_catch_up = None
+        self._caught_up_at = time.monotonic()
+        self.catch_ups += 1
+        await self.store.refresh()
 
     def _to_main(self, fn: Callable[[], None]) -> None:
         if self._main is not None and not self._main.is_closed():

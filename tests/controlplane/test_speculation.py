@@ -593,6 +593,54 @@ async def test_a_token_another_replica_issued_a_moment_ago_is_known_here_at_once
     assert (status, doc["error"]["code"]) == (401, "UNAUTHENTICATED"), doc
 
 
+async def test_a_flood_of_made_up_tokens_costs_a_few_catch_ups_and_a_token_issued_meanwhile_is_known(api, other):
+    """Anyone can send made-up tokens, and each unknown one asks for a catch-up with the database (which waits for
+    the speculative commit on its way). Four clients sending them back to back for a second: the requests that ask
+    together share one catch-up, and one begins at most every CATCH_UP_SPACING_S, so the writer is asked for some
+    20 refreshes, not one per request (each closed-loop client got several hundred a second before). A node's
+    token the other replica issues in the middle of the flood is still known here at its first use."""
+    from controlplane import replicas
+    from tests.controlplane.test_nodes import inventory
+
+    await asyncio.sleep(0.5)  # the other replica's start heard
+    api.cp.replicas._refresh = lambda: None  # this replica hears no NOTIFY now: only catch-ups bring it on
+    store, asked = api.cp.store, []
+    refresh = store.refresh
+
+    def counted():
+        asked.append(time.monotonic())
+        return refresh()
+
+    store.refresh = counted
+    catch_ups, refused = api.cp.replicas.catch_ups, []
+    flood_s = 1.0
+
+    async def client(n: int) -> None:
+        end, i = time.monotonic() + flood_s, 0
+        while time.monotonic() < end:
+            status, doc = await api.call("list", f"made-up-{n}-{i}", {})
+            refused.append((status, doc["error"]["code"]))
+            i += 1
+
+    async def registered_meanwhile():
+        await asyncio.sleep(flood_s / 2)
+        status, doc = await asyncio.to_thread(other.post, "/api/nodes/register", "node-token-h100-000001",
+                                              {"hostname": "h1.test", "inventory": inventory("h1.test")})
+        assert status == 200, doc
+        return await api.post("/api/nodes/heartbeat", doc["nodeToken"], {})
+
+    started = time.monotonic()
+    *_, heartbeat = await asyncio.gather(*(client(n) for n in range(4)), registered_meanwhile())
+    elapsed = time.monotonic() - started
+    assert heartbeat[0] == 200, heartbeat
+    assert refused and set(refused) == {(401, "UNAUTHENTICATED")}
+    assert len(asked) == api.cp.replicas.catch_ups - catch_ups  # one refresh per catch-up
+    assert 1 < len(asked) <= elapsed / replicas.CATCH_UP_SPACING_S + 2, (len(asked), len(refused), elapsed)
+    assert len(refused) >= 3 * len(asked)  # shared: four clients' requests, and more, per catch-up
+    assert min(b - a for a, b in zip(asked, asked[1:])) >= replicas.CATCH_UP_SPACING_S * 0.9
+    store.refresh = refresh
+
+
 async def test_a_watch_with_a_version_from_a_replica_further_on_waits_for_this_one_to_catch_up(api, other):
     """An agent's last watch was answered by the other replica, which had just committed a release of the node's
     binding; its next watch reaches this replica before it heard of that commit. This one catches up first and
