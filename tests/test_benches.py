@@ -40,6 +40,8 @@ BENCHES = [
     (["bench/replica_stalls.py", "--fill-seconds", "0.5", "--times", "1"], "pg",
      r"^both replicas rebuilding at once: ", False),
     (["bench/ab.py", str(ROOT), str(ROOT), "--pairs", "1", "--seconds", "0.5"], "pg", r"^B +[\d,]+ +\d+ ", False),
+    (["bench/token_flood.py", "--seconds", "0.5", "--rounds", "1"], "pg",
+     r"^with the flood / alone, median of 1: postgresql [\d.]+x, sqlite [\d.]+x ", False),
     (["bench/create_cost.py", "--creates", "60", "--connections", "6"], "pg valgrind",
      r"^\(per create, in the server's process; 60 creates", False),
 ]
