@@ -20,7 +20,8 @@ LISTENING = re.compile(r'"address":\s*"(https?://[^"]+)"|\baddress=\'(https?://[
 
 class ServerProcess:
     def __init__(self, db: Path | str | None, bootstrap: Path, extra: list[str] | None = None,
-                 nofile: int | None = None, context: ssl.SSLContext | None = None, env: dict[str, str] | None = None):
+                 nofile: int | None = None, context: ssl.SSLContext | None = None, env: dict[str, str] | None = None,
+                 cwd: Path | None = None):
         self.db = db  # None: no --db (BERTH_DB in env, or the default)
         self.env = env or {}  # added to this process's environment
         self.bootstrap = bootstrap
@@ -30,6 +31,7 @@ class ServerProcess:
         self.url = ""
         self.lines: list[str] = []
         self.context = context  # what post() verifies an https server with (and shows it, for mutual TLS)
+        self.cwd = cwd  # where it runs (with PYTHONPATH in env: another release's source tree), when given
 
     @property
     def db_url(self) -> str:
@@ -46,7 +48,7 @@ class ServerProcess:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env}, cwd=self.cwd,
                                      preexec_fn=limit_files if nofile else None)
         found = threading.Event()
 
