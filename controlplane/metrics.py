@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common.metrics import LATENCY_BUCKETS
+from common.version import VERSION
 
 if TYPE_CHECKING:
     from controlplane.wiring import ControlPlane
@@ -107,6 +108,11 @@ class _Snapshot:
         yield CounterMetricFamily("berth_store_commit_waits_expired", "Requests answered PROVIDER_UNAVAILABLE "
                                   "because their change was not committed within --commit-wait (PostgreSQL).",
                                   value=getattr(writer, "expired", 0))
+        info = GaugeMetricFamily("berth_controlplane_build_info", "1, labelled with the release this control plane "
+                                 "runs, its store's engine and the version of its database's schema: during a rolling "
+                                 "upgrade, which replicas run which release.", labels=["version", "engine", "schema"])
+        info.add_metric([VERSION, self.cp.store.engine, str(self.cp.store.schema_version)], 1)
+        yield info
         yield GaugeMetricFamily("berth_replica_leader", "1 while this replica leads: drives the timers and "
                                 "watches for lost nodes (always 1 on SQLite).", value=int(self.cp.replicas.leads()))
         yield CounterMetricFamily("berth_replica_catch_ups", "Times this replica brought its memory up to the "

@@ -120,6 +120,8 @@ class Store(Reads, Protocol):
 
     groups: int  # writer groups committed (metrics)
     jobs: int  # jobs run
+    engine: str  # "sqlite" or "postgresql" (metrics)
+    schema_version: int  # the database's schema once opened: the migrations brought it there (metrics)
 
     def start(self, on_reset: Callable[[Tx], Callable[[], None]], on_group: Callable[[int], None] | None = None,
               on_changed: OnChanged | None = None, clock: Callable[[], int] | None = None) -> None:

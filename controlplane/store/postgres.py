@@ -63,6 +63,8 @@ class PgStore(CommittedReads):
     """The store port on a PostgreSQL database: committed reads on a small pool, and this replica's writer."""
 
     placeholders = staticmethod(numbered)  # the shared reads' statements (store/reads.py)
+    engine = "postgresql"
+    schema_version = 0  # until opened: then the version the migrations left
 
     def __init__(self, dsn: str, application: str = "berth-controlplane", commit_wait_s: float = COMMIT_WAIT_S):
         self.dsn = dsn
@@ -81,7 +83,7 @@ class PgStore(CommittedReads):
     async def _open(self) -> None:
         conn = await self.connector.connect(MIGRATE)
         try:
-            await pg_schema.migrate(conn)
+            self.schema_version = await pg_schema.migrate(conn)
         finally:
             await conn.close()
         # min_size 0: the pool keeps no floor of connections, so it does not retry (and log) while the database is away

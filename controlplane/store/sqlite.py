@@ -505,6 +505,9 @@ class SqliteStore(SqliteReads, CommittedReads):
     """The store port on one SQLite file: reads on the caller's thread (a connection that sees committed data
     only) and the writer."""
 
+    engine = "sqlite"
+    schema_version = SCHEMA_VERSION  # opening brings the file there, or refuses it
+
     def __init__(self, path: str, synchronous: str = "FULL"):
         if path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -49,3 +49,32 @@ async def test_metrics_show_reservations_nodes_bindings_and_how_fast_creates_and
     assert m["berth_reconciler_passes_total"][()] >= 1
     assert m["berth_reconciler_pass_duration_seconds_count"][()] == m["berth_reconciler_passes_total"][()]
     assert "berth_reconciler_transitions_total" in m
+
+
+async def test_build_info_names_the_release_the_engine_and_the_schema(api, db_url):
+    """Which release a control plane runs, on which engine and at which schema version of its database (the
+    migrations applied at start): what a rolling upgrade of replicas is watched by."""
+    from common.version import VERSION
+    from controlplane.store import pg_schema, sqlite
+
+    engine, schema = ("postgresql", pg_schema.LATEST) if db_url.startswith("postgresql://") else \
+        ("sqlite", sqlite.SCHEMA_VERSION)
+    m = await scrape(api)
+    assert {(("engine", engine), ("schema", str(schema)), ("version", VERSION)): 1} == \
+        m["berth_controlplane_build_info"]
+
+
+async def test_every_metric_the_control_plane_serves_is_listed_in_the_operations_guide(api):
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    await register(api)
+    status, _ = await api.create(key="listed")
+    assert 202 == status
+    resp = await api.client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    served = {s.name for family in text_string_to_metric_families(await resp.text()) for s in family.samples}
+    # a histogram is listed by its name; a counter by its name with _total, as it is scraped
+    names = {n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum").removesuffix("_created")
+             for n in served}
+    assert names and all(n.startswith("berth_") for n in names), names
+    assert [] == sorted(n for n in names if f"`{n}`" not in guide)
