@@ -21,7 +21,6 @@ import contextlib
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +29,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import create_throughput as ct  # noqa: E402  (the load client and the server helpers)
 import replicas as rb  # noqa: E402  (the fleet, the counters and the CPU accounting)
+
+from tests import worktree  # noqa: E402  (another revision's tree)
 
 
 PAIR_CREATES = 200_000  # windows each pair's measurements book from (rb.ROUND_CREATES: the horizon's arithmetic)
@@ -44,12 +45,7 @@ def tree(spec: str, stack: contextlib.ExitStack) -> Path:
                          capture_output=True, text=True)
     if rev.returncode:
         raise SystemExit(f"bench/ab.py: {spec!r} is neither a directory nor a revision of {ROOT}")
-    where = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="berth-ab-"))) / "tree"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--quiet", "--detach", str(where),
-                    rev.stdout.strip()], check=True)
-    stack.callback(subprocess.run, ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)],
-                   capture_output=True)
-    return where
+    return worktree.checkout(rev.stdout.strip(), stack)
 
 
 def main() -> int:

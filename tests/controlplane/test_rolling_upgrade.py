@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 
 from controlplane.store import pg_schema
-from tests import dbrows
+from tests import dbrows, worktree
 from tests.controlplane.conftest import TOKENS, bootstrap_doc
 from tests.pgcluster import pg_cluster  # noqa: F401 (fixture)
 from tests.serverproc import ServerProcess
 
-ROOT = Path(__file__).resolve().parents[2]
 GPUS = 16  # pool h100: nodes h1 and h2, 8 GPUs each
 HOUR = 3_600_000
 
@@ -33,7 +32,8 @@ def previous_schema_release() -> str | None:
     """The last commit whose schema was the one before LATEST (the parent of the commit that added LATEST's
     migration), or None where this tree has no git history to take it from."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+        return subprocess.run(["git", "-C", str(worktree.ROOT), *args], capture_output=True, text=True,
+                              check=True).stdout
 
     try:
         added = git("log", "--format=%H", "-S", f'    ({pg_schema.LATEST}, "', "--",
@@ -44,16 +44,12 @@ def previous_schema_release() -> str | None:
 
 
 @pytest.fixture
-def previous_tree(tmp_path):
+def previous_tree():
     rev = previous_schema_release()
     if rev is None:
         pytest.skip("needs this repository's git history (the previous schema's release is checked out from it)")
-    where = tmp_path / "previous"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--quiet", "--detach", str(where), rev], check=True)
-    try:
-        yield where
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)], capture_output=True)
+    with contextlib.ExitStack() as stack:
+        yield worktree.checkout(rev, stack)
 
 
 @pytest.fixture
