@@ -118,7 +118,7 @@ class _Snapshot:
         yield CounterMetricFamily("berth_replica_catch_ups", "Times this replica brought its memory up to the "
                                   "database for requests that could not wait for the NOTIFY: an unknown token, a "
                                   "watch's version it did not hold (PostgreSQL; at most 20 a second).",
-                                  value=getattr(self.cp.replicas, "catch_ups", 0))
+                                  value=self.cp.replicas.catch_ups)
         yield CounterMetricFamily("berth_reconciler_passes", "Reconciler passes run.",
                                   value=self.cp.reconciler.passes)
         yield CounterMetricFamily("berth_reconciler_transitions", "Reservations the reconciler moved (a window "

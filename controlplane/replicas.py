@@ -48,6 +48,7 @@ class Solo:
     """One control plane on its own database: it leads, and there is nobody to hear or tell."""
 
     leading = True
+    catch_ups = 0  # (metrics: nobody else writes, so nothing is ever caught up)
 
     def leads(self) -> bool:
         return True
