@@ -5,15 +5,15 @@ import json
 import os
 import re
 import resource
-import signal
 import ssl
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from tests.waiting import stop_process
 
 LISTENING = re.compile(r'"address":\s*"(https?://[^"]+)"|\baddress=\'(https?://[^\']+)\'')  # JSON, or key=value
 
@@ -70,13 +70,8 @@ class ServerProcess:
         return post(self.url, path, token, body, timeout, headers, self.context)
 
     def stop(self) -> int:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.returncode if self.proc else 0
+        code = stop_process(self.proc)
+        return 0 if code is None else code
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -109,12 +104,3 @@ def post(url: str, path: str, token: str | None, body, timeout: float = 10, head
             return err.code, json.loads(raw or b"{}")
         except ValueError:
             return err.code, {"text": raw[:200].decode(errors="replace")}
-
-
-def wait_until(predicate, timeout: float = 10, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.agent import fake_nvml
+from tests.agent.kubelet_stub import StubKubelet
 from tests.agent.trees import HostTree
 
 
@@ -52,3 +53,10 @@ def host(tmp_path):
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc" / "devices").write_text("Character devices:\n  1 mem\n236 nvidia-uvm\n\nBlock devices:\n")
     return HostView(inventory=inv, enforced=frozenset(), devices_proc=tmp_path / "proc")
+
+
+@pytest.fixture
+async def kubelet(tmp_path):
+    """A kubelet that speaks the device plugin and pod resources APIs on unix sockets below tmp_path."""
+    async with StubKubelet(tmp_path) as stub:
+        yield stub

@@ -45,14 +45,6 @@ GPUS = [gpu(0, 0), gpu(1, 0), gpu(2, 1), gpu(3, 1)]
 
 
 @pytest.fixture
-async def kubelet(tmp_path):
-    stub = StubKubelet(tmp_path)
-    await stub.start()
-    yield stub
-    await stub.stop()
-
-
-@pytest.fixture
 async def plugin(tmp_path, kubelet):
     plugin = DevicePlugin(RESOURCE, tmp_path, poll_s=0.05)
     await plugin.start()

@@ -7,18 +7,9 @@ import pytest
 
 from agent.kubelet.plugin import DevicePlugin, PluginDevice
 from agent.kubelet.podresources import PodDevices, PodResourcesError, list_pod_devices, pod_resources_socket
-from tests.agent.kubelet_stub import StubKubelet
 
 H100 = "berth.dev/h100"
 MIG = "berth.dev/mig-1g.10gb"
-
-
-@pytest.fixture
-async def kubelet(tmp_path):
-    stub = StubKubelet(tmp_path)
-    await stub.start()
-    yield stub
-    await stub.stop()
 
 
 async def test_list_shows_which_pod_and_container_holds_which_devices(tmp_path, kubelet):

@@ -24,7 +24,8 @@ from agent.tenantroot.hostkeys import HostKeysError, host_key_fingerprints, pars
 from agent.tenantroot.sessions import (NEW_PROCESS, SSH_SESSION, SSHD_COMMS, Ended, SessionsError, baseline,
                                        end_sessions, plan)
 from common.sshkeys import parse_public_key
-from tests.e2e.sshd import gone, read_line, sshd_server, starttime_of, tenant_user, wait_until  # noqa: F401
+from tests.e2e.sshd import gone, read_line, sshd_server, starttime_of, tenant_user  # noqa: F401
+from tests.waiting import wait_for
 
 HOUR_MS = 3_600_000
 
@@ -351,7 +352,7 @@ def detached_as(user: pwd.struct_passwd, *command: str) -> tuple[int, int]:
                          user=user.pw_uid, group=user.pw_gid, extra_groups=[], stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=10, check=True)
     pid = int(out.stdout.split()[0])
-    wait_until(lambda: Path(f"/proc/{pid}/cmdline").read_bytes().startswith(command[0].encode()), 5, "the exec")
+    wait_for(lambda: Path(f"/proc/{pid}/cmdline").read_bytes().startswith(command[0].encode()), 5, "the exec")
     return pid, starttime_of(pid)
 
 
@@ -421,7 +422,7 @@ def test_an_entry_past_its_expiry_time_is_refused_by_sshd_while_still_in_the_fil
     expires = (now_ms() // 1000 + 3) * 1000
     keys.install(sshd_server.user, "r-1", [key_of(tenant_key[1])], expires)
     first = login(sshd_server, tenant_key[0])
-    wait_until(lambda: time.time() * 1000 > expires + 1500, 10, "the expiry to pass")
+    wait_for(lambda: time.time() * 1000 > expires + 1500, 10, "the expiry to pass")
     second = login(sshd_server, tenant_key[0])
     assert ((0, 255), ["r-1"], True) == (
         (first.returncode, second.returncode), [e.reservation_id for e in keys.listed(sshd_server.user)],

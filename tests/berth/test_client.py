@@ -17,7 +17,8 @@ from berth import client as c
 from controlplane.api.app import create_app
 from controlplane.wiring import Config
 from tests.controlplane.conftest import HOUR, T0, TOKENS, Api, bootstrap_doc
-from tests.serverproc import ServerProcess, wait_until
+from tests.serverproc import ServerProcess
+from tests.waiting import wait_for
 
 H100 = {"gpu_count": 1, "duration_hours": 1}
 
@@ -341,7 +342,7 @@ def test_a_create_retried_after_kill_9_mid_request_returns_the_same_reservation(
     def pending() -> list[str]:
         return [r["id"] for r in server.post("/api/compute/reservations/list", TOKENS["alice"], {})[1]["reservations"]]
 
-    assert wait_until(lambda: len(pending()) == 1, timeout=10)
+    wait_for(lambda: len(pending()) == 1, timeout=10)
     stored = pending()[0]
     server.kill()  # SIGKILL while the create's answer is held
     server = ServerProcess(tmp_path / "cp.db", tmp_path / "b.json", extra=["--listen", f"127.0.0.1:{port}"]).start()

@@ -28,7 +28,8 @@ from berth.cli import advice
 from berth.cli.parser import build_parser
 from berth.cli.render import relative
 from tests.controlplane.conftest import TOKENS, bootstrap_doc
-from tests.serverproc import ServerProcess, wait_until
+from tests.serverproc import ServerProcess
+from tests.waiting import wait_for
 
 ONE = ["--pool", "h100", "--gpu-model", "H100_80GB", "--gpu-count", "1", "--hours", "1"]
 DAY_MS = 86_400_000
@@ -241,7 +242,7 @@ def test_extend_renew_cancel_and_release(berth, alice):
     assert 0 == earlier.code and "not extended: it already ends at" in earlier.out, earlier.out
     renewed = berth("reservations", "renew", res["id"], "--json")
     assert renewed.json["reservation"]["leaseDeadline"] >= res["leaseDeadline"]
-    assert wait_until(lambda: alice.get(res["id"]).state == "binding")  # the reconciler started the window
+    wait_for(lambda: alice.get(res["id"]).state == "binding")  # the reconciler started the window
     refused = berth("reservations", "cancel", res["id"])  # too late to cancel: the refusal names release
     assert 3 == refused.code
     assert f"berth reservations release {res['id']}" == refused.line("next:")
@@ -475,7 +476,7 @@ def test_operations_wait_shows_the_conditions_and_gives_up_when_the_binding_fail
                                {"hostname": "flaky1.test", "inventory": inventory("flaky1.test", "mixed.json")})
     assert status == 200, node
     res = alice.create("flaky", "L40S_48GB", gpu_count=1, duration_hours=1)
-    assert wait_until(lambda: alice.get(res.id).state == "binding", timeout=5)
+    wait_for(lambda: alice.get(res.id).state == "binding", timeout=5)
     waiter = subprocess.Popen  # the wait runs while the agent's failure arrives
     started = time.monotonic()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
@@ -534,7 +535,7 @@ def test_usage_prints_lines_and_totals(berth, server, alice):
                                {"hostname": hostname, "inventory": inventory(hostname, "mixed.json")})
     assert status == 200, node
     res = alice.create("metered", "L40S_48GB", gpu_count=2, duration_hours=1)
-    assert wait_until(lambda: alice.get(res.id).state == "binding", timeout=5)
+    wait_for(lambda: alice.get(res.id).state == "binding", timeout=5)
     status, doc = server.post("/api/nodes/report", node["nodeToken"],
                               {"reports": [{"reservationId": res.id, "status": "bound"}]})
     assert doc["accepted"] == [res.id]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 
 OPENER = textwrap.dedent("""
     import json, os, sys
@@ -41,11 +40,3 @@ def end(child: subprocess.Popen) -> None:
     if child.poll() is None:
         child.kill()
     child.wait(timeout=10)
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)

@@ -23,7 +23,8 @@ from cgroups.files import Drift, read_file, write_file
 from cgroups.share import CgroupShare
 from cgroups.errors import NotCgroup2
 from cgroups.tree import Subtree, signal_cgroup, wait_event
-from tests.cgroups.children import OPENER, ask, end, spawn, wait_for
+from tests.cgroups.children import OPENER, ask, end, spawn
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.kernel
 GIB = 1 << 30

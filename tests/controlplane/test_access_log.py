@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 from tests.controlplane.conftest import TOKENS, bootstrap_doc
-from tests.serverproc import ServerProcess, wait_until
+from tests.serverproc import ServerProcess
+from tests.waiting import wait_for
 
 
 def access_lines(proc: ServerProcess) -> list[dict]:
@@ -37,7 +38,7 @@ def test_every_request_is_one_line_with_who_and_what_and_no_token(tmp_path):
         rid = doc["reservation"]["id"]
         assert 200 == proc.post("/api/compute/reservations/get", TOKENS["alice"], {"reservationId": rid})[0]
         assert 401 == proc.post("/api/compute/reservations/get", "not-a-token-000000000", {"reservationId": rid})[0]
-        assert wait_until(lambda: len(access_lines(proc)) >= 3)
+        wait_for(lambda: len(access_lines(proc)) >= 3)
         create, get, refused = access_lines(proc)[:3]
     assert ("POST", "/api/compute/reservations/create", 202, "acme", "alice", rid) == (
         create["method"], create["path"], create["status"], create["tenant"], create["principal"],
@@ -54,7 +55,7 @@ def test_sampling_keeps_one_in_n_and_every_error(tmp_path):
             assert 200 == proc.post("/api/compute/reservations/list", TOKENS["alice"], {})[0]
         for _ in range(3):
             assert 400 == proc.post("/api/compute/reservations/get", TOKENS["alice"], {"reservationId": 7})[0]
-        assert wait_until(lambda: len(access_lines(proc)) >= 5)
+        wait_for(lambda: len(access_lines(proc)) >= 5)
         lines = access_lines(proc)
     assert [200, 200, 400, 400, 400] == [line["status"] for line in lines]
 

@@ -9,7 +9,6 @@ commits). With a synchronous standby instead, nothing acknowledged is lost, even
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,9 +17,10 @@ import pytest
 from tests import dbrows
 from tests.controlplane.conftest import TOKENS, bootstrap_doc, h100_node
 from tests.controlplane.test_pg_outage import unavailable
-from tests.controlplane.test_replicas import check_database, create_body, leads, used_gpus, wait_for
+from tests.controlplane.test_replicas import check_database, create_body, leads, used_gpus
 from tests.pgcluster import cluster_or_skip, hot_standby, promote
 from tests.serverproc import ServerProcess
+from tests.waiting import wait_for
 
 ALICE = TOKENS["alice"]
 CREATE = "/api/compute/reservations/create"
@@ -38,7 +38,7 @@ def created(replica: ServerProcess, key: str, timeout: float = 30) -> str:
         status, doc = replica.post(CREATE, ALICE, create_body(key), timeout=40)
         assert status == 202 or unavailable(status, doc), (status, doc)
         return doc["reservation"]["id"] if status == 202 else None
-    return wait_for(attempt, timeout=timeout, every=0.2)
+    return wait_for(attempt, timeout=timeout, interval=0.2)
 
 
 def test_a_failover_that_loses_the_last_commits_leaves_no_replica_on_the_lost_history(primary, tmp_path):

@@ -15,9 +15,10 @@ import pytest
 
 from tests import dbrows
 from tests.controlplane.conftest import TOKENS, bootstrap_doc, h100_node
-from tests.controlplane.test_replicas import ADMIN, create_body, leads, used_gpus, wait_for
+from tests.controlplane.test_replicas import ADMIN, create_body, leads, used_gpus
 from tests.pgcluster import cluster_or_skip
 from tests.serverproc import ServerProcess
+from tests.waiting import wait_for
 
 ALICE = TOKENS["alice"]
 CREATE = "/api/compute/reservations/create"
@@ -65,7 +66,7 @@ def test_a_database_outage_answers_provider_unavailable_and_the_replicas_recover
                 got = replica.post(CREATE, ALICE, create_body(f"during-{i}"), timeout=40)
                 assert got[0] in (202, 503) and (got[0] == 202 or unavailable(*got)), got
                 return got if got[0] == 202 else None
-            status, created = wait_for(retried, timeout=30, every=0.2)  # reconnects with backoff (at most 5 s)
+            status, created = wait_for(retried, timeout=30, interval=0.2)  # reconnects with backoff (at most 5 s)
             acked[created["reservation"]["id"]] = f"during-{i}"
         again = [a.post(CREATE, ALICE, create_body(f"during-{i}"))[1]["reservation"]["id"] for i in range(4)]
         assert again == [rid for rid, key in acked.items() if key.startswith("during")]  # replays, not new ones
@@ -118,7 +119,7 @@ def test_a_commit_the_database_holds_is_answered_provider_unavailable_and_replay
         acked = {before["reservation"]["id"]: "before"}
         for key in ("held-1", "held-2"):  # retried: the held commit has landed, or lands now; one reservation each
             status, created = wait_for(lambda: (lambda got: got if got[0] == 202 else None)(
-                server.post(CREATE, ALICE, create_body(key), timeout=40)), timeout=30, every=0.2)
+                server.post(CREATE, ALICE, create_body(key), timeout=40)), timeout=30, interval=0.2)
             acked[created["reservation"]["id"]] = key
         assert server.post(CREATE, ALICE, create_body("held-1"))[1]["reservation"]["id"] in acked
         metrics = urllib.request.urlopen(urllib.request.Request(

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from tests.controlplane.conftest import TOKENS, bootstrap_doc
-from tests.serverproc import ServerProcess, wait_until
+from tests.serverproc import ServerProcess
+from tests.waiting import wait_for
 
 
 @pytest.mark.slow
@@ -24,7 +25,7 @@ def test_binding_within_a_second_of_start_and_released_within_a_second_of_end(tm
         def state() -> str:
             return server.post("/api/compute/reservations/get", TOKENS["alice"], {"reservationId": rid})[1]["reservation"]["state"]
 
-        assert wait_until(lambda: state() == "binding", timeout=4, interval=0.02)
+        wait_for(lambda: state() == "binding", timeout=4, interval=0.02)
         assert time.time() * 1000 - start < 1000
-        assert wait_until(lambda: state() == "released", timeout=4, interval=0.02)
+        wait_for(lambda: state() == "released", timeout=4, interval=0.02)
         assert time.time() * 1000 - end < 1000

@@ -34,6 +34,7 @@ from controlplane.store.pg_writer import SPECULATION_PAUSE_S
 from tests import dbrows
 from tests.controlplane.conftest import K8S_BOOT, NODE_ACCESS, TOKENS, bootstrap_doc, h100_node
 from tests.serverproc import ServerProcess, post
+from tests.waiting import wait_for
 
 ADMIN = bootstrap_doc()["adminToken"]
 NODE_BOOT = bootstrap_doc()["nodeTokens"][0]["token"]  # pool h100's
@@ -75,16 +76,6 @@ def leads(server: ServerProcess) -> bool:
 def health(server: ServerProcess) -> dict:
     with urllib.request.urlopen(server.url + "/healthz", timeout=5) as resp:
         return json.loads(resp.read())
-
-
-def wait_for(what, timeout: float = 20.0, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"not within {timeout} s")
 
 
 def window() -> tuple[int, int]:
@@ -510,12 +501,12 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
             begun.set()
             rid = held["reservation"]["id"]
             wait_for(lambda: send(rng.randrange(len(servers)), api + "get", TOKENS["alice"], {"reservationId": rid})[
-                1]["reservation"]["state"] == "active", timeout=30, every=0.1)
+                1]["reservation"]["state"] == "active", timeout=30, interval=0.1)
             status, answer = send(rng.randrange(len(servers)), api + "release", TOKENS["alice"], {"reservationId": rid})
             assert status == 202, answer
             wait_for(lambda: dbrows.rows(database, "SELECT count(*) FROM events WHERE type = 'node.cleaned'")[0][0]
                      and dbrows.rows(database, "SELECT count(*) FROM events WHERE type = 'reservation.hold-ended' "
-                                               "AND reservation_id = ?", rid)[0][0], timeout=30, every=0.1)
+                                               "AND reservation_id = ?", rid)[0][0], timeout=30, interval=0.1)
 
         def kill_and_start_again() -> None:
             time.sleep(1)
@@ -561,7 +552,7 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
         reservations = in_db()
         assert len(set(created.values())) == len(created) and set(created.values()) <= set(reservations)
         try:  # (read in three statements: a transition the leader commits between them reads as a difference)
-            wait_for(lambda: not transitions_and_billing(database, renewed), timeout=10, every=0.2)
+            wait_for(lambda: not transitions_and_billing(database, renewed), timeout=10, interval=0.2)
         except AssertionError:
             assert [] == transitions_and_billing(database, renewed)
             raise
@@ -600,7 +591,7 @@ def test_mixed_changes_from_many_clients_leave_one_truth(engine, request, tmp_pa
 
         def agree(*servers: ServerProcess) -> None:
             try:
-                wait_for(lambda: not differences(*servers), every=0.2)
+                wait_for(lambda: not differences(*servers), interval=0.2)
             except AssertionError:
                 assert {} == differences(*servers), "servers, then the database"  # say where they differ
                 raise
@@ -674,7 +665,7 @@ def test_heartbeats_heard_by_a_replica_that_does_not_lead_keep_the_node_alive_on
             assert not lost(), "the leader declared lost a node whose heartbeats the other replica heard"
             time.sleep(grace / 8)
         stopped = time.monotonic()
-        wait_for(lambda: lost(), timeout=3 * grace, every=0.1)
+        wait_for(lambda: lost(), timeout=3 * grace, interval=0.1)
         assert grace <= time.monotonic() - stopped < 3 * grace
         # the replica that heard the heartbeats agrees, from the database
         wait_for(lambda: b.post("/api/admin/nodes/get", ADMIN, {"nodeId": "h1"})[1]["node"]["lost"], timeout=5)

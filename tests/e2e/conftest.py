@@ -15,13 +15,14 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.waiting import stop_process, wait_for
 
 from tests.netns import Namespaces
 from tests.cgroups.conftest import (bpf_works, hugetlb_for_own_cgroup, join_script,  # noqa: F401 (fixtures)
@@ -84,17 +85,6 @@ def topology(kind: str, hostname: str, into: Path) -> Path:
 def require_kernel() -> None:
     if os.geteuid() != 0:
         pytest.skip("end-to-end agent tests need root (cgroups, eBPF device programs, network namespaces)")
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 # -- network namespaces --------------------------------------------------------------------------------------
@@ -257,7 +247,7 @@ class ControlPlane:
             return box["r"]["state"] == state
 
         try:
-            wait_for(check, timeout, 0.02, f"{rid} to be {state}")
+            wait_for(check, timeout, f"{rid} to be {state}")
         except AssertionError:
             raise AssertionError(f"{rid} is {box.get('r', {}).get('state')}, not {state}: {box.get('r')}") from None
         return box["r"]
@@ -373,7 +363,7 @@ class AgentProc:
         return out
 
     def wait_event(self, event: str, timeout: float = 10.0, start: int | None = None) -> dict:
-        return wait_for(lambda: (self.events(event, start or self.starts) or [None])[-1], timeout, 0.02,
+        return wait_for(lambda: (self.events(event, start or self.starts) or [None])[-1], timeout,
                         f"agent {self.name} to log {event!r}\n{self.tail()}")
 
     def tail(self, n: int = 40) -> str:
@@ -393,15 +383,7 @@ class AgentProc:
             self.proc.wait(10)
 
     def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill9()
-        return self.proc.returncode
+        return stop_process(self.proc, 10)
 
 
 @pytest.fixture

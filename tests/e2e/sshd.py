@@ -32,28 +32,17 @@ import shutil
 import signal
 import subprocess
 import uuid
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from tests.netns import Namespaces
+from tests.waiting import wait_for
 
 SSHD = "/usr/sbin/sshd"
 RUN_PRIVSEP = Path("/run/sshd")  # sshd's compiled-in privilege separation directory (Debian)
 SSHD_DROP_IN = Path(__file__).resolve().parents[2] / "examples" / "sshd-berth.conf"  # what berth-agent ships
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def _run(*cmd: str, timeout: float = 20) -> str:
@@ -123,7 +112,7 @@ def _kill_all(pids: list[int], timeout: float = 10) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    wait_until(lambda: all(st is None or gone(pid, st[2]) for pid, st in marks.items()), timeout,
+    wait_for(lambda: all(st is None or gone(pid, st[2]) for pid, st in marks.items()), timeout,
                f"processes {sorted(pids)} to go")
 
 
@@ -297,12 +286,12 @@ def sshd_server(tmp_path, tenant_user):
         with open(log_path, "wb") as log:
             subprocess.run(["nsenter", f"--net=/run/netns/{netns}", "--", "setsid", "-f", SSHD, "-D", "-e", "-f",
                             str(config)], stdout=log, stderr=log, stdin=subprocess.DEVNULL, check=True, timeout=20)
-        wait_until(lambda: pid_file.exists() and pid_file.read_text().strip()
+        wait_for(lambda: pid_file.exists() and pid_file.read_text().strip()
                    or "fatal" in log_path.read_text(errors="replace"), 15, "sshd to write its PidFile")
         assert pid_file.exists(), f"sshd did not start: {log_path.read_text(errors='replace')[-3000:]}"
         pid = int(pid_file.read_text().strip())
         started = starttime_of(pid)
-        wait_until(lambda: gone(pid, started) or f"Server listening on {ns_addr} port {port}"
+        wait_for(lambda: gone(pid, started) or f"Server listening on {ns_addr} port {port}"
                    in log_path.read_text(errors="replace"), 15, "sshd to listen")
         assert not gone(pid, started), f"sshd exited: {log_path.read_text(errors='replace')[-3000:]}"
         yield Sshd(host=ns_addr, port=port, host_keys=[Path(f"{k}.pub") for k in host_keys], pid=pid,
@@ -313,7 +302,7 @@ def sshd_server(tmp_path, tenant_user):
             left = _descendants(pid)  # per-connection processes outlive the listener
             os.kill(pid, signal.SIGTERM)
             try:
-                wait_until(lambda: gone(pid, started), 10, "sshd to stop")
+                wait_for(lambda: gone(pid, started), 10, "sshd to stop")
             except AssertionError:
                 _kill_all([pid])
             _kill_all(left)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import H100_TOKEN, REPO, ControlPlane, alive, pids_of, spawn_in, wait_for
+from tests.e2e.conftest import H100_TOKEN, REPO, ControlPlane, alive, pids_of, spawn_in
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.kernel
 FAST = ["--watch-timeout-ms", "1500", "--request-timeout-seconds", "1.5", "--reconcile-seconds", "3600"]

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from agent.lifetime import end_file
-from tests.e2e.conftest import H100_TOKEN, REPO, SYSTEM_PYTHON, ControlPlane, bootstrap_doc, wait_for
+from tests.e2e.conftest import H100_TOKEN, REPO, SYSTEM_PYTHON, ControlPlane, bootstrap_doc
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.kernel
 FAST = ["--watch-timeout-ms", "1500", "--request-timeout-seconds", "1.5", "--reconcile-seconds", "3600"]

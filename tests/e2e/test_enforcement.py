@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import (H100_TOKEN, REPO, SYSTEM_PYTHON, ControlPlane, pids_of, wait_for)
+from tests.e2e.conftest import H100_TOKEN, REPO, SYSTEM_PYTHON, ControlPlane, pids_of
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.kernel
 
@@ -86,7 +87,7 @@ def test_the_cpu_and_memory_share_hold_and_an_oom_kill_reaches_the_tenant(small)
         got = {c["type"]: c for c in cp.get(rid).get("conditions", [])}
         return got.get("OOMKilled")
 
-    cond = wait_for(condition, 10, 0.05, what="the OOMKilled condition on the reservation")
+    cond = wait_for(condition, 10, interval=0.05, what="the OOMKilled condition on the reservation")
     assert ("True", "MemoryLimit") == (cond["status"], cond["reason"])
     assert re.search(r"the OOM killer ended 1 process\(es\) of this reservation", cond["message"])
     assert "1 GiB per node" in cond["message"] and "--memory-gib" in cond["message"]
@@ -97,7 +98,7 @@ def test_the_cpu_and_memory_share_hold_and_an_oom_kill_reaches_the_tenant(small)
 
     # a second kill raises the count; the agent restarting does not count the first one again
     assert -9 == berth_exec(a, rid, SYSTEM_PYTHON, "-c", GROW).returncode
-    wait_for(lambda: "ended 2 process(es)" in (condition() or {}).get("message", ""), 10, 0.05,
+    wait_for(lambda: "ended 2 process(es)" in (condition() or {}).get("message", ""), 10, interval=0.05,
              what="the count of 2")
     a.stop()
     a.start()

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.agent.kubelet_stub import StubKubelet
-from tests.e2e.conftest import K8S_RESOURCE, K8S_TOKEN, ControlPlane, wait_for
+from tests.e2e.conftest import K8S_RESOURCE, K8S_TOKEN, ControlPlane
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.kernel
 
@@ -210,14 +211,14 @@ def test_held_past_its_end_the_node_is_tainted_and_a_booking_made_in_advance_evi
 
     # past the window's end, still held: carried on, and the Kubernetes Node is tainted NoSchedule
     wait_for(lambda: any(t["key"] == "berth.dev/kubernetes-release-stuck" and t["effect"] == "NoSchedule"
-                         for t in api.taints()), 15, 0.1, what="the stuck taint on the Node")
+                         for t in api.taints()), 15, interval=0.1, what="the stuck taint on the Node")
     assert "carried on past the window" in conditions(cp, res["id"])["DevicesHeld"]["message"]
 
     # the advance booking's start: the hold is over, the agent evicts the pod, the new booking binds
     cp.wait_state(later["id"], "active", timeout=15)
     assert [("team-a", "trainer-0")] == api.evicted
     assert "Overtaken" == conditions(cp, res["id"])["DevicesHeld"]["reason"]
-    wait_for(lambda: not api.taints(), 10, 0.1, what="the taint removed when the hold ended")
+    wait_for(lambda: not api.taints(), 10, interval=0.1, what="the taint removed when the hold ended")
     _, doc = cp.post("/api/compute/events/list", {"limit": 500})
     evicted = [e for e in doc["events"] if e["type"] == "reservation.pods-evicted"]
     assert [(res["id"], ["team-a/trainer-0"])] == [(e["reservationId"], e["data"]["pods"]) for e in evicted]

@@ -23,7 +23,8 @@ from controlplane.api.app import CONTROL_PLANE
 from tests.agent import fake_nvml
 from tests.agent.conftest import standin_library  # noqa: F401 (fixture)
 from tests.agent.test_tenantroot import keygen_fingerprint, login, make_key
-from tests.e2e.conftest import NODE_TOKEN, REPO, ControlPlane, bootstrap_doc, wait_for
+from tests.e2e.conftest import NODE_TOKEN, REPO, ControlPlane, bootstrap_doc
+from tests.waiting import wait_for
 from tests.e2e.sshd import gone, read_line, sshd_server, starttime_of, tenant_user  # noqa: F401
 
 pytestmark = pytest.mark.kernel

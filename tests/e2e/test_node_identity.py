@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import H100_TOKEN, REPO, ControlPlane, wait_for
+from tests.e2e.conftest import H100_TOKEN, REPO, ControlPlane
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.kernel
 

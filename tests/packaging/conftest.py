@@ -273,17 +273,6 @@ def unit_command(unit: Path, overrides: dict[str, str] | None = None) -> tuple[l
     return words, env
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
 def json_lines(text: str) -> list[dict]:
     out = []
     for line in text.splitlines():

@@ -13,7 +13,6 @@ scripts must do nothing that needs systemd there (their systemctl calls are guar
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 from pathlib import Path
 
@@ -23,7 +22,8 @@ from cgroups import bpf
 from tests.cgroups.conftest import join_script
 from tests.e2e.conftest import H100_TOKEN, WORKLOAD_UID, ControlPlane, alive, pids_of, topology
 from tests.packaging.conftest import (PACKAGES, PLAIN_ENV, accounts_named, dpkg_status, json_lines, run,
-                                      unit_command, wait_for)
+                                      unit_command)
+from tests.waiting import stop_process, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel]
 AGENT_UNIT = Path("/lib/systemd/system/berth-agent.service")
@@ -66,16 +66,7 @@ class InstalledAgent:
 
     def stop(self) -> int | None:
         """SIGTERM to the main process only (KillMode=process), as `systemctl stop` sends it."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_process(self.proc)
 
 
 def checkpoint_binding(rid: str) -> dict:
