@@ -40,3 +40,16 @@ def end(child: subprocess.Popen) -> None:
     if child.poll() is None:
         child.kill()
     child.wait(timeout=10)
+
+
+def outgrow_memory(subtree, name: str, grow_mib: int = 512) -> int:
+    """A child moved into `subtree`'s cgroup `name` allocates `grow_mib` MiB and sleeps; its exit status once it
+    ends (-SIGKILL where the kernel's OOM killer ended it), within 20 s."""
+    child = spawn(f"x = bytearray({grow_mib} << 20); import time; time.sleep(30)")
+    try:
+        subtree.move(name, child.pid)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        return child.wait(timeout=20)
+    finally:
+        end(child)

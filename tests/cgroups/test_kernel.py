@@ -23,7 +23,7 @@ from cgroups.files import Drift, read_file, write_file
 from cgroups.share import CgroupShare
 from cgroups.errors import NotCgroup2
 from cgroups.tree import Subtree, signal_cgroup, wait_event
-from tests.cgroups.children import OPENER, ask, end, spawn
+from tests.cgroups.children import OPENER, ask, end, outgrow_memory, spawn
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.kernel
@@ -279,14 +279,7 @@ def test_a_process_above_its_memory_limit_is_oom_killed_and_counted(own_cgroup2,
     _placed(host_layout, "memory")
     st = Subtree(own_cgroup2, controllers=("memory",))
     c = st.apply("rsv-oom", CgroupShare(memory_bytes=64 << 20))
-    child = spawn("x = bytearray(512 << 20); import time; time.sleep(30)")
-    try:
-        st.move(c.name, child.pid)
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        assert -signal.SIGKILL == child.wait(timeout=20)
-    finally:
-        end(child)
+    assert -signal.SIGKILL == outgrow_memory(st, c.name)
     memory = st.stat(c.name).memory
     assert memory.oom_kills >= 1
     st.remove(c.name)

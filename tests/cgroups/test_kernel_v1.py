@@ -26,7 +26,7 @@ from cgroups.tree import Subtree
 from cgroups.v1 import devices as devices_v1
 from cgroups.v1.memory import UNLIMITED
 from common import hostfacts
-from tests.cgroups.children import OPENER, ask, end, spawn
+from tests.cgroups.children import OPENER, ask, end, outgrow_memory, spawn
 from tests.cgroups.fakefs import FakeCgroupfs
 
 pytestmark = pytest.mark.kernel
@@ -89,14 +89,7 @@ def test_a_process_above_its_memory_limit_is_oom_killed_inside_its_v1_cgroup(st)
     assert (str(64 * MIB), str(64 * MIB)) == (read_file(part, "memory.limit_in_bytes"),
                                              read_file(part, "memory.memsw.limit_in_bytes"))
     before = st.stat(c.name).memory.oom_kills
-    child = spawn("x = bytearray(512 << 20); import time; time.sleep(30)")
-    try:
-        st.move(c.name, child.pid)
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        assert -signal.SIGKILL == child.wait(timeout=20)
-    finally:
-        end(child)
+    assert -signal.SIGKILL == outgrow_memory(st, c.name)
     assert (0, 1) == (before, st.stat(c.name).memory.oom_kills)
     assert "oom_kill 1" in read_file(part, "memory.oom_control")
     os.kill(os.getpid(), 0)  # and this process is still here, in its own memory cgroup
