@@ -32,8 +32,8 @@ from controlplane.reconciler import Reconciler
 from controlplane.reservations import ReservationService
 from controlplane.state import WriterState
 from controlplane.store.groups import COMMIT_WAIT_S
-from controlplane.store.port import CatalogChanges, Store, Tx
-from controlplane.store.sqlite import SqliteStore, StoreError
+from controlplane.store.port import CatalogChanges, Store, StoreError, Tx
+from controlplane.store.sqlite import SqliteStore
 from controlplane.tokens import Tokens
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.transitions import CatalogRef, Transitions
@@ -111,11 +111,11 @@ class Config:
 def open_store(config: Config) -> Store:
     """The engine the URL names: PostgreSQL (several replicas may share it) or a SQLite file."""
     if is_postgresql(config.db):
-        from controlplane.store.postgres import PgStore, StoreError as PgStoreError
+        from controlplane.store.postgres import PgStore
 
         try:
             return PgStore(config.db, commit_wait_s=config.commit_wait_s)
-        except PgStoreError as exc:
+        except StoreError as exc:
             raise ConfigError(f"--db {logs.redact_url(config.db)}: {exc}") from None
     try:
         return SqliteStore(sqlite_path(config.db), config.synchronous)

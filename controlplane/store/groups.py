@@ -17,6 +17,24 @@ log = structlog.get_logger("berth.store")
 COMMIT_WAIT_S = 30.0
 
 
+class WriterFront:
+    """What both engines' stores answer from their writer (set by `start`): a job run at once, and its counts."""
+
+    writer: Any = None
+
+    def call_sync(self, job: Callable[[Any], Any]) -> Any:
+        assert self.writer is not None, "start() the store first"
+        return self.writer.call_sync(job)
+
+    @property
+    def groups(self) -> int:
+        return self.writer.groups if self.writer else 0
+
+    @property
+    def jobs(self) -> int:
+        return self.writer.jobs if self.writer else 0
+
+
 class JobOutcome:
     """What a job's transaction (port.Tx) keeps for its writer: whether it changed the memory, its on-commit
     hooks, and the refusal it answers with once committed."""

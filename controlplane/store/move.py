@@ -44,6 +44,7 @@ import asyncpg
 from common.logs import redact_url
 from controlplane.replicas import CHANNEL
 from controlplane.store import pg_connect, pg_schema, pg_sql, sqlite
+from controlplane.store.port import StoreError
 
 BATCH = 2000  # rows per executemany: large enough to pipeline, small enough for steady progress
 
@@ -148,7 +149,7 @@ def open_source(path: str) -> sqlite3.Connection:
                           "give the file a control plane served with --db sqlite:///PATH")
         sqlite.migrate(conn, path)
         conn.execute("BEGIN IMMEDIATE")
-    except sqlite.StoreError as exc:
+    except StoreError as exc:
         conn.close()
         raise Refused(f"--from: {exc}") from None
     except sqlite3.Error as exc:

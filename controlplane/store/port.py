@@ -26,6 +26,10 @@ from controlplane.domain.model import Confirmation, Operation, Reservation
 T = TypeVar("T")
 
 
+class StoreError(Exception):
+    """The database cannot be opened as it is (either engine); the message says what to do."""
+
+
 @dataclass(frozen=True, slots=True)
 class CatalogChanges:
     """What other writers changed of the catalog and the tokens: the catalog's rows they wrote (kind, id, the

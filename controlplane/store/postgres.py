@@ -46,20 +46,16 @@ from typing import Any, Awaitable, Callable, Iterable
 import asyncpg
 
 from controlplane.store import pg_schema
-from controlplane.store.groups import COMMIT_WAIT_S, unavailable
+from controlplane.store.groups import COMMIT_WAIT_S, WriterFront, unavailable
 from controlplane.store.pg_connect import (MIGRATE, READ_POOL, READS, SERVER_SETTINGS, UNREACHABLE, Connector,
                                            cannot_connect)
 from controlplane.store.pg_tx import PgTx
 from controlplane.store.pg_writer import Writer
-from controlplane.store.port import OnChanged
+from controlplane.store.port import OnChanged, StoreError
 from controlplane.store.reads import CommittedReads, numbered
 
 
-class StoreError(Exception):
-    """The database cannot be used as it is; the message says what to do."""
-
-
-class PgStore(CommittedReads):
+class PgStore(WriterFront, CommittedReads):
     """The store port on a PostgreSQL database: committed reads on a small pool, and this replica's writer."""
 
     placeholders = staticmethod(numbered)  # the shared reads' statements (store/reads.py)
@@ -103,21 +99,9 @@ class PgStore(CommittedReads):
         assert self.writer is not None, "start() the store first"
         return self.writer.call(job, reads, append_only, background)
 
-    def call_sync(self, job: Callable[[PgTx], Any]) -> Any:
-        assert self.writer is not None, "start() the store first"
-        return self.writer.call_sync(job)
-
     def refresh(self) -> "asyncio.Future[None]":
         assert self.writer is not None, "start() the store first"
         return self.writer.refresh()
-
-    @property
-    def groups(self) -> int:
-        return self.writer.groups if self.writer else 0
-
-    @property
-    def jobs(self) -> int:
-        return self.writer.jobs if self.writer else 0
 
     @property
     def generation(self) -> int | None:

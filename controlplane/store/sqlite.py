@@ -27,7 +27,8 @@ from controlplane.domain.errors import DomainError
 from controlplane.domain.model import Operation, Reservation
 from controlplane.domain.states import TERMINAL
 from controlplane.store import codec
-from controlplane.store.groups import Appends, JobOutcome, resolve, run_hooks, unavailable
+from controlplane.store.groups import Appends, JobOutcome, WriterFront, resolve, run_hooks, unavailable
+from controlplane.store.port import StoreError
 from controlplane.store.reads import CommittedReads, Reads, reservation_of
 
 log = structlog.get_logger("berth.store")
@@ -497,11 +498,7 @@ def _fold_operations(conn: sqlite3.Connection) -> None:
     conn.execute("DROP TABLE operations")
 
 
-class StoreError(Exception):
-    """The store cannot be opened as it is; the message says what to do."""
-
-
-class SqliteStore(SqliteReads, CommittedReads):
+class SqliteStore(WriterFront, SqliteReads, CommittedReads):
     """The store port on one SQLite file: reads on the caller's thread (a connection that sees committed data
     only) and the writer."""
 
@@ -535,21 +532,9 @@ class SqliteStore(SqliteReads, CommittedReads):
         assert self.writer is not None, "start() the store first"
         return self.writer.call(job)
 
-    def call_sync(self, job: Callable[[SqliteTx], Any]) -> Any:
-        assert self.writer is not None, "start() the store first"
-        return self.writer.call_sync(job)
-
     def refresh(self) -> "asyncio.Future[None]":
         """Nothing else writes this file: answered after the jobs queued before."""
         return self.call(lambda tx: None, background=True)
-
-    @property
-    def groups(self) -> int:
-        return self.writer.groups if self.writer else 0
-
-    @property
-    def jobs(self) -> int:
-        return self.writer.jobs if self.writer else 0
 
     def close(self) -> None:
         if self.writer is not None:

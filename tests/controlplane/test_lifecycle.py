@@ -182,6 +182,7 @@ async def test_wait_holds_the_answer_while_queued_and_a_timeout_returns_it_queue
 async def test_extend_by_and_until_move_the_end_and_say_so(api):
     res = (await api.create(key="e"))[1]["reservation"]
     doc = await api.ok("extend", "alice", {"reservationId": res["id"], "by": HOUR})
+    assert (doc["end"], doc["operation"]["kind"]) == (T0 + 2 * HOUR, "extend")
     status, full = await api.call("extend", "alice", {"reservationId": res["id"], "by": HOUR})
     assert full["extended"] is True and full["reservation"]["end"] == T0 + 3 * HOUR
     assert full["reservation"]["operation"]["kind"] == "extend"
