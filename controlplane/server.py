@@ -1,5 +1,6 @@
 """`berth controlplane serve`: run the control plane's HTTP API (plain, or TLS with --tls-cert) until SIGTERM;
-`berth controlplane migrate`: move a SQLite database to PostgreSQL (controlplane/store/move.py)."""
+`berth controlplane migrate`: move a SQLite database to PostgreSQL (controlplane/store/move.py); `backup` and
+`restore`: copy a SQLite database while it serves, and put a copy back (controlplane/store/backup.py)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import os
 import signal
 import ssl
 import sys
+from typing import Callable
 
 import structlog
 from aiohttp import web
@@ -118,7 +120,89 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--replace", action="store_true",
                          help="empty the target first (in the same transaction as the copy) instead of refusing "
                          "one that holds data")
+    backup = sub.add_parser(
+        "backup", help="copy a SQLite database while the control plane serves it",
+        description="Write a consistent copy of the control plane's SQLite database to a new file, while the "
+        "control plane goes on serving: the copy is the database as one read transaction sees it, checked "
+        "(PRAGMA integrity_check) and renamed into place once whole. Restore it by stopping the control plane "
+        "and putting the copy in the database's place (docs/operations.md, \"Backups\"). PostgreSQL: use "
+        "pg_dump. Exit 0: copied (a summary on stdout); 2: refused, nothing written (a URL, a path, a target "
+        "that exists); 1: the copy failed, nothing left under the target's name.")
+    backup.add_argument("--db", default=None, metavar="sqlite:///PATH",
+                        help=f"the database the control plane serves (env BERTH_DB; default {default_db_url()})")
+    backup.add_argument("--to", dest="target", required=True, metavar="FILE", help="the copy: a new file")
+    backup.add_argument("--replace", action="store_true", help="overwrite FILE where it exists")
+    restore = sub.add_parser(
+        "restore", help="put a backup in the place of a stopped control plane's SQLite database",
+        description="Put a copy `berth controlplane backup` wrote in the place of the control plane's SQLite "
+        "database. Stop the control plane first: the restore refuses while any process has the database open. "
+        "The database it replaces is kept beside it (NAME.replaced-TIMESTAMP, with its -wal and -shm), and its "
+        "highest event and reservation numbers are carried into the restored one, so that events from then on "
+        "are numbered after every cursor a client holds. What was booked after the copy was taken is gone: "
+        "docs/operations.md, \"Backups\", says what that means for tenants and agents. Exit 0: restored (a "
+        "summary on stdout); 2: refused, nothing changed; 1: the restore failed (the summary says where the "
+        "replaced database lies).")
+    restore.add_argument("--from", dest="copy", required=True, metavar="FILE", help="the copy to restore")
+    restore.add_argument("--db", default=None, metavar="sqlite:///PATH",
+                         help=f"the database to replace (env BERTH_DB; default {default_db_url()})")
     return parser
+
+
+def refused(command: str, message: str) -> int:
+    """A maintenance command refused before it began: the message on stderr, exit 2 (nothing changed)."""
+    print(f"berth controlplane {command}: {message}", file=sys.stderr)
+    return 2
+
+
+def run_tool(command: str, work: Callable[[], str], refusals: tuple[type[Exception], ...],
+             failure: type[Exception]) -> int:
+    """A maintenance command's outcome as its exit status: 0 with the summary `work` returns on stdout; 2 where
+    it raised one of `refusals` (nothing changed), 1 where it raised `failure`; each message on stderr."""
+    try:
+        summary = work()
+    except refusals as exc:
+        return refused(command, str(exc))
+    except failure as exc:
+        print(f"berth controlplane {command}: {exc}", file=sys.stderr)
+        return 1
+    print(summary)
+    return 0
+
+
+def backup_main(args: argparse.Namespace) -> int:
+    """`berth controlplane backup`: the URL checked, the copy made (controlplane/store/backup.py)."""
+    from controlplane.store import backup
+    from controlplane.wiring import is_postgresql, sqlite_path
+
+    db = args.db or os.environ.get("BERTH_DB") or default_db_url()
+    if is_postgresql(db):
+        return refused("backup", f"--db {logs.redact_url(db)}: a PostgreSQL database is backed up with "
+                       "PostgreSQL's tools: pg_dump -Fc -f FILE DBNAME, or your cluster's base backups and WAL "
+                       "archive (docs/operations.md, \"Backups\")")
+
+    def work() -> str:
+        path = sqlite_path(db)
+        if sys.stderr.isatty():
+            size = os.path.getsize(path) if os.path.isfile(path) else 0
+            print(f"berth controlplane backup: copying {path} ({size / (1 << 20):.1f} MiB) to {args.target} ...",
+                  file=sys.stderr)
+        return backup.backup(path, args.target, replace=args.replace).summary()
+
+    return run_tool("backup", work, (ConfigError, backup.Refused), backup.Failed)
+
+
+def restore_main(args: argparse.Namespace) -> int:
+    """`berth controlplane restore`: the URL checked, the copy put in place (controlplane/store/backup.py)."""
+    from controlplane.store import backup
+    from controlplane.store.sqlite import SCHEMA_VERSION
+    from controlplane.wiring import is_postgresql, sqlite_path
+
+    db = args.db or os.environ.get("BERTH_DB") or default_db_url()
+    if is_postgresql(db):
+        return refused("restore", f"--db {logs.redact_url(db)}: a PostgreSQL database is restored with "
+                       "PostgreSQL's tools: pg_restore into an empty database (docs/operations.md, \"Backups\")")
+    return run_tool("restore", lambda: backup.restore(args.copy, sqlite_path(db), SCHEMA_VERSION).summary(),
+                    (ConfigError, backup.Refused), backup.Failed)
 
 
 def migrate_main(args: argparse.Namespace) -> int:
@@ -128,26 +212,18 @@ def migrate_main(args: argparse.Namespace) -> int:
     from controlplane.wiring import is_postgresql, sqlite_path
 
     if not args.source.startswith("sqlite:///"):
-        print(f"berth controlplane migrate: --from {logs.redact_url(args.source)!r}: give the SQLite database "
-              "as sqlite:///PATH (sqlite:////abs/path for an absolute one)", file=sys.stderr)
-        return 2
+        return refused("migrate", f"--from {logs.redact_url(args.source)!r}: give the SQLite database as "
+                       "sqlite:///PATH (sqlite:////abs/path for an absolute one)")
     if not is_postgresql(args.target):
-        print(f"berth controlplane migrate: --to {logs.redact_url(args.target)!r}: give the PostgreSQL database "
-              "as postgresql://USER@HOST[:PORT]/DB, its password in PGPASSWORD or a passfile (or "
-              "postgresql://USER@/DB?host=/run/postgresql)",
-              file=sys.stderr)
-        return 2
-    try:
+        return refused("migrate", f"--to {logs.redact_url(args.target)!r}: give the PostgreSQL database as "
+                       "postgresql://USER@HOST[:PORT]/DB, its password in PGPASSWORD or a passfile (or "
+                       "postgresql://USER@/DB?host=/run/postgresql)")
+
+    def work() -> str:
         path = sqlite_path(args.source, "--from")
-        rows = move.move(path, args.target, replace=args.replace)
-    except (ConfigError, move.Refused) as exc:
-        print(f"berth controlplane migrate: {exc}", file=sys.stderr)
-        return 2
-    except move.Failed as exc:
-        print(f"berth controlplane migrate: {exc}", file=sys.stderr)
-        return 1
-    print(move.summary(path, args.target, rows))
-    return 0
+        return move.summary(path, args.target, move.move(path, args.target, replace=args.replace))
+
+    return run_tool("migrate", work, (ConfigError, move.Refused), move.Failed)
 
 
 class CannotListen(Exception):
@@ -226,6 +302,9 @@ def main(argv: list[str]) -> int:
     if args.command == "migrate":
         logs.configure("auto", "warning")  # stderr: the progress and the errors; stdout: the summary only
         return migrate_main(args)
+    if args.command in ("backup", "restore"):
+        logs.configure("auto", "warning")
+        return backup_main(args) if args.command == "backup" else restore_main(args)
     logs.configure(args.log_format, args.log_level)
     if args.db is not None and logs.redact_url(args.db) != args.db:
         log.warning("the --db URL holds a password, which every local user can read in this process's command "
