@@ -146,6 +146,8 @@ def restore(copy: str, database: str, known_schema: int) -> Restored:
         raise Refused(f"--from {copy}: no such file; give a copy `berth controlplane backup` wrote")
     if not db_path.parent.is_dir():
         raise Refused(f"--db sqlite:///{database}: the directory {db_path.parent} does not exist; make it first")
+    if db_path.exists() and db_path.resolve() == copy_path.resolve():
+        raise Refused(f"--from {copy}: that is the database itself; give the copy `berth controlplane backup` wrote")
     src = sqlite3.connect(f"file:{quote(str(copy_path))}?mode=ro", uri=True, isolation_level=None)
     try:
         try:

@@ -176,6 +176,7 @@ def test_backup_and_restore_refuse_what_they_cannot_use_and_write_nothing(tmp_pa
         (("backup", "--db", "sqlite:///:memory:", "--to", str(copy)), "--db: an in-memory database"),
         (("restore", "--from", str(tmp_path / "missing.db"), "--db", f"sqlite:///{db}"), "--from"),
         (("restore", "--from", str(not_berth), "--db", f"sqlite:///{db}"), "not a Berth control-plane database"),
+        (("restore", "--from", str(db), "--db", f"sqlite:///{db}"), "that is the database itself"),
         (("restore", "--from", str(newer), "--db", f"sqlite:///{db}"), "schema version 99, newer than this Berth"),
         (("restore", "--from", str(newer), "--db", "postgresql://berth@/berth"), "pg_restore into an empty"),
     ]
