@@ -140,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "highest event and reservation numbers are carried into the restored one, so that events from then on "
         "are numbered after every cursor a client holds. What was booked after the copy was taken is gone: "
         "docs/operations.md, \"Backups\", says what that means for tenants and agents. Exit 0: restored (a "
-        "summary on stdout); 2: refused, nothing changed; 1: the restore failed (the summary says where the "
-        "replaced database lies).")
+        "summary on stdout); 2: refused, nothing changed; 1: the restore failed (a full disk), and the "
+        "database is put back as it was.")
     restore.add_argument("--from", dest="copy", required=True, metavar="FILE", help="the copy to restore")
     restore.add_argument("--db", default=None, metavar="sqlite:///PATH",
                          help=f"the database to replace (env BERTH_DB; default {default_db_url()})")

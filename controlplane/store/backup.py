@@ -64,46 +64,77 @@ def backup(source: str, target: str, replace: bool = False) -> Copied:
             raise Refused(f"--to {target}: that is the database itself; give another file")
         if not replace:
             raise Refused(f"--to {target}: the file exists; give a new name, or --replace to overwrite it")
-    src = sqlite3.connect(f"file:{quote(str(src_path))}?mode=ro", uri=True, isolation_level=None, timeout=30)
+    src, version = _open_berth_file(src_path, f"--db sqlite:///{source}")
     try:
-        try:
-            version = src.execute("PRAGMA user_version").fetchone()[0]
-        except sqlite3.DatabaseError as exc:
-            raise Refused(f"--db sqlite:///{source}: cannot read it as a SQLite database ({exc})") from None
-        if version == 0:  # every Berth file has a version (store/sqlite.migrate)
-            raise Refused(f"--db sqlite:///{source}: not a Berth control-plane database (no Berth schema in it)")
-        partial = dst_path.with_name(f".{dst_path.name}.partial-{os.getpid()}")
-        try:
-            copied = _copy(src, partial)
-            os.replace(partial, dst_path)
-        except (sqlite3.Error, OSError) as exc:
-            for leftover in (partial, partial.with_name(partial.name + "-journal")):
-                leftover.unlink(missing_ok=True)
-            raise Failed(f"the copy to {target} failed ({exc}); nothing was written under that name") from None
-        _sync_directory(dst_path.parent)
+        copied = _write_in_place(src, dst_path, f"the copy to {target} failed")
     finally:
         src.close()
-    return Copied(source, target, dst_path.stat().st_size, version, *copied, time.monotonic() - began)
+    return Copied(source, target, dst_path.stat().st_size, version, copied.reservations, copied.last_event_seq,
+                  time.monotonic() - began)
 
 
-def _copy(src: sqlite3.Connection, partial: Path, floors: dict[str, int] | None = None) -> tuple[int, int]:
+def _open_berth_file(path: Path, option: str) -> tuple[sqlite3.Connection, int]:
+    """A read-only connection to the Berth database at `path`, and its schema version; Refused, naming `option`,
+    where it is not one."""
+    conn = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True, isolation_level=None, timeout=30)
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise Refused(f"{option}: cannot read it as a SQLite database ({exc})") from None
+    if version == 0:  # every Berth file has a version (store/sqlite.migrate)
+        conn.close()
+        raise Refused(f"{option}: not a Berth control-plane database (no Berth schema in it)")
+    return conn, version
+
+
+@dataclass(frozen=True)
+class _Written:
+    reservations: int
+    last_event_seq: int
+    next_event_seq: int
+
+
+def _write_in_place(src: sqlite3.Connection, target: Path, failed: str, floors: dict[str, int] | None = None,
+                    like: Path | None = None) -> _Written:
+    """`src` written to `target` whole or not at all: under a temporary name beside it, then renamed (the
+    directory's entry flushed too). The copy takes the owner and mode of the file `like`, or else the directory's
+    owner. Failed (its message `failed`, then the error) leaves no file under either name."""
+    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    try:
+        written = _copy(src, partial, floors or {})
+        owner = like.stat() if like else target.parent.stat()  # the control plane's user must open it
+        os.chown(partial, owner.st_uid, owner.st_gid)
+        if like:
+            os.chmod(partial, owner.st_mode & 0o7777)
+        os.replace(partial, target)
+    except (sqlite3.Error, OSError) as exc:
+        for leftover in (partial, partial.with_name(partial.name + "-journal")):
+            leftover.unlink(missing_ok=True)
+        raise Failed(f"{failed} ({exc}); nothing was written under that name") from None
+    _sync_directory(target.parent)
+    return written
+
+
+def _copy(src: sqlite3.Connection, partial: Path, floors: dict[str, int]) -> _Written:
     """The whole database in one backup step (one read snapshot), made a single checked file on disk, its tables'
-    next numbers raised to at least `floors` (sqlite_sequence: table -> the highest number given out); what it
-    holds (reservations, the last event's seq)."""
+    next numbers raised to at least `floors` (sqlite_sequence: table -> the highest number given out)."""
     partial.unlink(missing_ok=True)
     dst = sqlite3.connect(partial, isolation_level=None)
     try:
         src.backup(dst)  # pages=-1: one step, so one snapshot, whatever the writer commits meanwhile
         dst.execute("PRAGMA journal_mode=DELETE")  # one file; the control plane sets WAL again when it opens it
-        for table, seq in (floors or {}).items():
+        for table, seq in floors.items():
             dst.execute("INSERT INTO sqlite_sequence (name, seq) SELECT ?, 0 WHERE NOT EXISTS "
                         "(SELECT 1 FROM sqlite_sequence WHERE name = ?)", (table, table))
             dst.execute("UPDATE sqlite_sequence SET seq = max(seq, ?) WHERE name = ?", (seq, table))
         problems = [row[0] for row in dst.execute("PRAGMA integrity_check")]
         if problems != ["ok"]:
             raise sqlite3.DatabaseError("integrity check of the copy: " + "; ".join(problems[:5]))
-        reservations = dst.execute("SELECT count(*) FROM reservations").fetchone()[0]
-        last_event = dst.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        written = _Written(
+            dst.execute("SELECT count(*) FROM reservations").fetchone()[0],
+            dst.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0],
+            dst.execute("SELECT coalesce(max(seq), 0) + 1 FROM sqlite_sequence WHERE name = 'events'").fetchone()[0])
     finally:
         dst.close()
     fd = os.open(partial, os.O_RDONLY)
@@ -111,7 +142,7 @@ def _copy(src: sqlite3.Connection, partial: Path, floors: dict[str, int] | None 
         os.fsync(fd)
     finally:
         os.close(fd)
-    return reservations, last_event
+    return written
 
 
 def _sync_directory(path: Path) -> None:
@@ -148,41 +179,23 @@ def restore(copy: str, database: str, known_schema: int) -> Restored:
         raise Refused(f"--db sqlite:///{database}: the directory {db_path.parent} does not exist; make it first")
     if db_path.exists() and db_path.resolve() == copy_path.resolve():
         raise Refused(f"--from {copy}: that is the database itself; give the copy `berth controlplane backup` wrote")
-    src = sqlite3.connect(f"file:{quote(str(copy_path))}?mode=ro", uri=True, isolation_level=None)
+    src, version = _open_berth_file(copy_path, f"--from {copy}")
     try:
-        try:
-            version = src.execute("PRAGMA user_version").fetchone()[0]
-        except sqlite3.DatabaseError as exc:
-            raise Refused(f"--from {copy}: cannot read it as a SQLite database ({exc})") from None
-        if version == 0:
-            raise Refused(f"--from {copy}: not a Berth control-plane database (no Berth schema in it)")
         if version > known_schema:
             raise Refused(f"--from {copy}: schema version {version}, newer than this Berth knows ({known_schema}): "
                           "restore it with the Berth release that wrote it, or a newer one")
         before = _retire(db_path) if db_path.exists() else None
-        partial = db_path.with_name(f".{db_path.name}.partial-{os.getpid()}")
         try:
-            copied = _copy(src, partial, floors=before[1] if before else {})
-            owner = before[0].stat() if before else db_path.parent.stat()  # the control plane's user reads it
-            os.chown(partial, owner.st_uid, owner.st_gid)
+            copied = _write_in_place(src, db_path, f"the restore to {database} failed",
+                                     floors=before[1] if before else {}, like=before[0] if before else None)
+        except Failed as exc:
             if before:
-                os.chmod(partial, owner.st_mode & 0o7777)
-            os.replace(partial, db_path)
-        except (sqlite3.Error, OSError) as exc:
-            for leftover in (partial, partial.with_name(partial.name + "-journal")):
-                leftover.unlink(missing_ok=True)
-            kept = f" (the database it was to replace is kept as {before[0]}: move it back)" if before else ""
-            raise Failed(f"the restore to {database} failed ({exc}){kept}") from None
-        _sync_directory(db_path.parent)
+                _move_with_wal(before[0], db_path)
+            raise Failed(f"{exc}; the database is as it was" if before else str(exc)) from None
     finally:
         src.close()
-    check = sqlite3.connect(f"file:{quote(str(db_path))}?mode=ro", uri=True)
-    try:
-        events_from = check.execute("SELECT seq + 1 FROM sqlite_sequence WHERE name = 'events'").fetchone()
-    finally:
-        check.close()
-    return Restored(copy, database, str(before[0]) if before else None, copied[0], copied[1],
-                    events_from[0] if events_from else 1)
+    return Restored(copy, database, str(before[0]) if before else None, copied.reservations, copied.last_event_seq,
+                    copied.next_event_seq)
 
 
 def _retire(db_path: Path) -> tuple[Path, dict[str, int]]:
@@ -204,9 +217,13 @@ def _retire(db_path: Path) -> tuple[Path, dict[str, int]]:
         except sqlite3.DatabaseError as exc:
             raise Refused(f"--db sqlite:///{db_path}: cannot read it as a SQLite database ({exc}); move it away "
                           "and restore again") from None
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        has_sequence = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'sqlite_sequence'").fetchone()
-        floors = dict(conn.execute("SELECT name, seq FROM sqlite_sequence")) if has_sequence else {}
+        try:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            has_sequence = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'sqlite_sequence'").fetchone()
+            floors = dict(conn.execute("SELECT name, seq FROM sqlite_sequence")) if has_sequence else {}
+        except sqlite3.Error as exc:  # nothing moved yet
+            raise Refused(f"--db sqlite:///{db_path}: cannot fold its WAL into it before moving it aside ({exc}); "
+                          "the database is as it was") from None
     finally:
         conn.close()
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -215,8 +232,14 @@ def _retire(db_path: Path) -> tuple[Path, dict[str, int]]:
     while kept.exists():  # a second restore within the second keeps the first one's too
         n += 1
         kept = db_path.with_name(f"{db_path.name}.replaced-{stamp}-{n}")
-    for suffix in ("-wal", "-shm", ""):  # the database itself last: a crash midway leaves it where it was
-        part = db_path.with_name(db_path.name + suffix)
-        if part.exists():
-            os.replace(part, kept.with_name(kept.name + suffix))
+    _move_with_wal(db_path, kept)
     return kept, floors
+
+
+def _move_with_wal(source: Path, target: Path) -> None:
+    """A database renamed with its -wal and -shm, the database itself last (a crash midway leaves it where it
+    was)."""
+    for suffix in ("-wal", "-shm", ""):
+        part = source.with_name(source.name + suffix)
+        if part.exists():
+            os.replace(part, target.with_name(target.name + suffix))

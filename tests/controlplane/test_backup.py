@@ -6,7 +6,9 @@ nothing. On PostgreSQL, what docs/operations.md says to do (pg_dump, pg_restore 
 events' sequence carried over) brings a replica back with its reservations and the exclusion constraint."""
 from __future__ import annotations
 
+import hashlib
 import json
+import resource
 import os
 import sqlite3
 import subprocess
@@ -40,9 +42,14 @@ def bootstrap(tmp_path) -> Path:
     return path
 
 
-def berth(*args: str) -> subprocess.CompletedProcess:
+def berth(*args: str, max_file_bytes: int | None = None) -> subprocess.CompletedProcess:
+    """The command in a subprocess; `max_file_bytes` caps the size of any file it writes (RLIMIT_FSIZE: a write
+    past it fails with EFBIG, as on a full disk)."""
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
     return subprocess.run([sys.executable, "-m", "berth", "controlplane", *args], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+                          timeout=120, cwd=ROOT, preexec_fn=cap if max_file_bytes else None)
 
 
 def create_body(key: str, n: int) -> dict:
@@ -83,6 +90,12 @@ class Clients:
         self.stop.set()
         for t in self.threads:
             t.join(30)
+
+
+def sha(db: Path) -> str:
+    """A digest of what the database holds (its schema and rows, not how its pages lie)."""
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        return hashlib.sha256("\n".join(conn.iterdump()).encode()).hexdigest()
 
 
 def events_seq(db: Path) -> int:
@@ -195,6 +208,25 @@ def test_backup_and_restore_refuse_what_they_cannot_use_and_write_nothing(tmp_pa
     out = berth("restore", "--from", str(newer), "--db", f"sqlite:///{fresh / 'cp.db'}")
     assert out.returncode == 0, out.stderr
     assert "kept as" not in out.stdout and (fresh / "cp.db").stat().st_uid == 65534
+    # a copy that cannot be written whole (the disk full) fails with exit 1 and leaves everything as it was
+    cap = db.stat().st_size + 40_000  # the database (and the 32 KiB -shm a WAL reader maps) fit, a larger copy not
+    large = tmp_path / "large.db"
+    assert berth("backup", "--db", f"sqlite:///{db}", "--to", str(large)).returncode == 0
+    with closing(sqlite3.connect(large)) as conn:
+        conn.execute("INSERT INTO events (tenant_id, reservation_id, type, at, data) VALUES ('acme', NULL, "
+                     "'padding', 0, zeroblob(200000))")
+        conn.commit()
+    held = (events_seq(db), sha(db))
+    before_failing = sorted(p.name for p in tmp_path.iterdir())
+    out = berth("backup", "--db", f"sqlite:///{large}", "--to", str(copy), max_file_bytes=cap)
+    assert out.returncode == 1 and f"the copy to {copy} failed" in out.stderr, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == before_failing
+    out = berth("restore", "--from", str(large), "--db", f"sqlite:///{db}", max_file_bytes=cap)
+    assert out.returncode == 1 and out.stderr.rstrip().endswith("the database is as it was"), out
+    # put back where it was, nothing else left (its emptied WAL is gone: SQLite removes it with its last connection)
+    assert [n for n in sorted(p.name for p in tmp_path.iterdir()) if not n.endswith(("-wal", "-shm"))] == \
+        [n for n in before_failing if not n.endswith(("-wal", "-shm"))]
+    assert (events_seq(db), sha(db)) == held  # and it is the database it was
     for n in (1, 2):  # each restore keeps the database it replaced, within one second too
         assert berth("restore", "--from", str(newer), "--db", f"sqlite:///{fresh / 'cp.db'}").returncode == 0
         assert n == len([p for p in fresh.iterdir() if p.name.startswith("cp.db.replaced-")
