@@ -12,10 +12,10 @@ import shlex
 from decimal import Decimal
 from typing import Any, Sequence
 
-from berth.cli.context import Context, connection_flags, request_command, same_command
+from berth.cli.context import Context, connection_flags, request_command, same_command, without
 from berth.cli.parser import FLAG_OF_FIELD
 from berth.cli.render import humane, money_rate, when
-from berth.client import TERMINAL, BadAnswer, BerthError, Operation, TransportError
+from berth.client import TERMINAL, BadAnswer, BerthError, InvalidInput, Operation, TransportError
 from common import errors as error_table
 
 EXIT_OK, EXIT_CLI, EXIT_USAGE, EXIT_CUSTOMER, EXIT_PROVIDER, EXIT_PLATFORM, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5, 6
@@ -36,6 +36,13 @@ def exit_code_of(err: BerthError) -> int:
     if isinstance(err, BadAnswer) or err.status is None:
         return EXIT_CLI
     return EXIT_CUSTOMER  # a 4xx code this CLI does not know yet: still the request's
+
+
+def events_end(err: BerthError) -> int | None:
+    """Where the control plane's events now end, when it refused an events cursor past them (its database was
+    restored from an older copy, or failed over and lost its last commits); None for any other refusal."""
+    newest = err.details.get("newest") if isinstance(err, InvalidInput) and err.field == "after" else None
+    return newest if isinstance(newest, int) else None
 
 
 def exit_code_of_operation(op: Operation) -> int:
@@ -192,6 +199,9 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
             lines.append("the request may have been accepted: do not use a new key for it")
         lines.append("next: retry with the same key: " + retry_same if create else "next: retry: " + retry_same)
         return lines
+    if events_end(err) is not None:  # a cursor from before a restore or a failover: the new events follow the end
+        return [f"the control plane's events now end at {events_end(err)} (its database was restored or failed over)",
+                "next: " + same_command(ctx, [*without(argv, "--after"), "--after", str(events_end(err))])]
     if code == "INVALID_INPUT":
         field, _, index = str(err.field).partition("[")  # access.sshKeys[1]: the second --ssh-key
         flag = FLAG_OF_FIELD.get(field, "")

@@ -17,7 +17,8 @@ from typing import Any, Awaitable, Callable, Sequence, TextIO
 
 import msgspec
 
-from berth.cli.advice import EXIT_OF_ACTOR, EXIT_OK, EXIT_TIMEOUT, exit_code_of_operation, report_refusal
+from berth.cli.advice import (EXIT_OF_ACTOR, EXIT_OK, EXIT_TIMEOUT, events_end, exit_code_of_operation,
+                              report_refusal)
 from berth.cli.context import Context, connection_flags, same_command, without
 from berth.cli.parser import DEFAULT_WAIT_S, request_of
 from berth.cli.render import (column_widths, condition_text, list_headers, list_row, raised_notes, render_confirmation,
@@ -25,8 +26,8 @@ from berth.cli.render import (column_widths, condition_text, list_headers, list_
                               render_offered_pool, render_offered_pools, render_operation, render_pool, render_pools,
                               render_quote, render_reservation, render_tenant, render_tenants, render_usage,
                               render_whoami, table, when)
-from berth.client import (WAIT_STEP_MS, AccessDenied, BerthError, Condition, NotFound, Operation, Reservation,
-                          ReservationPage, now_ms)
+from berth.client import (WAIT_STEP_MS, AccessDenied, BerthError, Condition, EventPage, NotFound, Operation,
+                          Reservation, ReservationPage, now_ms)
 
 
 def wire(answer: Any) -> Any:
@@ -83,6 +84,20 @@ async def cmd_list(ctx: Context, argv: Sequence[str]) -> int:
     return await _watch(ctx, page, cursor)
 
 
+async def _next_events(ctx: Context, cursor: int | None, limit: int) -> EventPage:
+    """One long poll of a follow or a watch. A cursor past the control plane's events goes on from where they now
+    end: the events up to there are the copy's, seen already; those after it are new."""
+    try:
+        return await ctx.client.list_events(after=cursor, limit=limit, wait_ms=FOLLOW_WAIT_MS)
+    except BerthError as err:
+        newest = events_end(err)
+        if newest is None:
+            raise
+        ctx.say(f"the control plane's events now end at {newest} (its database was restored or failed over): "
+                "going on from there")
+        return await ctx.client.list_events(after=newest, limit=limit, wait_ms=FOLLOW_WAIT_MS)
+
+
 async def _end_of_events(ctx: Context) -> int | None:
     """The cursor after the tenant's last event so far (one call, however long the history)."""
     return await ctx.client.last_event_cursor()
@@ -128,7 +143,7 @@ async def _watch(ctx: Context, page: ReservationPage, cursor: int | None) -> int
         ctx.say("watching for changes (Ctrl-C to stop)")
     view = _View(ctx, page)
     while True:
-        events = await ctx.client.list_events(after=cursor, limit=500, wait_ms=FOLLOW_WAIT_MS)
+        events = await _next_events(ctx, cursor, 500)
         if events.next_cursor is not None:
             cursor = events.next_cursor
         last = {e.reservation_id: e for e in events.events if e.reservation_id}  # each touched once, its last event
@@ -302,7 +317,7 @@ async def cmd_events_list(ctx: Context, argv: Sequence[str]) -> int:
     if ctx.progress:
         ctx.say("following events (Ctrl-C to stop)")
     while True:
-        page = await ctx.client.list_events(after=cursor, limit=a.limit, wait_ms=FOLLOW_WAIT_MS)
+        page = await _next_events(ctx, cursor, a.limit)
         for e in page.events:
             if not mine(e):
                 continue

@@ -163,7 +163,11 @@ class Store(Reads, Protocol):
                           before_seq: int | None, limit: int) -> list[Reservation]:
         """The tenant's public reservations newest first, before `before_seq` (a page of list)."""
 
-    def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]: ...
+    def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]:
+        """The stream's events after the cursor, oldest first; a cursor past events_numbered() is INVALID_INPUT."""
+
+    def events_numbered(self) -> int:
+        """The highest event number the database has handed out (0: none)."""
 
     def last_event(self, tenant_id: str) -> int | None:
         """The seq of the tenant's newest event (None: it has none)."""

@@ -147,6 +147,10 @@ class PgStore(WriterFront, CommittedReads):
     def _fetch(self, sql: str, *args) -> list:
         return self.read(lambda c: c.fetch(sql, *args))
 
+    def events_numbered(self) -> int:
+        # a sequence is not transactional: this is every number taken, by any replica, committed or not yet
+        return self._fetchrow("SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM events_seq_seq")[0]
+
     # ---- what replicas share beside the store (store/replicas.py) --------------------------------------
     async def record_seen(self, seen: dict[str, int]) -> None:
         """Record agents' last heartbeats (epoch ms), never moving one back."""

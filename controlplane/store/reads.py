@@ -7,6 +7,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Callable
 
+from controlplane.domain.errors import invalid
 from controlplane.domain.ids import operation_parts
 from controlplane.domain.model import Confirmation, Operation, Reservation
 from controlplane.store import codec
@@ -102,10 +103,24 @@ class CommittedReads(Reads):
         return self._row("SELECT MAX(seq) FROM events WHERE tenant_id = ?", tenant_id)[0]
 
     def events(self, tenant_id: str, after: int | None, limit: int) -> list[dict]:
+        """The stream's events after the cursor. A cursor past every number this database has handed out was
+        not given by it (a restore of an older copy, or a failover that lost the last commits, numbers events
+        again from below it): refused, since listing after it would skip the events numbered up to it."""
         rows = self._rows("SELECT seq, reservation_id, type, at, data FROM events WHERE tenant_id = ? AND seq > ?"
                           " ORDER BY seq LIMIT ?", tenant_id, after or 0, limit)
+        if not rows and after:
+            numbered = self.events_numbered()
+            if after > numbered:
+                raise invalid("after", f"is past the newest event this control plane has numbered ({numbered}): its "
+                              "database was restored from an older copy or lost its last commits in a failover, and "
+                              f"events from here on are numbered from {numbered + 1}; list again with after at or below "
+                              f"{numbered}, or ask fromEnd for the newest", newest=numbered)
         return [{"seq": seq, "reservationId": rid, "type": type_, "at": at, "data": codec.decode_as(data, dict)}
                 for seq, rid, type_, at, data in rows]
+
+    def events_numbered(self) -> int:
+        """The highest event number the database has handed out (0: none), rolled back or deleted ones included."""
+        raise NotImplementedError
 
     def confirmations(self, tenant_id: str, user_id: str | None, agent_id: str | None, status: str | None,
                       limit: int) -> list[Confirmation]:

@@ -536,6 +536,10 @@ class SqliteStore(WriterFront, SqliteReads, CommittedReads):
         """Nothing else writes this file: answered after the jobs queued before."""
         return self.call(lambda tx: None, background=True)
 
+    def events_numbered(self) -> int:
+        return self.conn.execute("SELECT max(coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0),"
+                                 " coalesce((SELECT max(seq) FROM events), 0))").fetchone()[0]
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import pty
+import re
 import select
 import shlex
 import shutil
@@ -626,6 +626,37 @@ def test_events_follow_prints_each_new_event_as_it_happens(server, config_home, 
     finally:
         code = interrupt(follow)
     assert advice.EXIT_INTERRUPTED == code, follow.stderr.read()
+
+
+def test_events_after_a_cursor_the_control_plane_never_gave_says_where_its_events_end(berth, alice):
+    alice.create("h100", "H100_80GB", gpu_count=1, duration_hours=1)
+    page = alice.list_events(limit=500)
+    while page.events:
+        newest, page = page.next_cursor, alice.list_events(after=page.next_cursor, limit=500)
+    # a cursor kept from before a restore of an older copy: past every event this database numbered
+    run = berth("events", "list", "--after", str(newest + 1000))
+    assert advice.EXIT_CUSTOMER == run.code, run.err
+    end = int(re.search(r"events now end at (\d+) ", run.err).group(1))  # every tenant's are numbered together
+    assert newest <= end < newest + 1000
+    assert f"berth events list --after {end}" in run.err  # the command to go on with
+
+
+def test_events_follow_goes_on_from_where_the_events_now_end(server, config_home, alice):
+    page = alice.list_events(limit=500)
+    while page.events:
+        page = alice.list_events(after=page.next_cursor, limit=500)
+    follow = start_berth(server, config_home, "events", "list", "--follow", "--json",
+                         "--after", str((page.next_cursor or 0) + 1000))
+    lines = Lines(follow)
+    try:
+        time.sleep(0.5)  # refused, then waiting on where the events end
+        r = alice.create("h100", "H100_80GB", gpu_count=1, duration_hours=1)
+        first = lines.next_json()
+        assert (r.id, "reservation.placed") == (first["reservationId"], first["type"])
+    finally:
+        code = interrupt(follow)
+    assert advice.EXIT_INTERRUPTED == code
+    assert "events now end at" in follow.stderr.read().decode()
 
 
 # ---- discover: pools and whoami ------------------------------------------------------------------------

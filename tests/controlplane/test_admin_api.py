@@ -87,6 +87,11 @@ async def test_cordon_outlives_the_agents_inventory_and_drain_moves_work_over_ht
     assert "fan failure" == events[0]["data"]["reason"]
     page = await ok(api, "events/list", {"after": events[1]["seq"], "limit": 1})
     assert ([events[2]["seq"]], events[2]["seq"]) == ([e["seq"] for e in page["events"]], page["nextCursor"])
+    # a cursor past every number handed out (the tenant's stream numbered the reservation's events too)
+    newest = api.cp.store.events_numbered()
+    assert newest >= events[2]["seq"]
+    status, doc = await admin(api, "events/list", {"after": newest + 1})
+    assert (400, "after", newest) == (status, doc["error"]["details"]["field"], doc["error"]["details"]["newest"])
 
 
 async def test_an_extend_after_a_drain_moved_the_reservation_leaves_its_old_booking_ended(api):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -204,6 +205,29 @@ async def test_events_long_poll_answers_when_an_event_is_committed_and_empty_whe
     assert (200, [], cursor) == (status, doc["events"], doc["nextCursor"])
     status, doc = await api.post("/api/compute/events/list", "alice", {"fromEnd": True, "after": 1})
     assert (400, "fromEnd") == (status, doc["error"]["details"]["field"])
+
+
+async def test_a_cursor_past_every_event_numbered_is_refused_at_once_not_waited_on(api):
+    _, first = await api.create(key="a")
+    events = await api.events()
+    newest = events[-1]["seq"]
+    # a cursor at the newest, or below, is a cursor this database gave: an empty page, as before
+    status, doc = await api.post("/api/compute/events/list", "alice", {"after": newest})
+    assert (200, [], newest) == (status, doc["events"], doc["nextCursor"])
+    # another tenant's events count too: its cursor is below the numbers handed out, so it is not refused
+    status, doc = await api.post("/api/compute/events/list", "carol", {"after": newest})
+    assert (200, []) == (status, doc["events"])
+    # past it: a cursor from a database that numbered further (an older copy restored, a failover that lost
+    # commits). Listing after it would skip every event numbered up to it, so it is refused, even as a long poll
+    started = time.monotonic()
+    status, doc = await api.post("/api/compute/events/list", "alice", {"after": newest + 5, "waitMs": 5000})
+    assert time.monotonic() - started < 2
+    assert (400, "INVALID_INPUT", "after", newest) == (status, doc["error"]["code"], doc["error"]["details"]["field"],
+                                                       doc["error"]["details"]["newest"])
+    assert f"at or below {newest}" in doc["error"]["message"]
+    # and the refusal changed nothing: the next event is numbered after the newest and listed after it
+    await api.call("release", "alice", {"reservationId": first["reservation"]["id"]})
+    assert ["reservation.released"] == [e["type"] for e in await api.events(after=newest)]
 
 
 async def test_whoami_says_who_the_token_speaks_for_and_nothing_for_an_operator(api):

@@ -28,6 +28,7 @@ from tests.serverproc import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 API = "/api/compute/reservations/"
+EVENTS = "/api/compute/events/list"
 
 
 @pytest.fixture
@@ -145,9 +146,26 @@ def test_a_copy_taken_while_clients_book_holds_what_was_acknowledged_and_restore
         status, doc = server.post(API + "create", TOKENS["alice"], create_body("after-restore", 9_000))
         assert status == 202, doc
         rid = doc["reservation"]["id"]
+        # a cursor from before the restore skips none of the new events
+        status, page = server.post(EVENTS, TOKENS["alice"], {"after": replaced_max})
+        assert (200, [rid]) == (status, [e["reservationId"] for e in page["events"]]), page
     with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
         seqs = [s for (s,) in conn.execute("SELECT seq FROM events WHERE reservation_id = ?", (rid,))]
-    assert seqs and min(seqs) > replaced_max  # a cursor from before the restore skips none of the new events
+    assert seqs and min(seqs) > replaced_max
+
+    # without the replaced database (a lost disk: the copy restored where no database is), numbers from the
+    # copy's last are given again, and a cursor past them is refused, naming where to list from
+    elsewhere = tmp_path / "new-disk" / "cp.db"
+    elsewhere.parent.mkdir()
+    assert berth("restore", "--from", str(copy), "--db", f"sqlite:///{elsewhere}").returncode == 0
+    copy_max = events_seq(copy)
+    assert copy_max < replaced_max
+    with ServerProcess(elsewhere, bootstrap) as server:
+        status, doc = server.post(EVENTS, TOKENS["alice"], {"after": replaced_max, "waitMs": 1000})
+        assert (400, "after", copy_max) == (status, doc["error"]["details"]["field"],
+                                            doc["error"]["details"]["newest"]), doc
+        status, page = server.post(EVENTS, TOKENS["alice"], {"after": copy_max})
+        assert (200, []) == (status, page["events"])
 
 
 def test_restore_refuses_while_a_control_plane_has_the_database_open(tmp_path, bootstrap):
@@ -259,6 +277,10 @@ def test_pg_dump_and_pg_restore_as_documented_bring_a_replica_back(pg_cluster, t
         restored = pg_cluster.createdb(target)
         pg_tool(pg_cluster, "pg_restore", "--no-owner", "--exit-on-error", "-d", target, str(dump))
         assert int(pg_cluster.psql(LAST_EVENT, target)) < old_last  # the dump's own, before "late"
+        with ServerProcess(restored, bootstrap) as server:  # before the setval: a cursor from the old database
+            status, doc = server.post(EVENTS, TOKENS["alice"], {"after": old_last})  # is past the dump's numbers
+            assert (400, "after", int(pg_cluster.psql(LAST_EVENT, target))) == \
+                (status, doc["error"]["details"]["field"], doc["error"]["details"]["newest"]), doc
         pg_cluster.psql(f"SELECT setval(pg_get_serial_sequence('events', 'seq'), {old_last})", target)
         exclusions = "SELECT conname FROM pg_constraint WHERE contype = 'x' ORDER BY 1"
         assert pg_cluster.psql(exclusions, target) == pg_cluster.psql(exclusions, source) != ""
@@ -267,6 +289,8 @@ def test_pg_dump_and_pg_restore_as_documented_bring_a_replica_back(pg_cluster, t
                 assert server.post(API + "get", TOKENS["alice"], {"reservationId": rid})[0] == 200
             status, doc = server.post(API + "create", TOKENS["alice"], create_body("after", 40))
             assert status == 202, doc
+            status, page = server.post(EVENTS, TOKENS["alice"], {"after": old_last})  # the old cursor: accepted
+            assert (200, [doc["reservation"]["id"]]) == (status, sorted({e["reservationId"] for e in page["events"]}))
         seqs = dbrows.rows(restored, "SELECT seq FROM events WHERE reservation_id = ?", doc["reservation"]["id"])
         assert seqs and min(s for (s,) in seqs) > old_last
     finally:
