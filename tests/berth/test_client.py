@@ -108,6 +108,11 @@ async def test_extend_renew_and_events(alice):
     assert ["reservation.placed", "reservation.extended", "reservation.extended"] == [e.type for e in page.events]
     assert page.next_cursor == page.events[-1].seq
     assert [] == (await alice.list_events(after=page.next_cursor)).events
+    # a cursor past every event numbered (a restored database's clients): InvalidInput saying where they end
+    with pytest.raises(c.InvalidInput) as refused:
+        await alice.list_events(after=page.next_cursor + 100, wait_ms=5_000)
+    assert "after" == refused.value.field
+    assert page.next_cursor <= refused.value.details["newest"] < page.next_cursor + 100
 
 
 async def test_quote_is_typed_with_decimal_money_and_a_create_holds_to_it(alice):
