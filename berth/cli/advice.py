@@ -199,9 +199,10 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
             lines.append("the request may have been accepted: do not use a new key for it")
         lines.append("next: retry with the same key: " + retry_same if create else "next: retry: " + retry_same)
         return lines
-    if events_end(err) is not None:  # a cursor from before a restore or a failover: the new events follow the end
-        return [f"the control plane's events now end at {events_end(err)} (its database was restored or failed over)",
-                "next: " + same_command(ctx, [*without(argv, "--after"), "--after", str(events_end(err))])]
+    end = events_end(err)
+    if end is not None:  # a cursor from before a restore or a failover: the new events follow the end
+        return [f"the control plane's events now end at {end} (its database was restored or failed over)",
+                "next: " + same_command(ctx, [*without(argv, "--after"), "--after", str(end)])]
     if code == "INVALID_INPUT":
         field, _, index = str(err.field).partition("[")  # access.sshKeys[1]: the second --ssh-key
         flag = FLAG_OF_FIELD.get(field, "")

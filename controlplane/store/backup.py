@@ -25,6 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote
 
+from controlplane.store import sqlite
+
 
 class Refused(Exception):
     """Nothing was copied and nothing changed: a path, or what the source holds. The message says what to do."""
@@ -134,7 +136,7 @@ def _copy(src: sqlite3.Connection, partial: Path, floors: dict[str, int]) -> _Wr
         written = _Written(
             dst.execute("SELECT count(*) FROM reservations").fetchone()[0],
             dst.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0],
-            dst.execute("SELECT coalesce(max(seq), 0) + 1 FROM sqlite_sequence WHERE name = 'events'").fetchone()[0])
+            sqlite.events_numbered(dst) + 1)
     finally:
         dst.close()
     fd = os.open(partial, os.O_RDONLY)

@@ -120,6 +120,13 @@ def connect(path: str, synchronous: str = "FULL") -> sqlite3.Connection:
     return conn
 
 
+def events_numbered(conn: sqlite3.Connection) -> int:
+    """The highest event number the file has handed out (0: none): AUTOINCREMENT numbers the next one after both
+    sqlite_sequence's and the table's highest."""
+    return conn.execute("SELECT max(coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0),"
+                        " coalesce((SELECT max(seq) FROM events), 0))").fetchone()[0]
+
+
 class SqliteReads(Reads):
     """The shared reads (store/reads.py) on this side's connection: the writer's, or the committed-read one."""
 
@@ -537,8 +544,7 @@ class SqliteStore(WriterFront, SqliteReads, CommittedReads):
         return self.call(lambda tx: None, background=True)
 
     def events_numbered(self) -> int:
-        return self.conn.execute("SELECT max(coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0),"
-                                 " coalesce((SELECT max(seq) FROM events), 0))").fetchone()[0]
+        return events_numbered(self.conn)
 
     def close(self) -> None:
         if self.writer is not None:
