@@ -5,8 +5,8 @@ SHA256 fingerprints of the host's public host keys, sorted, as
 `ssh-keygen -l` prints them, so a tenant can check the first connection
 (or build a known_hosts line) instead of trusting on first use; and
 `--ssh-endpoint HOST:PORT` (default the node's hostname and port 22): the
-`{host, port, user, hostKeys}` a binding reports under
-`binding.nodes[].ssh`.
+`{host, port, user, hostKeys}` the `bound` report carries as `ssh` (the
+reservation's `bound[].ssh`).
 """
 from __future__ import annotations
 
