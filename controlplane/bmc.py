@@ -1,6 +1,6 @@
 """The out-of-band reset of a node through its BMC (Redfish, with the sushy client), for `cleaning: redfish`.
 
-Owns the node declaration's `bmc: {redfishUrl, systemId, credentialsFile}`:
+Owns the node declaration's `bmc: {redfishUrl, systemId, credentialsFile, caFile}`:
 
 - `credentialsFile` is JSON `{"username": ..., "password": ...}`, readable by
   the control plane's user only (mode 0600 or 0400): it is checked when a
@@ -8,6 +8,10 @@ Owns the node declaration's `bmc: {redfishUrl, systemId, credentialsFile}`:
   memory only for the call, never logged, never put into an error message
   (any text that comes back from the BMC or the HTTP stack is scrubbed of
   it), and `repr(Bmc)` does not show it.
+- An https BMC's certificate is verified: against the system's CAs, or
+  against `caFile`, a PEM bundle of the private CA that signed it (the usual
+  case for BMCs), checked when the `Bmc` is made. There is no way to turn
+  verification off: the credentials go to whoever answers.
 - `reset(boot_override)` sets a one-time boot source override when asked
   (e.g. "Pxe", for a re-image by the network) and then resets the system:
   ForceRestart (PowerCycle where the BMC offers no ForceRestart), or On when
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import ssl
 import stat
 import urllib.parse
 from dataclasses import dataclass
@@ -96,6 +101,32 @@ def read_credentials(path: str | Path) -> _Credentials:
     return _Credentials(doc["username"], doc["password"])
 
 
+def check_ca_file(path: Path, redfish_url: str) -> None:
+    """bmc.caFile: for an https BMC, a readable PEM bundle holding at least one CA certificate."""
+    if not redfish_url.startswith("https://"):
+        raise BmcError(f"bmc.caFile is for an https BMC; bmc.redfishUrl {redfish_url!r} is http: give the BMC's "
+                       "https URL, or leave caFile out")
+    try:
+        ssl.create_default_context(cafile=str(path))
+    except FileNotFoundError:
+        raise BmcError(f"bmc.caFile {path} does not exist: give the PEM file of the CA that signed the BMC's "
+                       "certificate") from None
+    except OSError as exc:  # ssl.SSLError is one: not PEM, or no certificate in it
+        reason = (exc.reason or str(exc)).lower().replace("_", " ") if isinstance(exc, ssl.SSLError) else exc.strerror
+        raise BmcError(f"bmc.caFile {path} is not a PEM bundle of CA certificates ({reason}): give the file with "
+                       "the -----BEGIN CERTIFICATE----- block of the CA that signed the BMC's certificate") from None
+
+
+def _reason(text: str) -> str:
+    """The TLS library's own words in a requests error, e.g. 'self-signed certificate in certificate chain'."""
+    start = text.find("certificate verify failed")
+    if start < 0:
+        return "certificate verify failed"
+    end = min((i for i in (text.find(")", start), text.find("'", start), text.find('"', start)) if i > 0),
+              default=len(text))
+    return text[start:end].strip(" :")
+
+
 def _base_url(redfish_url: str) -> str:
     """scheme://host[:port] of a redfishUrl (a trailing /redfish/v1 is allowed); BmcError if it is not one."""
     parts = urllib.parse.urlsplit(redfish_url)
@@ -112,7 +143,7 @@ class Bmc:
     """One node's BMC: `reset()` (blocking) and `reset_async()` (in a thread)."""
 
     def __init__(self, redfish_url: str, system_id: str, credentials_file: str | Path, *,
-                 verify: bool | str = True, timeout_s: float = 30.0) -> None:
+                 ca_file: str | Path | None = None, timeout_s: float = 30.0) -> None:
         if sushy is None:
             raise BmcError("cleaning: redfish needs the sushy package: `pip install sushy`")
         self.redfish_url = _base_url(redfish_url)
@@ -121,9 +152,16 @@ class Bmc:
                            f"{SYSTEMS}<id>)")
         self.system_id = system_id.removeprefix(SYSTEMS).strip("/")
         self.credentials_file = Path(credentials_file)
-        self.verify = verify
+        self.ca_file = Path(ca_file) if ca_file is not None else None
+        if self.ca_file is not None:
+            check_ca_file(self.ca_file, self.redfish_url)
         self.timeout_s = timeout_s
         read_credentials(self.credentials_file)  # fail at declaration time, not at the first cleaning
+
+    @property
+    def verify(self) -> bool | str:
+        """What requests verifies the BMC's certificate against: the CA bundle given, or the system's."""
+        return str(self.ca_file) if self.ca_file is not None else True
 
     def __repr__(self) -> str:
         return f"Bmc({self.redfish_url!r}, {self.system_id!r}, {str(self.credentials_file)!r})"
@@ -163,7 +201,12 @@ class Bmc:
                 raise BmcError(f"{where}: there is no system {self.system_id!r}; check bmc.systemId"
                                f"{self._listed(root)}") from None
             except sushy_exc.ConnectionError as exc:
-                raise BmcError(f"cannot reach {where}: {_scrub(exc, creds)}; check bmc.redfishUrl, the network "
+                text = _scrub(exc, creds)
+                if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+                    trusted = f"the CA bundle {self.ca_file}" if self.ca_file else "the system's CAs"
+                    raise BmcError(f"{where}: its certificate is not trusted by {trusted} ({_reason(text)}); "
+                                   "give the PEM file of the CA that signed it in bmc.caFile") from None
+                raise BmcError(f"cannot reach {where}: {text}; check bmc.redfishUrl, the network "
                                "path to the BMC and (https) its certificate") from None
             except sushy_exc.SushyError as exc:
                 raise BmcError(f"{where} failed the reset: {_scrub(exc, creds)}") from None

@@ -123,6 +123,7 @@ class BmcDoc(Struct, forbid_unknown_fields=True):
     redfishUrl: Annotated[str, Meta(min_length=1, max_length=2048)]
     systemId: Annotated[str, Meta(min_length=1, max_length=256)]
     credentialsFile: Annotated[str, Meta(min_length=1, max_length=4096)]
+    caFile: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None  # a private CA's PEM bundle (https)
 
 
 class NodeDoc(Struct, forbid_unknown_fields=True):
@@ -211,14 +212,18 @@ def _bmc(doc: NodeDoc, pool: Pool, field: str, base_dir: Path | None) -> BmcRef 
         return None
     from controlplane.bmc import Bmc, BmcError  # sushy is imported only where a BMC is declared
 
-    path = Path(doc.bmc.credentialsFile)
-    if not path.is_absolute() and base_dir is not None:
-        path = base_dir / path
+    def beside(name: str | None) -> Path | None:  # a relative path is the bootstrap file's neighbour
+        if name is None:
+            return None
+        path = Path(name)
+        return base_dir / path if not path.is_absolute() and base_dir is not None else path
+
+    path, ca_file = beside(doc.bmc.credentialsFile), beside(doc.bmc.caFile)
     try:
-        bmc = Bmc(doc.bmc.redfishUrl, doc.bmc.systemId, path)
+        bmc = Bmc(doc.bmc.redfishUrl, doc.bmc.systemId, path, ca_file=ca_file)
     except BmcError as exc:
         raise BootstrapError(f"{field}.bmc: {exc}") from None
-    return BmcRef(bmc.redfish_url, bmc.system_id, str(path))
+    return BmcRef(bmc.redfish_url, bmc.system_id, str(path), str(ca_file) if ca_file else None)
 
 
 def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, list[tuple[str, str]]], str | None]:

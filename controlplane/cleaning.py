@@ -120,8 +120,8 @@ class Cleaner:
         pool = self.catalog.current.pools.get(node.pool_id)
         override = (pool.policy.boot_override if pool else "") or None
         try:
-            result = await Bmc(node.bmc.redfish_url, node.bmc.system_id, node.bmc.credentials_file).reset_async(
-                override)
+            bmc = Bmc(node.bmc.redfish_url, node.bmc.system_id, node.bmc.credentials_file, ca_file=node.bmc.ca_file)
+            result = await bmc.reset_async(override)
         except BmcError as exc:
             error = str(exc)
             log.error("node reset failed", node_id=node_id, reservation_id=reservation_id, error=error)

@@ -120,6 +120,7 @@ class BmcRef:
     redfish_url: str
     system_id: str
     credentials_file: str
+    ca_file: str | None = None  # the CA bundle that signed an https BMC's certificate (None: the system's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,11 +6,13 @@ state in tmp_path; it is stopped by pid after each test, also on failure.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -39,13 +41,14 @@ class Emulator:
     url: str
     pid: int
     log: Path
+    ca_file: Path | None = None  # https: the CA that signed its certificate
 
     def system(self, system_id: str) -> dict:
         """The emulator's own view of a system (GET with the right credentials)."""
         token = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
         req = urllib.request.Request(f"{self.url}/redfish/v1/Systems/{system_id}",
                                      headers={"Authorization": f"Basic {token}"})
-        with urllib.request.urlopen(req, timeout=5) as resp:
+        with urllib.request.urlopen(req, timeout=5, context=_client_tls(self.ca_file)) as resp:
             return json.loads(resp.read())
 
     def wait_power(self, system_id: str, state: str, timeout: float = 20.0) -> str:
@@ -66,9 +69,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ready(url: str) -> bool:
+def _client_tls(ca_file: Path | None) -> ssl.SSLContext | None:
+    return ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
+
+
+def _ready(url: str, ca_file: Path | None = None) -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/redfish/v1", timeout=1) as resp:
+        with urllib.request.urlopen(f"{url}/redfish/v1", timeout=1, context=_client_tls(ca_file)) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -77,6 +84,22 @@ def _ready(url: str) -> bool:
 @pytest.fixture
 def emulator(tmp_path) -> Emulator:
     """A sushy-emulator --fake with one system on (RUNNING) and one off (STOPPED), basic auth USER/PASSWORD."""
+    with running_emulator(tmp_path) as emu:
+        yield emu
+
+
+@pytest.fixture
+def tls_emulator(tmp_path):
+    """The same emulator over https, its certificate (for 127.0.0.1) signed by a private CA; and that CA."""
+    pki = pytest.importorskip("tests.pki", reason="cryptography (for a throwaway CA) is not installed")
+    authority = pki.Authority(tmp_path, "bmc")
+    with running_emulator(tmp_path, authority.issue("bmc", hosts=("127.0.0.1",)), authority.ca_file) as emu:
+        yield emu, authority
+
+
+@contextlib.contextmanager
+def running_emulator(tmp_path: Path, tls=None, ca_file: Path | None = None):
+    """The emulator as a process, over http, or over https with tls (a tests.pki.Issued); stopped by pid after."""
     (tmp_path / "htpasswd").write_text(f"{USER}:{bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt()).decode()}\n")
     systems = [{"uuid": RUNNING, "name": "node-running", "power_state": "On", "nics": []},
                {"uuid": STOPPED, "name": "node-stopped", "power_state": "Off", "nics": []}]
@@ -90,23 +113,24 @@ def emulator(tmp_path) -> Emulator:
     try:
         for _ in range(3):  # a port taken between free_port() and the bind: try another
             port = free_port()
-            url = f"http://127.0.0.1:{port}"
+            url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+            certificate = ["--ssl-certificate", str(tls.cert), "--ssl-key", str(tls.key)] if tls else []
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "sushy_tools.emulator.main", "--config", str(tmp_path / "emulator.conf"),
-                     "--fake", "-i", "127.0.0.1", "-p", str(port)],
+                     "--fake", "-i", "127.0.0.1", "-p", str(port), *certificate],
                     stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=tmp_path,
                     env={**os.environ, "TMPDIR": str(tmp_path)})
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and proc.poll() is None and not _ready(url):
+            while time.monotonic() < deadline and proc.poll() is None and not _ready(url, ca_file):
                 time.sleep(0.1)
-            if proc.poll() is None and _ready(url):
+            if proc.poll() is None and _ready(url, ca_file):
                 break
             _stop(proc)
             proc = None
         if proc is None:
             pytest.fail(f"sushy-emulator did not start:\n{log_path.read_text()[-3000:]}")
-        yield Emulator(url=url, pid=proc.pid, log=log_path)
+        yield Emulator(url=url, pid=proc.pid, log=log_path, ca_file=ca_file)
     finally:
         if proc is not None:
             _stop(proc)
@@ -200,6 +224,44 @@ def test_an_unreachable_bmc_names_its_url_and_what_to_check(credentials):
     with pytest.raises(BmcError) as err:
         Bmc(url, RUNNING, credentials, timeout_s=5).reset()
     assert (True, True) == (f"cannot reach the BMC at {url}" in str(err.value), "bmc.redfishUrl" in str(err.value))
+
+
+# -- https ------------------------------------------------------------------------------------------------------
+
+
+def test_an_https_bmc_signed_by_a_private_ca_is_reset_with_that_ca_in_ca_file(tls_emulator, credentials):
+    emulator, authority = tls_emulator
+    result = Bmc(emulator.url, RUNNING, credentials, ca_file=authority.ca_file).reset("Pxe")
+    assert ("https", "ForceRestart", "Pxe") == (result.redfish_url.split(":")[0], result.reset, result.boot_override)
+    assert "Pxe" == emulator.system(RUNNING)["Boot"]["BootSourceOverrideTarget"]
+
+
+def test_an_https_bmc_whose_ca_is_not_given_is_refused_before_the_credentials_are_sent(tls_emulator, credentials,
+                                                                                       tmp_path):
+    emulator, _ = tls_emulator
+    stranger = pytest.importorskip("tests.pki").Authority(tmp_path, "stranger")
+    for ca_file, trusted in ((None, "the system's CAs"), (stranger.ca_file, f"the CA bundle {stranger.ca_file}")):
+        with pytest.raises(BmcError) as err:
+            Bmc(emulator.url, RUNNING, credentials, ca_file=ca_file, timeout_s=5).reset()
+        text = str(err.value)
+        assert (True, True, True) == (f"its certificate is not trusted by {trusted}" in text,
+                                      "in bmc.caFile" in text, emulator.url in text), text
+    # the TLS handshake failed, so no request reached the emulator (its log has one line per request)
+    assert "POST /redfish/v1/Systems" not in emulator.log.read_text()
+    assert "Off" != emulator.system(RUNNING)["PowerState"]
+
+
+def test_a_bad_ca_file_is_refused_when_the_bmc_is_declared(credentials, tmp_path):
+    not_pem = tmp_path / "not-a-ca.pem"
+    not_pem.write_text("hello\n")
+    for url, ca_file, expected in (
+            ("https://bmc.example", tmp_path / "absent.pem", "does not exist"),
+            ("https://bmc.example", not_pem, "is not a PEM bundle of CA certificates (no certificate or crl found)"),
+            ("https://bmc.example", tmp_path, "is not a PEM bundle"),
+            ("http://bmc.example", not_pem, "bmc.caFile is for an https BMC")):
+        with pytest.raises(BmcError) as err:
+            Bmc(url, "1", credentials, ca_file=ca_file)
+        assert expected in str(err.value), str(err.value)
 
 
 def test_the_password_is_in_no_log_line_no_error_and_no_repr(emulator, credentials, tmp_path, caplog):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
@@ -317,6 +318,7 @@ else:
     from tests.controlplane import test_bmc as bmc_tests
 
     emulator, credentials = bmc_tests.emulator, bmc_tests.credentials  # the emulator's fixtures
+    tls_emulator = bmc_tests.tls_emulator
 needs_bmc = pytest.mark.skipif(bmc_tests is None, reason="sushy, sushy-tools and bcrypt (the Redfish emulator)")
 MACHINE = "c" * 32
 
@@ -385,6 +387,37 @@ async def test_redfish_resets_the_node_and_only_a_new_boot_as_handed_over_return
     assert "ready" == (await node_state(api, "r1"))["state"]
     assert ["node.cleaning", "node.reset", "node.cleaned"] == [
         e["type"] for e in await fleet_events(api) if e["data"].get("nodeId") == "r1"]
+
+
+@needs_bmc
+@pytest.mark.slow
+async def test_redfish_over_https_trusts_the_private_ca_named_by_ca_file_beside_the_bootstrap_file(
+        aiohttp_client, tmp_path, bootstrap_file, clock, tls_emulator, credentials):
+    emulator, authority = tls_emulator
+    assert tmp_path == authority.ca_file.parent == Path(bootstrap_file()).parent  # "caFile" relative to it
+    doc = metal_doc({"redfishUrl": emulator.url, "systemId": bmc_tests.RUNNING, "credentialsFile": str(credentials),
+                     "caFile": authority.ca_file.name})
+    config = Config(db=f"sqlite:///{tmp_path / 'cp.db'}", bootstrap=bootstrap_file(doc), clock=clock,
+                    synchronous="NORMAL", reconcile=False)
+    api = Api(await aiohttp_client(create_app(config)), clock)
+    assert str(authority.ca_file) == api.cp.catalog.current.nodes["r1"].bmc.ca_file
+    res, _ = await handed_back(api)
+    await api.cp.reconciler.drain()  # the reset, over https, in its worker thread
+    [reset] = [e for e in await fleet_events(api) if e["type"] == "node.reset"]
+    assert ("ForceRestart", res["id"]) == (reset["data"]["reset"], reset["data"]["reservationId"])
+    assert "Pxe" == emulator.system(bmc_tests.RUNNING)["Boot"]["BootSourceOverrideTarget"]
+
+
+@needs_bmc
+def test_a_bmc_ca_file_that_is_not_a_ca_bundle_stops_the_bootstrap_naming_the_node(tmp_path, credentials):
+    (tmp_path / "notes.txt").write_text("not a certificate\n")
+    for ca_file, expected in (("absent.pem", f"bmc.caFile {tmp_path / 'absent.pem'} does not exist"),
+                              ("notes.txt", "is not a PEM bundle of CA certificates")):
+        doc = metal_doc({"redfishUrl": "https://127.0.0.1:9", "systemId": "s", "credentialsFile": str(credentials),
+                         "caFile": ca_file})
+        with pytest.raises(BootstrapError) as err:
+            parse(json.dumps(doc).encode(), base_dir=tmp_path)
+        assert (True, True) == (str(err.value).startswith("nodes[8].bmc: "), expected in str(err.value)), err.value
 
 
 @needs_bmc
