@@ -8,6 +8,8 @@ USAGE = """usage: berth <command> [args]
 commands:
   controlplane serve   run the control plane (HTTP API, calendar, reconciler)
   controlplane migrate copy a SQLite database into PostgreSQL: --from sqlite:///PATH --to postgresql://...
+  controlplane backup  copy a SQLite database while the control plane serves it
+  controlplane restore put such a copy back in place, the control plane stopped
   agent                run the node agent, or `berth agent discover` to print the host's inventory
   exec RESERVATION -- COMMAND...
                        on a node: run a command inside a reservation's cgroup

@@ -14,7 +14,7 @@ def test_every_controlplane_subcommand_in_the_usage_answers_its_help():
     from berth.main import USAGE
 
     listed = [line.split()[1] for line in USAGE.splitlines() if line.strip().startswith("controlplane ")]
-    assert listed == ["serve", "migrate"]
+    assert listed == ["serve", "migrate", "backup", "restore"]
     for sub in listed:
         out = subprocess.run([sys.executable, "-m", "berth", "controlplane", sub, "--help"], capture_output=True,
                              text=True)
