@@ -49,7 +49,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     ctx = Context(args, settings, client, out, err, output, progress=forced or err.isatty(),
                   width=terminal_width(out, env))
     if args.group == "reservations" and args.command == "create":
-        ctx.key = args.idempotency_key or new_idempotency_key("cli")
+        # an empty --idempotency-key (an unset shell variable) is sent, and refused: never a fresh key silently
+        ctx.key = new_idempotency_key("cli") if args.idempotency_key is None else args.idempotency_key
     try:
         return asyncio.run(run(ctx, argv))
     except KeyboardInterrupt:

@@ -31,7 +31,7 @@ import msgspec
 from berth.client.answers import (AdminNode, AdminPool, AdminTenant, Confirmation, EventPage, ExtendResult, NodeAction,
                                   OfferedPool, Operation, OperationWait, Quote, Reservation, ReservationPage, Usage,
                                   Whoami, decode)
-from berth.client.config import Settings
+from berth.client.config import Settings, check_url
 from berth.client.errors import BadAnswer, BerthError, TransportError, error_of
 from berth.client.requests import ReservationRequest, new_idempotency_key, parse_time
 from berth.version import VERSION
@@ -66,7 +66,7 @@ class AsyncClient:
                  max_backoff: float = 4.0, session: aiohttp.ClientSession | None = None,
                  user_agent: str = USER_AGENT, ssl_context: ssl.SSLContext | None = None,
                  on_retry: Callable[[int, BerthError, float], Any] | None = None):
-        self.url = url.rstrip("/")
+        self.url = check_url(url)
         self.token = token
         self.timeout = timeout
         self.retries = retries
@@ -179,7 +179,7 @@ class AsyncClient:
         gpu_model, gpu_count, ...: see berth.client.ReservationRequest); without idempotency_key the client makes
         one, kept across its retries, so they can never create a second reservation."""
         request = request or ReservationRequest(pool_id, gpu_model, **fields)
-        key = idempotency_key or new_idempotency_key()
+        key = new_idempotency_key() if idempotency_key is None else idempotency_key  # "" goes, and is refused
         wait_s = (request.wait_ms or 0) / 1000
         doc = await self.call("compute/reservations/create", request.to_body(), idempotency_key=key, wait_s=wait_s)
         return decode(doc.get("reservation"), Reservation)

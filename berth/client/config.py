@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import ssl
+import urllib.parse
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
 from typing import Any, Mapping
@@ -12,6 +13,22 @@ from typing import Any, Mapping
 from common import tls
 
 DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def check_url(url: str, source: str = "") -> str:
+    """The control plane's base URL as given (without a trailing /); ConfigError unless it is http(s)://HOST..."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname
+    except ValueError:  # a bad port or IPv6 literal
+        host = None
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not host:
+        hint = f"http://{url}" if "://" not in url and url else "http://HOST:PORT or https://HOST"
+        where = f" (from {source})" if source else ""
+        raise ConfigError(f"url {url!r}{where} is not an http:// or https:// URL of the control plane: give, for "
+                          f"example, {hint}")
+    return url.rstrip("/")
 
 
 class ConfigError(ValueError):
@@ -167,7 +184,7 @@ def resolve_settings(url: str | None = None, token: str | None = None, config_pa
     if not values["token"]:
         where = f'to profile {chosen} in {path}' if chosen else f"to {path}"
         raise ConfigError(f'no token: give --token, set BERTH_TOKEN, or write {{"token": "..."}} {where}')
-    return Settings(str(values["url"]).rstrip("/"), str(values["token"]), sources, ca_file=values["ca_file"],
+    return Settings(check_url(str(values["url"]), sources["url"]), str(values["token"]), sources, ca_file=values["ca_file"],
                     client_cert=values["client_cert"], client_key=values["client_key"], profile=chosen)
 
 

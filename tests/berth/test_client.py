@@ -211,6 +211,19 @@ async def test_refusals_raise_the_code_s_class_with_its_details(alice, fields, e
     assert expected == {k: refused.value.details[k] for k in expected}
 
 
+async def test_an_empty_idempotency_key_is_sent_and_refused_never_replaced(alice):
+    with pytest.raises(c.InvalidInput) as refused:
+        await alice.create("h100", "H100_80GB", **H100, idempotency_key="")
+    assert "Idempotency-Key" == refused.value.details["field"]  # the client sends the key as that header
+    assert [] == (await alice.list()).reservations
+
+
+def test_a_client_for_a_url_that_is_not_http_is_refused_when_made():
+    for url in ("localhost:8080", "ftp://bmc", "http://"):
+        with pytest.raises(c.ConfigError, match="is not an http:// or https:// URL"):
+            c.AsyncClient(url, "token")
+
+
 async def test_quota_exceeded_has_convenience_properties(alice):
     with pytest.raises(c.QuotaExceeded) as refused:
         await alice.create("h100", "H100_80GB", **H100, vcpu=64)

@@ -132,6 +132,27 @@ def test_a_given_idempotency_key_returns_the_same_reservation(berth):
     assert runs[0].json["reservation"]["id"] == runs[1].json["reservation"]["id"]
 
 
+def test_an_empty_idempotency_key_is_refused_not_replaced_by_a_fresh_one(berth, alice):
+    """`--idempotency-key "$KEY"` with KEY unset must not book once per run."""
+    before = len(alice.list(limit=200).reservations)
+    runs = [berth("reservations", "create", *ONE, "--idempotency-key", "") for _ in range(2)]
+    assert [3, 3] == [r.code for r in runs], runs[0].err
+    assert "INVALID_INPUT" in runs[0].err and "--idempotency-key" in runs[0].err, runs[0].err
+    assert before == len(alice.list(limit=200).reservations)
+
+
+@pytest.mark.parametrize("url, said", [
+    ("localhost:{port}", "give, for example, http://localhost:{port}"),
+    ("ftp://127.0.0.1:{port}", "is not an http:// or https:// URL"),
+])
+def test_a_url_that_is_not_http_exits_2_at_once_saying_what_to_write(berth, server, url, said):
+    port = server.url.rsplit(":", 1)[1]
+    started = time.monotonic()
+    run = berth("whoami", url=url.format(port=port))
+    assert (2, True, "retrying" in run.err) == (run.code, said.format(port=port) in run.err, False), run.err
+    assert time.monotonic() - started < 10  # no retries: nothing was sent
+
+
 def test_terminal_mode_prints_tables_and_the_next_command(berth):
     created = berth("reservations", "create", *ONE, env={"BERTH_FORCE_TTY": "1"})
     assert 0 == created.code, created.err
