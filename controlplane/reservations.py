@@ -327,12 +327,23 @@ class ReservationService:
     def _replay(self, reads, existing: Reservation, fp: str) -> Answer | None:
         """The answer to a repeated key, or None when its draft is to be decided (or continued) now."""
         if existing.fingerprint != fp:
+            if existing.state in states.INTERNAL:  # a request never accepted: no reservation a tenant can get
+                raise DomainError(CONFLICT, "idempotencyKey: this key was used for a different request, which was "
+                                  "not accepted (refused, or awaiting a decision); use a new key",
+                                  {"reason": "idempotency-key-reused", "field": "idempotencyKey"})
             raise DomainError(
                 CONFLICT,
                 "idempotencyKey: this key was used for a different request",
                 {"reservationId": existing.id, "reason": "idempotency-key-reused", "field": "idempotencyKey"},
             )
         if existing.decision == "deny":
+            conf = reads.confirmation(existing.confirmation_id) if existing.confirmation_id else None
+            if conf is not None:  # a person denied it, or let it lapse: not a policy
+                by = f"denied by {conf.user_id}" if conf.status == "denied" else f"{conf.status} undecided"
+                raise DomainError(ACCESS_DENIED, f"this key's request was {by} (confirmation {conf.id}); use a new "
+                                  "key for a new request",
+                                  {"action": CREATE, "confirmationId": conf.id, "status": conf.status,
+                                   "approver": conf.user_id})
             raise DomainError(ACCESS_DENIED, "this key's request was refused; use a new key for a new request",
                               {"action": CREATE})
         if existing.state == states.DRAFT:
@@ -577,8 +588,9 @@ class ReservationService:
                 raise DomainError(
                     INVALID_STATE,
                     f"reservation {rid} {'has started' if started else 'is ' + res.state}: only a reservation that has "
-                    "not started can be cancelled; use release",
-                    {"state": res.state, "reservationId": rid, "next": "release"},
+                    "not started can be cancelled" + ("" if res.state in states.TERMINAL else "; use release"),
+                    {"state": res.state, "reservationId": rid,
+                     **({} if res.state in states.TERMINAL else {"next": "release"})},
                 )
         op = self.moves.end(tx, res, now, how, actor="customer", kind=how)
         return Answer(res, op), True

@@ -213,9 +213,15 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         return [f"the token (from {ctx.settings.sources.get('token')}) is not accepted: check --token, BERTH_TOKEN "
                 "or the config file"]
     if code == "ACCESS_DENIED":
-        if d.get("confirmationId"):  # a person decided (or let it lapse), not a policy
-            lines = [f"confirmation {d['confirmationId']} was denied or lapsed: ask whoever decides it, then send a "
-                     "new request"]
+        conf = d.get("confirmationId")
+        if conf and ctx.args.group == "confirmations":  # deciding one that is not this principal's to decide
+            lines = [f"only {d.get('approver', 'the delegating user')} may approve or deny {conf}: ask them to run "
+                     f"berth confirmations approve {conf}"]
+        elif conf:  # a person decided (or let it lapse), not a policy
+            how = {"denied": f"was denied by {d.get('approver', 'its approver')}",
+                   "expired": "expired before it was decided"}.get(d.get("status"), "was denied or lapsed")
+            lines = [f"confirmation {conf} {how}: if it is still wanted, ask {d.get('approver', 'its approver')} "
+                     "first, then send a new request"]
         elif d.get("policy"):
             lines = [f"refused by policy {d['policy']}" + (f": {d['reason']}" if d.get("reason") else "")
                      + "; change the request, or ask a tenant admin about the policy"]
@@ -236,11 +242,14 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         if d.get("reason") == "extend-in-flight":
             return [f"next: retry in {err.retry_after_seconds or 1:g} s: " + same_command(ctx, argv)]
         rid = err.reservation_id
+        if rid is None:  # the key's request was never accepted: nothing to get
+            return ["the key belongs to another request, which was not accepted: a new request needs a new key "
+                    "(drop --idempotency-key)"]
         return [f"the key belongs to another request (reservation {rid}): a new request needs a new key "
                 "(drop --idempotency-key)", f"see it: berth reservations get {rid}"]
     if code == "INVALID_STATE":
         rid = d.get("reservationId") or getattr(ctx.args, "reservation_id", None)
-        lines = [f"state: {d.get('state')}"]
+        lines = [f"state: {d['state']}"] if d.get("state") else [f"status: {d['status']}"] if d.get("status") else []
         if d.get("next") == "release":
             lines.append(f"next: berth reservations release {rid}")
         return lines

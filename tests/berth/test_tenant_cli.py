@@ -336,6 +336,24 @@ def test_the_suggested_command_works(berth):
     assert ("budget", "placed") == (run.json["reservation"]["poolId"], run.json["reservation"]["state"])
 
 
+def test_a_denied_confirmation_is_said_to_be_a_persons_denial_at_every_step(berth, server, alice):
+    big = ["--pool", "h100", "--gpu-model", "H100_80GB", "--gpu-count", "4", "--hours", "1"]
+    asked = berth("reservations", "create", *big, "--idempotency-key", "cli-denied", "--json", token="agent")
+    cid = asked.json["error"]["details"]["confirmationId"]
+    own = berth("confirmations", "approve", cid, token="agent")  # not the agent's to decide
+    assert (3, True) == (own.code, f"only alice may approve or deny {cid}: ask them" in own.err), own.err
+    assert "denied or lapsed" not in own.err and "send a new request" not in own.err
+    assert "denied" == alice.deny_confirmation(cid).status
+    again = berth("reservations", "create", *big, "--idempotency-key", "cli-denied", token="agent")
+    assert (3, True) == (again.code, f"confirmation {cid} was denied by alice" in again.err), again.err
+    assert "no policy permits" not in again.err
+    late = berth("confirmations", "approve", cid)
+    assert (3, "status: denied") == (late.code, late.err.splitlines()[-1]), late.err
+    other = berth("reservations", "create", *big[:-2], "--hours", "2", "--idempotency-key", "cli-denied", token="agent")
+    assert (3, True) == (other.code, "CONFLICT" in other.err), other.err
+    assert "which was not accepted" in other.err and "see it:" not in other.err  # no reservation to get
+
+
 def test_after_approval_the_printed_retry_continues_the_same_request(berth, server, alice):
     asked = berth("reservations", "create", "--pool", "h100", "--gpu-model", "H100_80GB", "--gpu-count", "4",
                   "--hours", "1", "--json", token="agent")

@@ -155,6 +155,11 @@ async def test_cancel_of_a_released_reservation_is_invalid_state_and_drafts_are_
     await api.ok("release", "alice", {"reservationId": rid})
     status, doc = await api.call("cancel", "alice", {"reservationId": rid})
     assert (status, doc["error"]["code"]) == (409, "INVALID_STATE")
+    assert ("released", None) == (doc["error"]["details"]["state"], doc["error"]["details"].get("next"))  # it ended
+    assert "use release" not in doc["error"]["message"]
+    started = (await api.create(key="b"))[1]["reservation"]["id"]  # starts now: too late to cancel
+    status, doc = await api.call("cancel", "alice", {"reservationId": started})
+    assert (409, "release") == (status, doc["error"]["details"]["next"])
     await api.create("robot", key="refused", gpuCount=4)
     from controlplane.domain.ids import reservation_id
     status, doc = await api.call("cancel", "robot", {"reservationId": reservation_id("acme", "robot", "refused")})

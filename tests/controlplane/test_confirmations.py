@@ -59,8 +59,14 @@ async def test_a_denial_leaves_the_key_access_denied(api):
     assert doc["confirmation"]["status"] == "denied"
     status, doc = await api.create("agent", key="big", **BIG)
     assert (status, doc["error"]["code"]) == (403, "ACCESS_DENIED")
+    # a person's denial, said as such (not "no policy permits it"), with the confirmation that carried it
+    assert {"confirmationId": cid, "status": "denied", "approver": "alice"}.items() <= doc["error"]["details"].items()
+    assert f"denied by alice (confirmation {cid})" in doc["error"]["message"]
     status, doc = await confirm_call(api, "approve", "alice", {"confirmationId": cid})
-    assert (status, doc["error"]["code"]) == (409, "INVALID_STATE")
+    assert (status, doc["error"]["code"], doc["error"]["details"]["status"]) == (409, "INVALID_STATE", "denied")
+    status, doc = await api.create("agent", key="big", gpuCount=3)  # another request under the refused key
+    assert (409, "CONFLICT") == (status, doc["error"]["code"])
+    assert "reservationId" not in doc["error"]["details"]  # its draft is no reservation a tenant can get
 
 
 async def test_a_confirmation_lapses_after_30_minutes(api):
@@ -71,6 +77,7 @@ async def test_a_confirmation_lapses_after_30_minutes(api):
     assert doc["confirmation"]["status"] == "expired"
     status, doc = await api.create("agent", key="big", **BIG)
     assert (status, doc["error"]["code"]) == (403, "ACCESS_DENIED")
+    assert ("expired", cid) == (doc["error"]["details"]["status"], doc["error"]["details"]["confirmationId"])
     assert "confirmation.expired" in [e["type"] for e in await api.events()]
 
 
