@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import fcntl
+import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -505,6 +507,24 @@ def _fold_operations(conn: sqlite3.Connection) -> None:
     conn.execute("DROP TABLE operations")
 
 
+def serving_lock(path: str) -> int:
+    """One control plane per SQLite file: an exclusive flock on `PATH.lock` (holding the holder's pid) for as long
+    as the store is open, so a second `serve` on the file is refused instead of booking the same devices twice
+    (each process would place from its own memory). The file stays: removing it would let two holders in."""
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StoreError(f"{path} is served by another control plane (pid {holder}): one process serves a SQLite "
+                         "database; stop that one first (systemctl stop berth-controlplane), or run several "
+                         "replicas on PostgreSQL (docs/scale-out.md)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 class SqliteStore(WriterFront, SqliteReads, CommittedReads):
     """The store port on one SQLite file: reads on the caller's thread (a connection that sees committed data
     only) and the writer."""
@@ -513,17 +533,39 @@ class SqliteStore(WriterFront, SqliteReads, CommittedReads):
     schema_version = SCHEMA_VERSION  # opening brings the file there, or refuses it
 
     def __init__(self, path: str, synchronous: str = "FULL"):
-        if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        init = connect(path, synchronous)
+        self._lock: int | None = None
+        if path != ":memory:":
+            if Path(path).is_dir():
+                raise StoreError(f"{path} is a directory: give the database file's path, for example "
+                                 f"{Path(path) / 'controlplane.db'}")
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                self._lock = serving_lock(path)
+            except OSError as exc:
+                raise StoreError(f"cannot use {path} ({exc.strerror}): give a path in a directory the control "
+                                 "plane's user may write") from None
         try:
-            migrate(init, path)
-        finally:
-            init.close()
-        self._synchronous = synchronous
-        self.conn = connect(path, synchronous)
+            init = connect(path, synchronous)
+            try:
+                migrate(init, path)
+            finally:
+                init.close()
+            self._synchronous = synchronous
+            self.conn = connect(path, synchronous)
+        except sqlite3.DatabaseError as exc:  # not a database, a damaged one, or a file that cannot be opened
+            self._unlock()
+            raise StoreError(f"cannot open {path} as a SQLite database ({exc}): give the control plane's database "
+                             "file, or a new path for a new one") from None
+        except BaseException:
+            self._unlock()
+            raise
         self.writer: Writer | None = None
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the last descriptor releases the flock
+            self._lock = None
 
     def start(self, on_reset: Callable[[SqliteTx], Callable[[], None]], on_group: Callable[[int], None] | None = None,
               on_changed: Callable | None = None, clock: Callable[[], int] | None = None) -> None:
@@ -550,3 +592,4 @@ class SqliteStore(WriterFront, SqliteReads, CommittedReads):
         if self.writer is not None:
             self.writer.close()
         self.conn.close()
+        self._unlock()

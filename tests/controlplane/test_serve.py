@@ -105,3 +105,38 @@ async def test_a_budget_set_at_run_time_outlives_the_bootstrap_applied_again_unt
     status, doc = await api.post("/api/admin/bootstrap", admin, boot)
     assert status == 200, doc
     assert await budget() == "80.000000"
+
+
+def serve_once(tmp_path, db: str) -> subprocess.CompletedProcess:
+    (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
+    return subprocess.run([sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
+                           "--db", db, "--bootstrap", str(tmp_path / "b.json")], capture_output=True, text=True,
+                          timeout=30)
+
+
+def test_a_second_control_plane_on_a_served_sqlite_file_is_refused_naming_the_first(tmp_path):
+    """Two processes on one file would each place from their own memory: the same GPUs booked twice."""
+    (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
+    with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json") as first:
+        second = serve_once(tmp_path, f"sqlite:///{tmp_path / 'cp.db'}")
+        assert 2 == second.returncode, second.stderr
+        assert f"is served by another control plane (pid {first.proc.pid})" in second.stderr
+        assert "PostgreSQL" in second.stderr and "Traceback" not in second.stderr
+        status, _ = first.post("/api/compute/reservations/list", TOKENS["alice"], {})
+        assert 200 == status  # the first goes on
+    with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json") as again:  # the first stopped: its lock went with it
+        assert 200 == again.post("/api/compute/reservations/list", TOKENS["alice"], {})[0]
+
+
+@pytest.mark.parametrize("what, said", [
+    ("directory", "is a directory: give the database file's path"),
+    ("not a database", "as a SQLite database (file is not a database)"),
+    ("under a file", "cannot use"),
+])
+def test_a_db_path_that_is_no_database_stops_the_start_saying_what_to_give(tmp_path, what, said):
+    (tmp_path / "notes.txt").write_text("not a database, but long enough to have a header's worth of bytes " * 10)
+    path = {"directory": tmp_path, "not a database": tmp_path / "notes.txt",
+            "under a file": tmp_path / "notes.txt" / "cp.db"}[what]
+    out = serve_once(tmp_path, f"sqlite:///{path}")
+    assert (2, True, False) == (out.returncode, said in out.stderr, "Traceback" in out.stderr), out.stderr
+    assert "--db" in out.stderr
