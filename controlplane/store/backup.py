@@ -56,6 +56,12 @@ def backup(source: str, target: str, replace: bool = False) -> Copied:
     """Copy the SQLite database at `source` to the file `target` (see the module's docstring)."""
     began = time.monotonic()
     src_path, dst_path = Path(source), Path(target)
+    if not target or dst_path.is_dir():
+        raise Refused(f"--to {target or repr(target)}: give the copy's file name, for example "
+                      f"{dst_path / 'controlplane-copy.db' if target else '/var/backups/berth/controlplane.db'}")
+    if src_path.is_dir():
+        raise Refused(f"--db sqlite:///{source}: that is a directory; give the database file the control plane "
+                      "serves (its --db, or BERTH_DB in its unit's environment)")
     if not src_path.is_file():
         raise Refused(f"--db sqlite:///{source}: no such file; give the database the control plane serves "
                       "(its --db, or BERTH_DB in its unit's environment)")
@@ -175,6 +181,10 @@ def restore(copy: str, database: str, known_schema: int) -> Restored:
     """Put the copy `copy` (made by `backup`) in the place of the SQLite database `database`, which no process may
     have open; `known_schema` is the newest schema this Berth reads (a newer copy is refused)."""
     copy_path, db_path = Path(copy), Path(database)
+    for option, path, what in (("--from", copy_path, "the copy's file"), ("--db sqlite:///", db_path,
+                                                                          "the database file's path")):
+        if path.is_dir():
+            raise Refused(f"{option}{'' if option.endswith('/') else ' '}{path}: that is a directory; give {what}")
     if not copy_path.is_file():
         raise Refused(f"--from {copy}: no such file; give a copy `berth controlplane backup` wrote")
     if not db_path.parent.is_dir():

@@ -210,6 +210,12 @@ def test_backup_and_restore_refuse_what_they_cannot_use_and_write_nothing(tmp_pa
         (("restore", "--from", str(db), "--db", f"sqlite:///{db}"), "that is the database itself"),
         (("restore", "--from", str(newer), "--db", f"sqlite:///{db}"), "schema version 99, newer than this Berth"),
         (("restore", "--from", str(newer), "--db", "postgresql://berth@/berth"), "pg_restore into an empty"),
+        # directories where a file is meant, and an empty --to (a shell variable unset): no traceback
+        (("backup", "--db", f"sqlite:///{db}", "--to", ""), "--to '': give the copy's file name"),
+        (("backup", "--db", f"sqlite:///{db}", "--to", str(tmp_path), "--replace"), "give the copy's file name"),
+        (("backup", "--db", f"sqlite:///{tmp_path}", "--to", str(copy)), "that is a directory"),
+        (("restore", "--from", str(tmp_path), "--db", f"sqlite:///{db}"), "--from " + f"{tmp_path}: that is a dir"),
+        (("restore", "--from", str(newer), "--db", f"sqlite:///{tmp_path}"), "that is a directory; give the data"),
     ]
     listing = sorted(p.name for p in tmp_path.iterdir())
     for args, says in cases:
