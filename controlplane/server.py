@@ -10,6 +10,7 @@ import os
 import signal
 import ssl
 import sys
+import urllib.parse
 from typing import Callable
 
 import structlog
@@ -48,6 +49,20 @@ def positive_seconds(value: str) -> float:
     return seconds
 
 
+def http_url(value: str) -> str:
+    """A service's base URL (--authzen): http(s)://HOST[:PORT][/PATH], checked at start rather than at every
+    request, where a typo would look like an outage of the service."""
+    try:
+        parts = urllib.parse.urlsplit(value)
+        parts.port  # noqa: B018 - a bad port raises here
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{value!r}: give the service's base URL, http(s)://HOST[:PORT][/PATH]")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="berth controlplane", description="Berth's control plane")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,11 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "process's command line, which every local user can read) (env BERTH_DB, which is not; "
                        f"default {default_db_url()})")
     serve.add_argument("--bootstrap", default=None, metavar="FILE", help="JSON file applied idempotently at start")
-    serve.add_argument("--authzen", default=None, metavar="URL",
+    serve.add_argument("--authzen", default=None, metavar="URL", type=http_url,
                        help="decide with a remote OpenID AuthZEN service at URL instead of the embedded Cedar policies")
-    serve.add_argument("--authzen-timeout", type=float, default=2.0, metavar="SECONDS",
+    serve.add_argument("--authzen-timeout", type=positive_seconds, default=2.0, metavar="SECONDS",
                        help="a remote decision slower than this is a deny (default 2)")
-    serve.add_argument("--node-grace", type=float, default=30.0, metavar="SECONDS",
+    serve.add_argument("--node-grace", type=positive_seconds, default=30.0, metavar="SECONDS",
                        help="a node whose agent is silent for longer is lost (default 30)")
     serve.add_argument("--commit-wait", type=positive_seconds, default=Config.commit_wait_s, metavar="SECONDS",
                        help="PostgreSQL: a request whose change is not committed within this (a synchronous standby "
@@ -98,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="mutual TLS: every client must present a certificate signed by a CA in this PEM file "
                        "(env BERTH_TLS_CLIENT_CA; needs --tls-cert)")
     serve.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", type=str.lower,
+                       choices=("debug", "info", "warning", "error", "critical"))
     serve.add_argument("--synchronous", choices=("FULL", "NORMAL"), default="FULL",
                        help="SQLite durability: FULL survives power loss (default), NORMAL survives a crash")
     migrate = sub.add_parser(

@@ -140,3 +140,19 @@ def test_a_db_path_that_is_no_database_stops_the_start_saying_what_to_give(tmp_p
     out = serve_once(tmp_path, f"sqlite:///{path}")
     assert (2, True, False) == (out.returncode, said in out.stderr, "Traceback" in out.stderr), out.stderr
     assert "--db" in out.stderr
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--authzen", "notaurl"], "argument --authzen: 'notaurl': give the service's base URL"),
+    (["--authzen", "http://pdp.example:99999"], "argument --authzen"),
+    (["--node-grace", "-5"], "argument --node-grace: '-5': give seconds above 0"),
+    (["--authzen-timeout", "0"], "argument --authzen-timeout"),
+    (["--log-level", "LOUD"], "argument --log-level: invalid choice: 'loud'"),
+])
+def test_a_flag_value_that_cannot_work_stops_the_start_naming_the_flag(tmp_path, flags, said):
+    """Checked at start: a --authzen typo would otherwise answer every create PROVIDER_UNAVAILABLE, as an outage."""
+    out = subprocess.run([sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
+                          "--db", f"sqlite:///{tmp_path / 'cp.db'}", *flags], capture_output=True, text=True,
+                         timeout=30)
+    assert (2, True) == (out.returncode, said in out.stderr), out.stderr
+    assert not (tmp_path / "cp.db").exists()  # refused before anything was opened
