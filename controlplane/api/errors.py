@@ -76,14 +76,18 @@ async def answer_errors(request: web.Request, call: Callable[[], Awaitable[web.S
         if exc.status < 400:
             raise
         code = HTTP_CODES.get(exc.status, e.INVALID_INPUT)
+        allowed = sorted(getattr(exc, "allowed_methods", None) or {"POST"})  # a 405 knows the route's methods
         message = {
             404: f"no method {request.path}",
-            405: f"{request.method} is not allowed on {request.path}; use POST",
+            405: f"{request.method} is not allowed on {request.path}; use {' or '.join(allowed)}",
             413: "body: too large",
         }.get(exc.status, exc.reason)
         field = BODY_FIELDS.get(exc.status)
-        return error_response(e.DomainError(code, message, {"field": field, "rule": message} if field else {}),
+        resp = error_response(e.DomainError(code, message, {"field": field, "rule": message} if field else {}),
                               exc.status)
+        if exc.status == 405:
+            resp.headers["Allow"] = ", ".join(allowed)  # RFC 9110: a 405 says what is allowed
+        return resp
     except Exception:
         reference = f"ref-{time.time_ns():x}"
         log.exception("request failed", path=request.path, reference=reference)

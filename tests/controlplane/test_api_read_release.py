@@ -187,7 +187,13 @@ async def test_unknown_method_and_wrong_verb_answer_with_the_envelope(api):
     status, doc = await api.post("/api/compute/reservations/frobnicate", "alice", {})
     assert (status, doc["error"]["code"]) == (404, "NOT_FOUND")
     resp = await api.client.get("/api/compute/reservations/get", headers={"Authorization": "Bearer token-acme-alice-000001"})
-    assert resp.status == 405 and (await resp.json())["error"]["code"] == "INVALID_INPUT"
+    doc = await resp.json()
+    assert (405, "INVALID_INPUT", "POST") == (resp.status, doc["error"]["code"], resp.headers["Allow"])
+    assert "GET is not allowed on /api/compute/reservations/get; use POST" == doc["error"]["message"]
+    resp = await api.client.post("/healthz")  # a GET route: the answer names GET, not POST
+    doc = await resp.json()
+    assert (405, True) == (resp.status, doc["error"]["message"].endswith("; use GET or HEAD")), doc
+    assert {"GET", "HEAD"} == {m.strip() for m in resp.headers["Allow"].split(",")}
 
 
 async def test_events_long_poll_answers_when_an_event_is_committed_and_empty_when_the_wait_ends(api):
