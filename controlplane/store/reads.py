@@ -114,7 +114,7 @@ class CommittedReads(Reads):
                 raise invalid("after", f"is past the newest event this control plane has numbered ({numbered}): its "
                               "database was restored from an older copy or lost its last commits in a failover, and "
                               f"events from here on are numbered from {numbered + 1}; list again with after at or below "
-                              f"{numbered}, or ask fromEnd for the newest", newest=numbered)
+                              f"{numbered} (details.newest)", newest=numbered)
         return [{"seq": seq, "reservationId": rid, "type": type_, "at": at, "data": codec.decode_as(data, dict)}
                 for seq, rid, type_, at, data in rows]
 
