@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
 import os
 import signal
@@ -274,9 +275,9 @@ async def serve(config: Config, host: str, port: int, limits: guard.Limits = gua
                                      keepalive_timeout=limits.idle_timeout_s))
     try:
         sites = []
-        for runner, (h, p) in zip(runners, [(host, port), metrics_listen]):
+        for runner, (h, p), flag in zip(runners, [(host, port), metrics_listen], ("--listen", "--metrics-listen")):
             await runner.setup()
-            sites.append(await listen(guard.GuardedSite(runner, h, p, conns, ssl_context=ssl_context)))
+            sites.append(await listen(guard.GuardedSite(runner, h, p, conns, ssl_context=ssl_context), flag))
         settle_garbage_collector()
         extra = {"metrics": f"{sites[1].url}/metrics"} if metrics_listen else {}
         if ssl_context is not None:
@@ -292,11 +293,18 @@ async def serve(config: Config, host: str, port: int, limits: guard.Limits = gua
             await runner.cleanup()
 
 
-async def listen(site: guard.GuardedSite) -> guard.GuardedSite:
+async def listen(site: guard.GuardedSite, flag: str) -> guard.GuardedSite:
     try:
         await site.start()
     except OSError as exc:
-        raise CannotListen(f"cannot listen on {site.name.removeprefix(site.scheme + '://')}: {exc.strerror}") from None
+        where = site.name.removeprefix(site.scheme + "://")
+        hint = {errno.EADDRINUSE: f"another process listens there (ss -ltnp 'sport = :{where.rsplit(':', 1)[1]}'): stop it, or "
+                                  f"give {flag} another port",
+                errno.EADDRNOTAVAIL: f"no interface of this host has that address: give {flag} one it has, or "
+                                     "0.0.0.0",
+                errno.EACCES: f"ports below 1024 need privileges: give {flag} a port from 1024 up"}.get(exc.errno,
+                                                                                                     f"check {flag}")
+        raise CannotListen(f"{flag} {where}: cannot listen ({exc.strerror}); {hint}") from None
     return site
 
 
@@ -330,6 +338,10 @@ def main(argv: list[str]) -> int:
     config = Config(db=db, bootstrap=args.bootstrap, synchronous=args.synchronous,
                     authzen=args.authzen, authzen_timeout_s=args.authzen_timeout, node_grace_s=args.node_grace,
                     commit_wait_s=args.commit_wait, freeze_memory=True)
+    if args.metrics_listen and args.metrics_listen[1] == args.listen[1] != 0 and (
+            args.metrics_listen[0] == args.listen[0] or {args.metrics_listen[0], args.listen[0]} & {"0.0.0.0", "::"}):
+        parser.error(f"--metrics-listen {args.metrics_listen[0]}:{args.metrics_listen[1]}: the API listens there "
+                     "(--listen): give the metrics another port, e.g. 127.0.0.1:9464")
     limits = guard.Limits(request_timeout_s=args.request_timeout, idle_timeout_s=args.idle_timeout,
                           max_connections=args.max_connections)
     try:

@@ -284,6 +284,11 @@ async def track(request: web.Request, handler):
         end(conn)
 
 
+def host_in_url(host: str) -> str:
+    """An IPv6 address in brackets, as a URL writes it (http://[::1]:8080)."""
+    return f"[{host}]" if ":" in host else host
+
+
 class GuardedSite(web.BaseSite):
     """A TCP site whose connections go through the guard (web.TCPSite would hand them to aiohttp directly).
 
@@ -304,13 +309,13 @@ class GuardedSite(web.BaseSite):
 
     @property
     def name(self) -> str:
-        return f"{self.scheme}://{self._host}:{self._port}"
+        return f"{self.scheme}://{host_in_url(self._host)}:{self._port}"
 
     @property
     def url(self) -> str:
         """The bound address as a URL (scheme, host, port), once started."""
         host, port = self.address
-        return f"{self.scheme}://{host}:{port}"
+        return f"{self.scheme}://{host_in_url(host)}:{port}"
 
     @property
     def address(self) -> tuple[str, int]:

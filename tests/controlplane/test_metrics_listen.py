@@ -93,4 +93,16 @@ def test_a_metrics_address_in_use_stops_the_start_naming_it(tmp_path):
             capture_output=True, text=True, timeout=30,
         )
     assert out.returncode == 1, out.stderr
-    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert f"--metrics-listen 127.0.0.1:{port}: cannot listen (" in out.stderr  # the flag, and what to do
+    assert "give --metrics-listen another port" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_metrics_on_the_api_s_own_address_is_refused_before_anything_binds(tmp_path):
+    for api, metrics in (("127.0.0.1:18555", "127.0.0.1:18555"), ("0.0.0.0:18555", "127.0.0.1:18555")):
+        out = subprocess.run(
+            [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", api,
+             "--db", f"sqlite:///{tmp_path / 'cp.db'}", "--metrics-listen", metrics],
+            capture_output=True, text=True, timeout=30,
+        )
+        assert (2, True) == (out.returncode, "the API listens there (--listen)" in out.stderr), out.stderr
+    assert not (tmp_path / "cp.db").exists()
