@@ -55,18 +55,48 @@ class _SumDurations(argparse.Action):
 # ---- the request's flags: one per ReservationRequest field ----------------------------
 
 
+def _count(least: int) -> Callable[[str], int]:
+    """A whole number of at least `least` (--retries)."""
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least {least}")
+        return value
+    return count
+
+
+def _seconds(text: str) -> float:
+    """Seconds above 0 (--request-timeout, --timeout-sec)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds above 0, e.g. 30")
+    return value
+
+
 def _ssh_key(text: str) -> str:
     """A public key as given: its line, or the path of a .pub file holding it (the server checks the key)."""
-    if not text.lstrip().startswith(("ssh-", "ecdsa-", "sk-")) and os.path.isfile(os.path.expanduser(text)):
-        try:
-            with open(os.path.expanduser(text), encoding="utf-8") as f:
-                line = f.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise argparse.ArgumentTypeError(f"{text}: cannot read the key file: {exc}") from None
-        if "\n" in line:
-            raise argparse.ArgumentTypeError(f"{text}: holds more than one line; give one public key per --ssh-key")
-        return line
-    return text.strip()
+    if text.lstrip().startswith(("ssh-", "ecdsa-", "sk-")):
+        return text.strip()
+    path = os.path.expanduser(text)
+    if not os.path.isfile(path):  # neither a key's line nor a file: do not send a path as if it were a key
+        raise argparse.ArgumentTypeError(f"{text}: no such file, and not a public key's line (TYPE BASE64 "
+                                         "[COMMENT]); give one, or the path of its .pub file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"{text}: cannot read the key file: {exc}") from None
+    if "PRIVATE KEY-----" in line:  # never sent: only its first line would be, and it is a secret
+        raise argparse.ArgumentTypeError(f"{text}: is a private key; give its public key, {text}.pub")
+    if "\n" in line:
+        raise argparse.ArgumentTypeError(f"{text}: holds more than one line; give one public key per --ssh-key")
+    return line
 
 
 def flag_of(f: Field) -> str:
@@ -151,9 +181,9 @@ def _common() -> argparse.ArgumentParser:
                            "(env BERTH_CLIENT_CERT, config clientCert; needs --client-key)")
     conn.add_argument("--client-key", metavar="FILE",
                       help="the unencrypted PEM key of --client-cert (env BERTH_CLIENT_KEY, config clientKey)")
-    conn.add_argument("--retries", type=int, default=4, metavar="N",
+    conn.add_argument("--retries", type=_count(0), default=4, metavar="N",
                       help="retries of transport errors and PROVIDER_UNAVAILABLE, same idempotency key (default 4)")
-    conn.add_argument("--request-timeout", type=float, default=30.0, metavar="SECONDS",
+    conn.add_argument("--request-timeout", type=_seconds, default=30.0, metavar="SECONDS",
                       help="seconds per attempt (default 30)")
     out = common.add_mutually_exclusive_group()
     out.add_argument("-o", "--output", choices=OUTPUTS,
@@ -242,7 +272,7 @@ def build_parser(now: int | None = None) -> argparse.ArgumentParser:
     wait = _command(ops, "wait", parents=[common], help="wait until the operation ends, showing the reservation's "
                     "conditions (exit code by failure.actor; gives up at once when the reservation is stuck)")
     wait.add_argument("operation_id", metavar="OPERATION")
-    wait.add_argument("--timeout-sec", type=float, default=DEFAULT_WAIT_S, metavar="N",
+    wait.add_argument("--timeout-sec", type=_seconds, default=DEFAULT_WAIT_S, metavar="N",
                       help=f"give up after N seconds with exit code 6 (default {DEFAULT_WAIT_S})")
 
     usage = groups.add_parser("usage", parents=[common], help="charge history: lines per reservation and UTC day, totals")

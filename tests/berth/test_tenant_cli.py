@@ -393,6 +393,9 @@ def test_provider_unavailable_advice_keeps_the_key_and_the_reference():
     (["reservations", "create", *ONE, "--start", "+1y"], "give a relative time with a unit, e.g. +30m"),
     (["reservations", "extend", "rsv_x", "--by", "10"], "give a duration with a unit"),
     (["reservations", "create", *ONE, "--max-hourly-price", "cheap"], "give a decimal price"),
+    (["whoami", "--retries", "-1"], "argument --retries: '-1': give a whole number of at least 0"),
+    (["whoami", "--request-timeout", "0"], "argument --request-timeout: '0': give seconds above 0"),
+    (["operations", "wait", "op_x", "--timeout-sec", "-5"], "argument --timeout-sec: '-5': give seconds above 0"),
 ])
 def test_bad_arguments_exit_2_before_anything_is_sent(berth, argv, said):
     run = berth(*argv)
@@ -831,6 +834,12 @@ def test_ssh_keys_for_a_node_binding_come_from_lines_or_pub_files_and_a_bad_one_
     assert 3 == bad.code and "access.sshKeys[1]" in bad.err and "next: fix --ssh-key number 2" in bad.err, bad.err
     missing = berth("reservations", "quote", *base)
     assert 3 == missing.code and "next: fix --ssh-key" in missing.err, missing.err
+    # a path that is no file, and a private key, are refused here: neither is sent as if it were a key
+    for given, said in ((str(tmp_path / "absent.pub"), "no such file, and not a public key's line"),
+                        (str(key), f"is a private key; give its public key, {key}.pub")):
+        local = berth("reservations", "quote", *base, "--ssh-key", given)
+        assert (2, True) == (local.code, said in local.err), local.err
+        assert "PRIVATE" not in local.err
 
 
 def test_a_reader_that_goes_away_ends_the_command_quietly(server, config_home):
