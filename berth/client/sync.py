@@ -36,8 +36,8 @@ class Client:
     """
 
     def __init__(self, url: str, token: str, **kw: Any):
+        self._async = AsyncClient(url, token, **kw)  # first: a bad url raises ConfigError before a loop exists
         self._loop = asyncio.new_event_loop()
-        self._async = AsyncClient(url, token, **kw)
 
     @classmethod
     def from_settings(cls, settings: Settings, **kw: Any) -> "Client":
@@ -55,7 +55,8 @@ class Client:
 
     def _run(self, coro: Awaitable[T]) -> T:
         if self._loop.is_closed():
-            raise RuntimeError("this Client is closed")
+            getattr(coro, "close", lambda: None)()  # never run: no "coroutine was never awaited" warning
+            raise RuntimeError("this Client is closed: make a new one (or use `with Client(...) as c:`)")
         return self._loop.run_until_complete(coro)
 
     def __enter__(self) -> "Client":

@@ -332,6 +332,20 @@ def test_sync_client_raises_the_same_structured_errors(server_process):
     assert ("price_ceiling", Decimal("2.500000")) == (refused.value.reason, refused.value.cheapest_eligible_usd_per_hour)
 
 
+def test_a_closed_sync_client_says_so_without_a_never_awaited_warning(server_process):
+    import gc
+    import warnings
+
+    client = c.Client(server_process.url, TOKENS["alice"])
+    client.close()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="this Client is closed: make a new one"):
+            client.whoami()
+        gc.collect()  # an unawaited coroutine warns when it is collected
+    assert [] == [str(w.message) for w in seen if "never awaited" in str(w.message)]
+
+
 def test_a_create_retried_after_kill_9_mid_request_returns_the_same_reservation(tmp_path):
     """The server stores the create and dies before answering; the retry with the same key gets that reservation."""
     (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
