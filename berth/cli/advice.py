@@ -255,7 +255,8 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         return lines
     if code == "NOT_FOUND":
         if d.get("field") == "poolId":
-            return ["next: the pool is not yours or offered to you"]
+            return ["the pool is not yours or offered to you; the pools you may book: "
+                    + shlex.join(["berth", "pools", "list", *connection_flags(ctx)])]
         listing = LIST_OF_GROUP.get(ctx.args.group, "berth reservations list")
         return ["next: check the id: " + shlex.join([*shlex.split(listing), *connection_flags(ctx)])]
     if code == "UNSUPPORTED":

@@ -144,6 +144,7 @@ def test_an_empty_idempotency_key_is_refused_not_replaced_by_a_fresh_one(berth, 
 @pytest.mark.parametrize("url, said", [
     ("localhost:{port}", "give, for example, http://localhost:{port}"),
     ("ftp://127.0.0.1:{port}", "is not an http:// or https:// URL"),
+    ("http://127.0.0.1:{port}/api", "ends in /api: give the control plane's base URL, http://127.0.0.1:{port}"),
 ])
 def test_a_url_that_is_not_http_exits_2_at_once_saying_what_to_write(berth, server, url, said):
     port = server.url.rsplit(":", 1)[1]
@@ -151,6 +152,12 @@ def test_a_url_that_is_not_http_exits_2_at_once_saying_what_to_write(berth, serv
     run = berth("whoami", url=url.format(port=port))
     assert (2, True, "retrying" in run.err) == (run.code, said.format(port=port) in run.err, False), run.err
     assert time.monotonic() - started < 10  # no retries: nothing was sent
+
+
+def test_an_unknown_pool_points_at_the_pools_one_may_book(berth):
+    run = berth("reservations", "create", "--pool", "nowhere", "--gpu-model", "H100_80GB", "--hours", "1")
+    assert (3, "berth pools list") == (run.code, run.line("the pool is not yours or offered to you; the pools you "
+                                                           "may book:")), run.err
 
 
 def test_terminal_mode_prints_tables_and_the_next_command(berth):
