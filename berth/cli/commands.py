@@ -2,8 +2,9 @@
 the operator's `berth admin nodes|pools|tenants|events ...`.
 
 Output is a readable table when stdout is a terminal (or BERTH_FORCE_TTY=1,
-or -o table|wide) and the API's JSON otherwise (or -o json|yaml): the typed
-answer encoded with its wire names. A refusal prints what happened, why, and the
+or -o table|wide) and the API's JSON otherwise (or -o json|yaml): the answer
+document as the API sent it (the client's last_answer; a watch or a follow prints
+each record it reads). A refusal prints what happened, why, and the
 command to run next, on stderr; the exit code says whose move it is
 (berth/cli/advice.py, docs/cli.md).
 """
@@ -41,20 +42,20 @@ async def cmd_create(ctx: Context, argv: Sequence[str]) -> int:
     if r.operation is not None and not r.operation.done:
         text += "\nnext: " + shlex.join(["berth", "operations", "wait", r.operation.id, "--timeout-sec",
                                          str(DEFAULT_WAIT_S), *connection_flags(ctx)])
-    ctx.emit({"reservation": wire(r)}, text)
+    ctx.emit(ctx.client.last_answer, text)
     return EXIT_OK
 
 
 async def cmd_quote(ctx: Context, argv: Sequence[str]) -> int:
     q = await ctx.client.quote(request=request_of(ctx.args))
-    ctx.emit({"quote": wire(q)}, "\n".join([render_quote(q, ctx), *raised_notes(ctx.args, q.resources)]))
+    ctx.emit(ctx.client.last_answer, "\n".join([render_quote(q, ctx), *raised_notes(ctx.args, q.resources)]))
     return EXIT_OK
 
 
 def _one(method: str) -> Callable[[Context, Sequence[str]], Awaitable[int]]:
     async def run(ctx: Context, argv: Sequence[str]) -> int:
         r = await getattr(ctx.client, method)(ctx.args.reservation_id)
-        ctx.emit({"reservation": wire(r)}, render_reservation(r, ctx.wide))
+        ctx.emit(ctx.client.last_answer, render_reservation(r, ctx.wide))
         return EXIT_OK
 
     return run
@@ -70,7 +71,7 @@ async def cmd_extend(ctx: Context, argv: Sequence[str]) -> int:
                 "changed (extend moves the end later only; release ends it early)")
     else:
         head = f"not extended: the bookings can reach {when(x.available_until)} at most (another booking follows)"
-    ctx.emit(wire(x), head + "\n" + render_reservation(x.reservation, ctx.wide))
+    ctx.emit(ctx.client.last_answer, head + "\n" + render_reservation(x.reservation, ctx.wide))
     return EXIT_OK
 
 
@@ -79,7 +80,7 @@ async def cmd_list(ctx: Context, argv: Sequence[str]) -> int:
     cursor = await _end_of_events(ctx) if a.watch else None  # before the list: no change after it is missed
     page = await ctx.client.list(scope=a.scope, state=a.state, pool_id=a.pool, limit=a.limit, cursor=a.cursor)
     if not a.watch:
-        ctx.emit(wire(page), render_list(page, ctx, argv))
+        ctx.emit(ctx.client.last_answer, render_list(page, ctx, argv))
         return EXIT_OK
     return await _watch(ctx, page, cursor)
 
@@ -159,7 +160,7 @@ async def _watch(ctx: Context, page: ReservationPage, cursor: int | None) -> int
 
 async def cmd_operation_get(ctx: Context, argv: Sequence[str]) -> int:
     op = await ctx.client.get_operation(ctx.args.operation_id)
-    ctx.emit({"operation": wire(op)}, render_operation(op))
+    ctx.emit(ctx.client.last_answer, render_operation(op))
     return EXIT_OK
 
 
@@ -281,19 +282,19 @@ async def cmd_operation_wait(ctx: Context, argv: Sequence[str]) -> int:
 
 async def cmd_pools_list(ctx: Context, argv: Sequence[str]) -> int:
     pools = await ctx.client.list_pools(start=ctx.args.start, until=ctx.args.until)
-    ctx.emit({"pools": wire(pools)}, render_offered_pools(pools, ctx.width))
+    ctx.emit(ctx.client.last_answer, render_offered_pools(pools, ctx.width))
     return EXIT_OK
 
 
 async def cmd_pools_get(ctx: Context, argv: Sequence[str]) -> int:
     pool = await ctx.client.get_pool(ctx.args.pool_id, start=ctx.args.start, until=ctx.args.until)
-    ctx.emit({"pool": wire(pool)}, render_offered_pool(pool))
+    ctx.emit(ctx.client.last_answer, render_offered_pool(pool))
     return EXIT_OK
 
 
 async def cmd_whoami(ctx: Context, argv: Sequence[str]) -> int:
     me = await ctx.client.whoami()
-    ctx.emit({"principal": wire(me)}, render_whoami(me))
+    ctx.emit(ctx.client.last_answer, render_whoami(me))
     return EXIT_OK
 
 
@@ -331,7 +332,7 @@ async def cmd_usage(ctx: Context, argv: Sequence[str]) -> int:
     a = ctx.args
     u = await ctx.client.list_usage(reservation_id=a.reservation, since=a.since, until=a.until, limit=a.limit,
                                     cursor=a.cursor)
-    ctx.emit(wire(u), render_usage(u, ctx, argv))
+    ctx.emit(ctx.client.last_answer, render_usage(u, ctx, argv))
     return EXIT_OK
 
 
@@ -340,14 +341,14 @@ async def cmd_confirmations_list(ctx: Context, argv: Sequence[str]) -> int:
     text = table(("ID", "STATUS", "AGENT", "APPROVER", "EXPIRES"),
                  [(c.id, c.status, c.agent_id, c.approver, when(c.expires_at)) for c in items],
                  width=ctx.width) if items else "no confirmations"
-    ctx.emit({"confirmations": wire(items)}, text)
+    ctx.emit(ctx.client.last_answer, text)
     return EXIT_OK
 
 
 def _confirmation(method: str) -> Callable[[Context, Sequence[str]], Awaitable[int]]:
     async def run(ctx: Context, argv: Sequence[str]) -> int:
         c = await getattr(ctx.client, method)(ctx.args.confirmation_id)
-        ctx.emit({"confirmation": wire(c)}, render_confirmation(c))
+        ctx.emit(ctx.client.last_answer, render_confirmation(c))
         return EXIT_OK
 
     return run
@@ -356,13 +357,13 @@ def _confirmation(method: str) -> Callable[[Context, Sequence[str]], Awaitable[i
 async def cmd_admin_nodes_list(ctx: Context, argv: Sequence[str]) -> int:
     a = ctx.args
     nodes = await ctx.client.list_nodes(pool_id=a.pool, state=a.state, start=a.start, until=a.until)
-    ctx.emit({"nodes": wire(nodes)}, render_nodes(nodes, ctx.width))
+    ctx.emit(ctx.client.last_answer, render_nodes(nodes, ctx.width))
     return EXIT_OK
 
 
 async def cmd_admin_nodes_get(ctx: Context, argv: Sequence[str]) -> int:
     node = await ctx.client.get_node(ctx.args.node_id, start=ctx.args.start, until=ctx.args.until)
-    ctx.emit({"node": wire(node)}, render_node(node, ctx.width))
+    ctx.emit(ctx.client.last_answer, render_node(node, ctx.width))
     return EXIT_OK
 
 
@@ -373,7 +374,7 @@ def _node_action(action: str) -> Callable[[Context, Sequence[str]], Awaitable[in
         undo = {"cordon": "uncordon", "drain": "uncordon"}.get(action)
         if undo and result.node.admin_state in ("cordoned", "draining"):
             text += "\nundo: " + shlex.join(["berth", "admin", "nodes", undo, result.node.id, *connection_flags(ctx)])
-        ctx.emit(wire(result), text)
+        ctx.emit(ctx.client.last_answer, text)
         return EXIT_OK
 
     return run
@@ -381,25 +382,25 @@ def _node_action(action: str) -> Callable[[Context, Sequence[str]], Awaitable[in
 
 async def cmd_admin_pools_list(ctx: Context, argv: Sequence[str]) -> int:
     pools = await ctx.client.list_fleet_pools()
-    ctx.emit({"pools": wire(pools)}, render_pools(pools, ctx.width))
+    ctx.emit(ctx.client.last_answer, render_pools(pools, ctx.width))
     return EXIT_OK
 
 
 async def cmd_admin_pools_get(ctx: Context, argv: Sequence[str]) -> int:
     pool = await ctx.client.get_fleet_pool(ctx.args.pool_id)
-    ctx.emit({"pool": wire(pool)}, render_pool(pool))
+    ctx.emit(ctx.client.last_answer, render_pool(pool))
     return EXIT_OK
 
 
 async def cmd_admin_tenants_list(ctx: Context, argv: Sequence[str]) -> int:
     tenants = await ctx.client.list_tenants()
-    ctx.emit({"tenants": wire(tenants)}, render_tenants(tenants, ctx.width))
+    ctx.emit(ctx.client.last_answer, render_tenants(tenants, ctx.width))
     return EXIT_OK
 
 
 async def cmd_admin_tenants_get(ctx: Context, argv: Sequence[str]) -> int:
     tenant = await ctx.client.get_tenant(ctx.args.tenant_id)
-    ctx.emit({"tenant": wire(tenant)}, render_tenant(tenant, ctx.width))
+    ctx.emit(ctx.client.last_answer, render_tenant(tenant, ctx.width))
     return EXIT_OK
 
 
@@ -410,14 +411,14 @@ async def cmd_admin_events_list(ctx: Context, argv: Sequence[str]) -> int:
     text = table(("SEQ", "AT", "EVENT", "NODE", "STATE", "BY", "REASON"), rows, width=ctx.width) if rows else "no events"
     if page.events:
         text += f"\nmore: {same_command(ctx, [*without(argv, '--after'), '--after', str(page.next_cursor)])}"
-    ctx.emit(wire(page), text)
+    ctx.emit(ctx.client.last_answer, text)
     return EXIT_OK
 
 
 async def cmd_admin_release_identity(ctx: Context, argv: Sequence[str]) -> int:
     node = await ctx.client.release_node_identity(ctx.args.node_id)
-    ctx.emit({"node": wire(node)}, f"node {node.id} ({node.hostname}, pool {node.pool_id}): identity released; its "
-                                   "next registration may come from any host, and records that host's machine id")
+    ctx.emit(ctx.client.last_answer, f"node {node.id} ({node.hostname}, pool {node.pool_id}): identity released; "
+                                     "its next registration may come from any host, and records that host's machine id")
     return EXIT_OK
 
 

@@ -10,7 +10,8 @@ from typing import Any, Sequence
 
 from berth.cli.context import Context, request_command, same_command, without
 from berth.client import (AdminNode, AdminPool, AdminTenant, Condition, Confirmation, Event, NodeAction, NodeBooking,
-                          OfferedPool, Operation, Quote, Reservation, ReservationPage, Resources, Usage, Whoami, now_ms)
+                          NodeCondition, OfferedPool, Operation, Quote, Reservation, ReservationPage, Resources, Usage,
+                          Whoami, now_ms)
 from common.times import iso
 
 # ---- money and times, as people read them -------------------------------------------------------------------------
@@ -165,8 +166,8 @@ def _end(r: Reservation) -> str:
     return when(r.end) if r.end is not None else f"{r.duration_hours:g} h after start"
 
 
-def condition_text(c: Condition) -> str:
-    """`DevicesBound=False BindFailed: node n1: ...`, as the API's conditions read."""
+def condition_text(c: Condition | NodeCondition) -> str:
+    """`DevicesBound=False BindFailed: node n1: ...`, as the API's conditions (a reservation's, a node's) read."""
     return f"{c.type}={c.status}" + (f" {c.reason}" if c.reason else "") + (f": {c.message}" if c.message else "")
 
 
@@ -391,6 +392,10 @@ def render_node(n: AdminNode, width: int | None = None) -> str:
     ]
     if inv.mig_profiles:
         pairs.insert(8, ("MIG", ", ".join(f"{count} x {p}" for p, count in sorted(inv.mig_profiles.items()))))
+    if n.state_reason:
+        pairs.insert(4, ("state reason", n.state_reason))
+    for c in n.conditions:  # KubernetesReleaseStuck=True: pods still hold the devices of released ...
+        pairs.append(("condition", condition_text(c)))
     text = fields(pairs)
     if n.bookings:
         text += "\n\n" + table(("RESERVATION", "TENANT", "STATE", "BINDING", "START", "END", "DEVICES", ""),

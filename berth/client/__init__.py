@@ -9,8 +9,8 @@ the result types and their fields.
 from berth.client.aio import WAIT_STEP_MS, AsyncClient
 from berth.client.answers import (TERMINAL, AdminNode, AdminPool, AdminTenant, Alternative, Bound, Condition, Confirmation,
                                   DeviceCount, Event, EventPage, ExtendResult, Failure, FreeStep, MovedReservation,
-                                  MigProfileCount, NodeAction, NodeBooking, NodeInventory, NodeSize, OfferedPool,
-                                  Operation, OperationWait,
+                                  MigProfileCount, NodeAction, NodeBooking, NodeCondition, NodeInventory, NodeSize,
+                                  OfferedPool, Operation, OperationWait,
                                   Placement, Quote, Reservation, ReservationPage, ReservationTotal, Resources, Usage,
                                   TenantRoot, UsageLine, Whoami, decode)
 from berth.client.config import ConfigError, Settings, default_config_path, read_config_file, resolve_settings
@@ -24,8 +24,8 @@ from berth.client.sync import Client
 
 __all__ = [
     "WAIT_STEP_MS", "AsyncClient", "TERMINAL", "AdminNode", "AdminPool", "AdminTenant", "DeviceCount", "FreeStep",
-    "MigProfileCount", "MovedReservation", "NodeAction", "NodeBooking", "NodeInventory", "NodeSize", "OfferedPool",
-    "TenantRoot", "Whoami", "Alternative", "Bound", "Condition", "Confirmation", "Event", "EventPage",
+    "MigProfileCount", "MovedReservation", "NodeAction", "NodeBooking", "NodeCondition", "NodeInventory", "NodeSize",
+    "OfferedPool", "TenantRoot", "Whoami", "Alternative", "Bound", "Condition", "Confirmation", "Event", "EventPage",
     "ExtendResult", "Failure", "Operation", "OperationWait", "Placement", "Quote", "Reservation", "ReservationPage",
     "ReservationTotal", "Resources", "Usage", "UsageLine", "decode", "ConfigError", "Settings",
     "default_config_path", "read_config_file", "resolve_settings", "ERRORS", "AccessDenied", "BadAnswer",

@@ -77,6 +77,7 @@ class AsyncClient:
         self.ssl_context = ssl_context
         self._session = session
         self._own_session = session is None
+        self.last_answer: dict[str, Any] = {}  # the document of the last call answered, as the API sent it
 
     def __repr__(self) -> str:  # never the token
         return f"AsyncClient(url={self.url!r}, retries={self.retries}, timeout={self.timeout:g})"
@@ -143,6 +144,7 @@ class AsyncClient:
             except msgspec.DecodeError:
                 doc = None
             if 200 <= status < 300 and isinstance(doc, dict):
+                self.last_answer = doc
                 return doc
             err = error_of(status, doc, raw) if status >= 300 else BadAnswer(
                 "BAD_ANSWER", f"HTTP {status} with a body that is not a JSON object", {}, status)

@@ -231,9 +231,21 @@ class NodeInventory(Struct, rename="camel", kw_only=True, frozen=True):
     hugepages_1gi: int = field(default=0, name="hugepages1Gi")
 
 
+class NodeCondition(Struct, kw_only=True, frozen=True):
+    """One of Berth's node conditions (Kubernetes style): KubernetesReleaseStuck names the released `reservations`
+    whose pods still hold the node's devices."""
+
+    type: str
+    status: str
+    reason: str | None = None
+    message: str | None = None
+    reservations: list[str] = []
+
+
 class AdminNode(Struct, rename="camel", kw_only=True, frozen=True):
     """A node as the admin API shows it: `state` is what it reads as now (lost wins), `admin_state` what operators
-    set; release-identity answers only the first five fields."""
+    set, `state_reason` why, when the platform put it there; release-identity answers only the first five fields
+    (the others keep their defaults here: the CLI's --json prints the answer as it came)."""
 
     id: str
     pool_id: str
@@ -242,8 +254,10 @@ class AdminNode(Struct, rename="camel", kw_only=True, frozen=True):
     identity_released: bool = False
     state: str | None = None
     admin_state: str | None = None
+    state_reason: str = ""
     lost: bool = False
     placeable: bool = True
+    conditions: list[NodeCondition] = []
     declared: bool = False
     agent_version: str | None = None
     last_heartbeat: str | None = None  # ISO 8601 UTC

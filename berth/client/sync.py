@@ -50,6 +50,11 @@ class Client:
     def url(self) -> str:
         return self._async.url
 
+    @property
+    def last_answer(self) -> dict:
+        """The document of the last call answered, as the API sent it (fields this client does not read too)."""
+        return self._async.last_answer
+
     def __repr__(self) -> str:  # never the token
         return f"Client(url={self.url!r}, retries={self._async.retries}, timeout={self._async.timeout:g})"
 

@@ -10,15 +10,18 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from berth import client as c
 from tests.berth.test_tenant_cli import Run
-from tests.controlplane.conftest import TOKENS, bootstrap_doc
+from tests.controlplane.conftest import TOKENS, bootstrap_doc, h100_node, ssh_key
 from tests.controlplane.test_fleet import OPERATOR_POLICIES, OPERATORS
 from tests.serverproc import ServerProcess
+from tests.waiting import wait_for
 
 ADMIN = bootstrap_doc()["adminToken"]
 HOUR = 3_600_000
+METAL_BOOT = "node-token-metal-000001"  # the boot token of pool metal, whose node r1's agent registers
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +29,11 @@ def server(tmp_path_factory):
     doc = bootstrap_doc()
     doc["principals"] += OPERATORS
     doc["policies"] += OPERATOR_POLICIES
+    # A pool of node bindings of its own, whose node's agent registers and hands a node back (it cleans then).
+    doc["pools"].append({"id": "metal", "owner": "acme", "region": "eu", "gpuModel": "H100_80GB",
+                         "pricePerGpuHourUsd": "1", "policy": {"tenantRoot": True}})
+    doc["nodes"].append(h100_node("r1", pool="metal"))
+    doc["nodeTokens"].append({"pool": "metal", "token": METAL_BOOT})
     d = tmp_path_factory.mktemp("admin-cli")
     (d / "b.json").write_text(json.dumps(doc))
     proc = ServerProcess(d / "cp.db", d / "b.json").start()
@@ -153,3 +161,108 @@ def test_who_may_use_the_admin_commands(berth):
     assert (3, True) == (denied.code, 'Action::"fleet:nodes:drain"' in denied.err)
     read_only = berth("admin", "nodes", "uncordon", "h1", token=OPERATORS[1]["token"])
     assert 3 == read_only.code and "COMPUTE_ACCESS_REQUIRED" in read_only.err
+
+
+# ---- -o json|yaml: the API's answer, as it came ----------------------------------------------------------------
+
+# What the clock changes from one answer to the next (lastHeartbeat is now less the age: a millisecond either way).
+MOVING = ("now", "heartbeatAgeSeconds", "lastHeartbeat")
+
+
+def still(doc):
+    """An answer with the values that move with the clock replaced by their type: two answers to the same call,
+    a moment apart, then read the same (every field kept, in its order)."""
+    if isinstance(doc, dict):
+        return {k: type(v).__name__ if k in MOVING else still(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [still(v) for v in doc]
+    return doc
+
+
+def same(printed: Run, answer: dict) -> dict:
+    """What the command printed is the API's answer to the same call: the same fields in the same order."""
+    assert 0 == printed.code, printed.err
+    assert json.dumps(still(answer)) == json.dumps(still(printed.json))
+    return printed.json
+
+
+def api(server, path: str, body: dict | None = None) -> dict:
+    status, doc = server.post(f"/api/admin/{path}", ADMIN, body or {})
+    assert 200 == status, doc
+    return doc
+
+
+def handed_back(server) -> tuple[dict, str]:
+    """r1's agent registers, a node binding is bound there, released and handed back: r1 is cleaning, its
+    stateReason saying why. (the register answer, the reservation's id)"""
+    from tests.controlplane.test_nodes import inventory
+
+    status, agent = server.post("/api/nodes/register", METAL_BOOT, {"hostname": "r1.test",
+                                                                    "inventory": inventory("r1.test")})
+    assert 200 == status, agent
+    with c.Client(server.url, TOKENS["alice"]) as alice:
+        res = alice.create("metal", "H100_80GB", binding="node", ssh_keys=(ssh_key(1),), duration_hours=1)
+        wait_for(lambda: alice.get(res.id).state == "binding", timeout=5)
+        ssh = {"host": "r1.test", "port": 22, "user": "root", "hostKeys": ["SHA256:" + "h" * 43]}
+        status, doc = server.post("/api/nodes/report", agent["nodeToken"], {"reports": [
+            {"reservationId": res.id, "status": "bound", "ssh": ssh}]})
+        assert [res.id] == doc["accepted"], doc
+        alice.release(res.id)
+    status, doc = server.post("/api/nodes/report", agent["nodeToken"], {"reports": [
+        {"reservationId": res.id, "status": "unbound"}]})
+    assert [res.id] == doc["accepted"], doc
+    return agent, res.id
+
+
+def test_json_and_yaml_print_the_apis_answer_as_it_came(server, berth):
+    """-o json, --json, a pipe and -o yaml print the admin API's answer document itself: every field it sent
+    (stateReason, conditions, now) and none it did not (release-identity answers five fields of a node)."""
+    agent, rid = handed_back(server)
+    node = same(berth("admin", "nodes", "get", "r1", "-o", "json"), api(server, "nodes/get", {"nodeId": "r1"}))
+    reason = f"cleaning (inband) after reservation {rid}: waiting for its agent's clean check"
+    assert ("cleaning", reason, []) == (node["node"]["state"], node["node"]["stateReason"], node["node"]["conditions"])
+    assert isinstance(node["now"], int)
+    as_yaml = berth("admin", "nodes", "get", "r1", "-o", "yaml")
+    assert (0, still(node)) == (as_yaml.code, still(yaml.safe_load(as_yaml.out)))
+    shown = berth("admin", "nodes", "get", "r1", "--table")
+    assert f"state reason       {reason}" in shown.out  # the table shows it too
+    piped = same(berth("admin", "nodes", "list", "--pool", "metal"), api(server, "nodes/list", {"poolId": "metal"}))
+    assert [("r1", reason, [])] == [(n["id"], n["stateReason"], n["conditions"]) for n in piped["nodes"]]
+    same(berth("admin", "nodes", "list", "--json"), api(server, "nodes/list"))
+
+    released = berth("admin", "nodes", "release-identity", "r1", "-o", "json")
+    assert 0 == released.code, released.err
+    machine = node["node"]["machineId"]  # what the registration recorded (none from a simulated host)
+    assert {"node": {"id": "r1", "poolId": "metal", "hostname": "r1.test", "machineId": machine,
+                     "identityReleased": True}} == released.json  # nothing made up: no state, inventory, ...
+    same(released, api(server, "nodes/release-identity", {"nodeId": "r1"}))  # the same again, asked again
+
+    cordoned = same(berth("admin", "nodes", "cordon", "h1", "-o", "json"), {
+        **api(server, "nodes/cordon", {"nodeId": "h1"}), "changed": True})  # asked again: nothing changed
+    assert ("cordoned", "", []) == (cordoned["node"]["state"], cordoned["node"]["stateReason"],
+                                    cordoned["node"]["conditions"])
+    assert 0 == berth("admin", "nodes", "uncordon", "h1").code
+    for argv, path, body in [(("pools", "list"), "pools/list", {}),
+                             (("pools", "get", "metal"), "pools/get", {"poolId": "metal"}),
+                             (("tenants", "list"), "tenants/list", {}),
+                             (("tenants", "get", "acme"), "tenants/get", {"tenantId": "acme"}),
+                             (("events", "list"), "events/list", {})]:
+        same(berth("admin", *argv, "-o", "json"), api(server, path, body))
+
+    status, doc = server.post("/api/nodes/report", agent["nodeToken"], {"reports": [
+        {"reservationId": rid, "status": "cleaned", "clean": {"ok": True}}]})
+    assert [rid] == doc["accepted"], doc  # r1 ready again
+
+
+def test_a_nodes_conditions_and_state_reason_read_as_the_api_sent_them():
+    """What nodes get's table shows of a node held out by the platform (KubernetesReleaseStuck needs a cluster)."""
+    from berth.cli.render import render_node
+
+    stuck = {"type": "KubernetesReleaseStuck", "status": "True", "reservations": ["rsv_1"],
+             "message": "pods still hold the devices of released rsv_1: carried on ..."}
+    node = c.decode({"id": "k1", "poolId": "k8s", "hostname": "k1.test", "state": "maintenance",
+                     "stateReason": "KubernetesReleaseStuck: pods of rsv_1", "conditions": [stuck]}, c.AdminNode)
+    assert (["rsv_1"], "KubernetesReleaseStuck: pods of rsv_1") == (node.conditions[0].reservations, node.state_reason)
+    text = render_node(node)
+    assert "state reason       KubernetesReleaseStuck: pods of rsv_1" in text
+    assert "condition          KubernetesReleaseStuck=True: pods still hold the devices of released rsv_1" in text

@@ -187,6 +187,14 @@ def test_every_output_form_shows_the_same_answer(berth):
     assert "principal        alice" in berth("reservations", "get", rid, "-o", "wide").out
 
 
+def test_json_is_the_answer_as_the_api_sent_it_with_the_fields_the_client_does_not_read(berth, alice):
+    shown = berth("pools", "list", "-o", "json")
+    assert 0 == shown.code, shown.err
+    alice.list_pools()
+    assert (True, list(alice.last_answer)) == ("now" in shown.json, list(shown.json))  # top-level `now` kept
+    assert [p["id"] for p in alice.last_answer["pools"]] == [p["id"] for p in shown.json["pools"]]
+
+
 def test_tables_fit_the_terminal_and_json_is_never_cut(berth):
     for _ in range(2):
         assert 0 == berth("reservations", "create", *ONE, "--json").code
