@@ -185,8 +185,9 @@ def render_reservation(r: Reservation, wide: bool = False) -> str:
     if wide:
         pairs += [("principal", r.principal_id), ("tenant", r.tenant_id), ("created", when(r.created_at)),
                   ("updated", when(r.updated_at)), ("idempotency key", r.idempotency_key)]
-    if r.lease_seconds is not None:
-        pairs.append(("lease", f"{r.lease_seconds} s, renew by {when(r.lease_deadline)}"))
+    if r.lease_seconds is not None:  # an ended reservation has nothing left to renew
+        pairs.append(("lease", f"{r.lease_seconds} s" + ("" if r.state in ENDED else
+                                                         f", renew by {when(r.lease_deadline)}")))
     if r.placements:
         pairs.append(("placed on", ", ".join(f"{p.node_id}[{','.join(p.devices)}]" for p in r.placements)))
     for b in r.bound:  # what each node made of it: the cgroup the work runs in, the device nodes it may open

@@ -219,9 +219,11 @@ def test_times_read_as_iso_with_a_relative_form_and_money_with_two_decimals(bert
 
 def test_a_released_reservation_shows_when_it_actually_ended(berth, alice):
     start = (int(time.time() * 1000) // DAY_MS + 3) * DAY_MS
-    r = alice.create("h100", "H100_80GB", gpu_count=1, start=start, end=start + 3_600_000)
+    r = alice.create("h100", "H100_80GB", gpu_count=1, start=start, end=start + 3_600_000, lease_seconds=600)
+    assert "renew by" in berth("reservations", "get", r.id, "--table").out
     alice.cancel(r.id)
     shown = berth("reservations", "get", r.id, "--table").out
+    assert ["lease        600 s"] == [line for line in shown.splitlines() if line.startswith("lease")]  # ended
     end_line = next(line for line in shown.splitlines() if line.startswith("end"))
     booked = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime((start + 3_600_000) / 1000))
     assert end_line.endswith(f"booked until {booked} (in {relative(start + 3_600_000).removeprefix('in ')})")
