@@ -13,7 +13,7 @@ from controlplane.api.body import read_json
 from controlplane.api.errors import json_response
 from controlplane.api.reservations import SERVICE as RESERVATIONS
 from controlplane.billing import Billing
-from controlplane.domain.errors import DomainError, INVALID_INPUT
+from controlplane.domain.errors import DomainError, INVALID_INPUT, invalid
 from controlplane.domain.pricing import money
 from controlplane.operations import OperationService
 
@@ -41,6 +41,8 @@ async def quote(request: web.Request) -> web.Response:
 
 async def usage(request: web.Request) -> web.Response:
     body = await read_json(request, schemas.UsageBody)
+    if body.since is not None and body.until is not None and body.until <= body.since:  # an empty range by mistake
+        raise invalid("until", "must be after since (the days listed start at or after since and before until)")
     principal = request["principal"]
     service = request.app[RESERVATIONS]
     await service.authorize_tenant_read(principal)

@@ -191,6 +191,9 @@ async def test_usage_lines_per_reservation_and_day_add_up_to_the_cent_and_page(a
     assert pages == doc["lines"]
     only_a = await usage(api, reservationId=a["id"])
     assert {line["reservationId"] for line in only_a["lines"]} == {a["id"]}
+    day = start - start % 86_400_000
+    status, refused = await api.post("/api/compute/usage/list", "alice", {"since": day, "until": day})
+    assert (400, "until") == (status, refused["error"]["details"]["field"])  # an empty range is a mistake, said so
 
 
 # ---- budgets --------------------------------------------------------------------------------------
