@@ -6,6 +6,7 @@ changes nothing, and a changed file replaces what it names.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -226,21 +227,74 @@ def _bmc(doc: NodeDoc, pool: Pool, field: str, base_dir: Path | None) -> BmcRef 
     return BmcRef(bmc.redfish_url, bmc.system_id, str(path), str(ca_file) if ca_file else None)
 
 
+class _Pairs(list):
+    """A JSON object as its (key, value) pairs in order, so that a key written twice can be found."""
+
+
+def _keys_written_twice(node, path: str = "") -> None:
+    """A key written twice in one JSON object: the decoder would keep the last one without a word."""
+    if isinstance(node, _Pairs):
+        seen: set[str] = set()
+        for key, value in node:
+            where = f"{path}.{key}" if path else key
+            if key in seen:
+                raise BootstrapError(f"{where}: written twice in the same object (the last would silently win); "
+                                     "keep one")
+            seen.add(key)
+            _keys_written_twice(value, where)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _keys_written_twice(value, f"{path}[{i}]")
+
+
+def _once(seen: dict[str, str], ident: str, where: str, kind: str) -> None:
+    """Refuse the id at `where` when an earlier entry declared it (seen: id -> that entry's field path)."""
+    if ident in seen:
+        raise BootstrapError(f"{where}: {kind} {ident!r} is declared twice, the first at {seen[ident]} (the last "
+                             "would silently replace the first); keep one entry, or give this one another id")
+    seen[ident] = where
+
+
+def _unique_tokens(doc: BootstrapDoc) -> None:
+    """Every token says who calls, so one token declared twice would make one caller the other: refused, naming
+    both places and never the token itself (it is a secret)."""
+    places = ([(f"principals[{i}].token", p.token) for i, p in enumerate(doc.principals)]
+              + [(f"nodeTokens[{i}].token", t.token) for i, t in enumerate(doc.nodeTokens)]
+              + ([("adminToken", doc.adminToken)] if doc.adminToken is not None else []))
+    first: dict[str, str] = {}
+    for where, token in places:
+        if token in first:
+            raise BootstrapError(f"{where}: the same token as {first[token]}; every token must be unique (a token "
+                                 "says who calls): give one of them a new token")
+        first[token] = where
+
+
 def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, list[tuple[str, str]]], str | None]:
     """The catalog the file declares, its tokens by kind ([(token, subject)]) and the admin token."""
     try:
         doc = msgspec.json.decode(raw, type=BootstrapDoc)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise BootstrapError(str(exc).replace("$.", "")) from None
+    try:
+        pairs = json.loads(raw, object_pairs_hook=_Pairs)
+    except (ValueError, RecursionError):  # msgspec accepted it; nothing more to find
+        pairs = None
+    _keys_written_twice(pairs)
+    _unique_tokens(doc)
 
+    # An id declared twice is refused (the catalog is keyed by id: the last entry would silently win).
     tenants = {}
+    tenant_ids: dict[str, str] = {}
     for i, t in enumerate(doc.tenants):
+        _once(tenant_ids, t.id, f"tenants[{i}].id", "tenant")
         budget = _money(t.budgetUsd, f"tenants[{i}].budgetUsd") if t.budgetUsd is not None else None
         tenants[t.id] = Tenant(t.id, _quota(t.quota, f"tenants[{i}].quota"), budget, declared_budget_usd=budget)
 
     principals = {}
     tokens: dict[str, list[tuple[str, str]]] = {"principal": [], "node-bootstrap": []}
+    principal_ids: dict[str, str] = {}
     for i, p in enumerate(doc.principals):
+        _once(principal_ids, p.id, f"principals[{i}].id", "principal")
         if p.tenant is None and p.kind != "operator":
             raise BootstrapError(f"principals[{i}].tenant: required for a {p.kind}")
         if p.tenant is not None and p.tenant not in tenants:
@@ -260,11 +314,19 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
                 raise BootstrapError(f"principals[{i}].delegatedBy: user {p.delegatedBy!r} is in another tenant")
 
     pools = {}
+    pool_ids: dict[str, str] = {}
     for i, p in enumerate(doc.pools):
+        _once(pool_ids, p.id, f"pools[{i}].id", "pool")
         if p.owner not in tenants:
             raise BootstrapError(f"pools[{i}].owner: no tenant {p.owner!r}")
         offers = {}
+        offered: dict[str, str] = {}
         for j, o in enumerate(p.offers):
+            if o.tenant in offered:  # offers are keyed by tenant: the last would silently win
+                raise BootstrapError(f"pools[{i}].offers[{j}].tenant: tenant {o.tenant!r} has two offers in pool "
+                                     f"{p.id!r}, the first at {offered[o.tenant]}; a pool makes one offer per tenant: "
+                                     "merge them into one")
+            offered[o.tenant] = f"pools[{i}].offers[{j}].tenant"
             if o.tenant not in tenants:
                 raise BootstrapError(f"pools[{i}].offers[{j}].tenant: no tenant {o.tenant!r}")
             quota = {}
@@ -306,8 +368,10 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
         )
 
     nodes = {}
+    node_ids: dict[str, str] = {}
     hostnames: dict[str, str] = {}
     for i, n in enumerate(doc.nodes):
+        _once(node_ids, n.id, f"nodes[{i}].id", "node")
         pool = pools.get(n.pool)
         if pool is None:
             raise BootstrapError(f"nodes[{i}].pool: no pool {n.pool!r}")
@@ -319,7 +383,7 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
         nodes[n.id] = Node(n.id, n.pool, n.hostname, units, gpu_count, capacity, declared=True,
                            bmc=_bmc(n, pool, f"nodes[{i}]", base_dir))
 
-    for i, t in enumerate(doc.nodeTokens):
+    for i, t in enumerate(doc.nodeTokens):  # a pool may have several tokens (each registers for it)
         if t.pool not in pools:
             raise BootstrapError(f"nodeTokens[{i}].pool: no pool {t.pool!r}")
         tokens["node-bootstrap"].append((t.token, t.pool))
