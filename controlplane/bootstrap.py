@@ -203,6 +203,19 @@ def _units(doc: NodeDoc, pool: Pool, field: str) -> tuple[tuple[Unit, ...], int]
     return tuple(units), len(gpus)
 
 
+def _file(name: str, field: str, base_dir: Path | None) -> Path:
+    """A file the document names: a relative path is the bootstrap file's neighbour. A document posted to
+    /api/admin/bootstrap has no directory (base_dir None): there a relative path is refused, since resolving it
+    against the server's working directory would read whatever file happens to be there."""
+    path = Path(name)
+    if path.is_absolute():
+        return path
+    if base_dir is None:
+        raise BootstrapError(f"{field}: {name!r} is a relative path, and a document posted to the admin API has no "
+                             "directory it could be relative to: give the absolute path")
+    return base_dir / path
+
+
 def _bmc(doc: NodeDoc, pool: Pool, field: str, base_dir: Path | None) -> BmcRef | None:
     """The node's BMC, checked as the first cleaning would use it (URL, system id, the credentials file's mode and
     form); required on a node of a pool that cleans by redfish."""
@@ -213,13 +226,8 @@ def _bmc(doc: NodeDoc, pool: Pool, field: str, base_dir: Path | None) -> BmcRef 
         return None
     from controlplane.bmc import Bmc, BmcError  # sushy is imported only where a BMC is declared
 
-    def beside(name: str | None) -> Path | None:  # a relative path is the bootstrap file's neighbour
-        if name is None:
-            return None
-        path = Path(name)
-        return base_dir / path if not path.is_absolute() and base_dir is not None else path
-
-    path, ca_file = beside(doc.bmc.credentialsFile), beside(doc.bmc.caFile)
+    path = _file(doc.bmc.credentialsFile, f"{field}.bmc.credentialsFile", base_dir)
+    ca_file = _file(doc.bmc.caFile, f"{field}.bmc.caFile", base_dir) if doc.bmc.caFile else None
     try:
         bmc = Bmc(doc.bmc.redfishUrl, doc.bmc.systemId, path, ca_file=ca_file)
     except BmcError as exc:
@@ -390,13 +398,12 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
 
     policies = doc.policies or ""
     if doc.policiesFile:
-        path = Path(doc.policiesFile)
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
+        path = _file(doc.policiesFile, "policiesFile", base_dir)
         try:
             policies = policies + "\n" + path.read_text()
         except OSError as exc:
-            raise BootstrapError(f"policiesFile: {exc}") from None
+            raise BootstrapError(f"policiesFile: cannot read {path} ({exc.strerror}): give the file of the Cedar "
+                                 "policies, or write them in policies") from None
     return Catalog(tenants, principals, pools, nodes, policies), tokens, doc.adminToken
 
 

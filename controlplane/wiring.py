@@ -282,7 +282,10 @@ class ControlPlane:
             declared, tokens, admin = bootstrap_file.parse(raw)
             self._check_policies(declared)
         except (bootstrap_file.BootstrapError, ValueError) as exc:
-            raise DomainError(INVALID_INPUT, f"bootstrap: {exc}", {"field": "body", "rule": str(exc)}) from None
+            where, _, rule = str(exc).partition(": ")  # the file's messages start with the field's path
+            field = where if rule and " " not in where else "body"
+            raise DomainError(INVALID_INPUT, f"bootstrap: {exc}", {"field": field, "rule": rule if field != "body"
+                                                                   else str(exc)}) from None
         logs.add_secrets(secrets_of(tokens, admin))
         before = self.catalog.current.policies
         await self.store.call(self._bootstrap_job(declared, tokens, admin))

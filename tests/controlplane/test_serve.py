@@ -84,6 +84,24 @@ async def test_admin_sets_a_budget_and_applies_a_bootstrap_at_run_time(api):
     assert status == 400 and doc["error"]["code"] == "INVALID_INPUT"
 
 
+async def test_a_posted_bootstrap_names_its_files_by_absolute_path(api, tmp_path, monkeypatch):
+    """A posted document has no directory: a relative policiesFile would be read from the server's working
+    directory, whatever lies there."""
+    admin = "admin-token-for-tests-0001"
+    policies = tmp_path / "policies.cedar"
+    policies.write_text('permit (principal, action, resource) when { principal.tenant == resource.tenant };')
+    monkeypatch.chdir(tmp_path)  # where a relative path would have been found
+    boot = {**bootstrap_doc(), "policiesFile": "policies.cedar"}
+    boot.pop("policies", None)
+    status, doc = await api.post("/api/admin/bootstrap", admin, boot)
+    assert (400, "policiesFile") == (status, doc["error"]["details"]["field"]), doc  # the field, not "body"
+    assert "give the absolute path" in doc["error"]["message"]
+    status, doc = await api.post("/api/admin/bootstrap", admin, {**boot, "policiesFile": str(policies)})
+    assert 200 == status, doc
+    status, doc = await api.post("/api/admin/bootstrap", admin, {**boot, "policiesFile": str(tmp_path / "gone")})
+    assert (400, True) == (status, "cannot read" in doc["error"]["message"]), doc
+
+
 async def test_a_budget_set_at_run_time_outlives_the_bootstrap_applied_again_until_the_file_declares_another(api):
     """Every replica applies the bootstrap file at its start: a budget set through the admin API stays while the
     file declares the budget it declared before, and the file's wins once it declares another."""
