@@ -17,7 +17,7 @@ from controlplane import bootstrap as bootstrap_file
 from controlplane import catalog as catalog_mod
 from controlplane.catalog import Catalog
 from controlplane.domain.clock import Clock
-from controlplane.domain.errors import INVALID_INPUT, DomainError, not_found
+from controlplane.domain.errors import INVALID_INPUT, DomainError, invalid, not_found
 from controlplane.domain.ids import token_hash
 from controlplane.iam.cedar import CedarAuthorizer, validate
 from controlplane.billing import Billing
@@ -273,7 +273,10 @@ class ControlPlane:
         except (bootstrap_file.BootstrapError, ValueError) as exc:
             raise ConfigError(f"--bootstrap {exc}") from None
         logs.add_secrets(secrets_of(tokens, admin))
-        self.store.call_sync(self._bootstrap_job(declared, tokens, admin))
+        try:
+            self.store.call_sync(self._bootstrap_job(declared, tokens, admin))
+        except DomainError as exc:  # a token another caller already holds
+            raise ConfigError(f"--bootstrap {exc}") from None
         self._log_applied(str(path))
 
     async def apply_bootstrap_doc(self, raw: bytes) -> dict:
@@ -324,21 +327,27 @@ class ControlPlane:
     def _bootstrap_job(self, declared: Catalog, tokens: dict, admin: str | None):
         def job(tx: Tx) -> None:
             merged = bootstrap_file.merge(self.catalog.current, declared)
+            rows = dict(self.tokens.rows)
+            named = {(kind, subject) for kind, pairs in tokens.items() for _, subject in pairs}
+            if admin:
+                named.add(("admin", "admin"))
+            kept = {h: ks for h, ks in rows.items() if ks not in named}  # a named subject's tokens are replaced
+            declared_tokens = [(t, k, s) for k, pairs in tokens.items() for t, s in pairs]
+            if admin:
+                declared_tokens.append((admin, "admin", "admin"))
+            for token, kind, subject in declared_tokens:  # before any write: a refusal changes nothing
+                held = kept.get(token_hash(token))
+                if held is not None:  # it would silently become another caller's token
+                    raise invalid("token", f"a token declared for {kind} {subject} is already the token of {held[0]} "
+                                  f"{held[1]}, which this document does not name: give {subject} a new token")
             for kind, items in (("tenant", merged.tenants), ("principal", merged.principals),
                                 ("pool", merged.pools), ("node", merged.nodes)):
                 for ident, item in items.items():
                     tx.put_catalog(kind, ident, catalog_mod.encode_item(item))
             tx.put_catalog("policies", "default", merged.policies.encode())
-            rows = dict(self.tokens.rows)
-            named = {(kind, subject) for kind, pairs in tokens.items() for _, subject in pairs}
-            if admin:
-                named.add(("admin", "admin"))
-            for kind, subject in named:  # a named subject's tokens are replaced by the declared ones
-                rows = {h: ks for h, ks in rows.items() if ks != (kind, subject)}
+            rows = kept
+            for kind, subject in named:
                 tx.delete_tokens(kind, subject)
-            declared_tokens = [(t, k, s) for k, pairs in tokens.items() for t, s in pairs]
-            if admin:
-                declared_tokens.append((admin, "admin", "admin"))
             for token, kind, subject in declared_tokens:
                 tx.put_token(token_hash(token), kind, subject)
                 rows[token_hash(token)] = (kind, subject)

@@ -189,3 +189,25 @@ async def test_a_bootstrap_through_the_admin_api_with_a_duplicate_changes_nothin
         assert ("principal", "alice") == cp.tokens.resolve(TOKENS["alice"])
     finally:
         cp.close()
+
+
+async def test_a_token_another_caller_holds_in_the_store_is_not_taken_over_by_a_later_document(tmp_path):
+    """A document that does not name alice cannot give alice's stored token to someone else: refused, nothing
+    applied, and alice's token still speaks for alice."""
+    (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
+    cp = ControlPlane(Config(db=f"sqlite:///{tmp_path / 'cp.db'}", bootstrap=str(tmp_path / "b.json"),
+                             clock=FakeClock(T0), reconcile=False)).open()
+    try:
+        later = {"tenants": [{"id": "acme"}], "principals": [{"id": "zed", "tenant": "acme", "token": TOKENS["alice"]}]}
+        with pytest.raises(DomainError) as err:
+            await cp.apply_bootstrap_doc(json.dumps(later).encode())
+        assert ("token", True) == (err.value.details["field"], "already the token of principal alice" in str(err.value))
+        assert shows_none_of(TOKENS["alice"], str(err.value))
+        assert ("principal", "alice") == cp.tokens.resolve(TOKENS["alice"]) and "zed" not in cp.catalog.current.principals
+        rotated = {"tenants": [{"id": "acme"}], "principals": [
+            {"id": "alice", "tenant": "acme", "token": "a-new-token-for-alice-0001"},
+            {"id": "zed", "tenant": "acme", "token": TOKENS["alice"]}]}  # alice named with a new one: hers is free
+        await cp.apply_bootstrap_doc(json.dumps(rotated).encode())
+        assert ("principal", "zed") == cp.tokens.resolve(TOKENS["alice"])
+    finally:
+        cp.close()
