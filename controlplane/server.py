@@ -334,8 +334,12 @@ def main(argv: list[str]) -> int:
         log.warning("the --db URL holds a password, which every local user can read in this process's command "
                     "line: give it in PGPASSWORD or a passfile (PGPASSFILE), or the whole URL in BERTH_DB, in the "
                     "unit's environment file (mode 0640) instead; see docs/scale-out.md")
+    if args.db == "":  # a variable left unset in a unit or a script: not the default database by surprise
+        parser.error("--db: empty: give sqlite:///PATH or postgresql://..., or leave --db out (BERTH_DB, or the "
+                     f"default {default_db_url()})")
     db = args.db or os.environ.get("BERTH_DB") or default_db_url()
-    config = Config(db=db, bootstrap=args.bootstrap, synchronous=args.synchronous,
+    source = "--db" if args.db else "BERTH_DB" if os.environ.get("BERTH_DB") else "the default database"
+    config = Config(db=db, db_source=source, bootstrap=args.bootstrap, synchronous=args.synchronous,
                     authzen=args.authzen, authzen_timeout_s=args.authzen_timeout, node_grace_s=args.node_grace,
                     commit_wait_s=args.commit_wait, freeze_memory=True)
     if args.metrics_listen and args.metrics_listen[1] == args.listen[1] != 0 and (

@@ -106,6 +106,7 @@ class Config:
     node_grace_s: float = 30.0  # a node silent for longer is lost
     commit_wait_s: float = COMMIT_WAIT_S  # PostgreSQL: a change not committed by then: PROVIDER_UNAVAILABLE
     freeze_memory: bool = False  # a memory built whole is frozen out of the collector's reach (collector_paused)
+    db_source: str = "--db"  # where db was given (--db, BERTH_DB, the default), as its errors name it
 
 
 def open_store(config: Config) -> Store:
@@ -116,11 +117,11 @@ def open_store(config: Config) -> Store:
         try:
             return PgStore(config.db, commit_wait_s=config.commit_wait_s)
         except StoreError as exc:
-            raise ConfigError(f"--db {logs.redact_url(config.db)}: {exc}") from None
+            raise ConfigError(f"{config.db_source} {logs.redact_url(config.db)}: {exc}") from None
     try:
-        return SqliteStore(sqlite_path(config.db), config.synchronous)
+        return SqliteStore(sqlite_path(config.db, config.db_source), config.synchronous)
     except StoreError as exc:
-        raise ConfigError(f"--db {config.db}: {exc}") from None
+        raise ConfigError(f"{config.db_source} {config.db}: {exc}") from None
 
 
 def replicas_of(store: Store):

@@ -60,6 +60,14 @@ def test_an_unsupported_database_url_says_what_to_use(tmp_path):
         capture_output=True, text=True, timeout=30,
     )
     assert out.returncode == 2 and "sqlite:///PATH" in out.stderr
+    import os
+    env = {**os.environ, "BERTH_DB": "mysql://x"}
+    out = subprocess.run([sys.executable, "-m", "berth", "controlplane", "serve"], capture_output=True, text=True,
+                         timeout=30, env=env)
+    assert (2, True) == (out.returncode, "BERTH_DB: 'mysql://x' is not sqlite:///PATH" in out.stderr), out.stderr
+    out = subprocess.run([sys.executable, "-m", "berth", "controlplane", "serve", "--db", ""], capture_output=True,
+                         text=True, timeout=30, cwd=tmp_path)  # not the default database by surprise
+    assert (2, True) == (out.returncode, "--db: empty" in out.stderr), out.stderr
 
 
 async def test_admin_sets_a_budget_and_applies_a_bootstrap_at_run_time(api):
