@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from controlplane.catalog import Catalog
+from controlplane.schemas import field_of
 from controlplane.domain.model import (SHARING_MODES, BmcRef, Node, Offer, Pool, PoolPolicy, Principal, Tenant,
                                        Unit)
 from common.share import Share
@@ -281,8 +282,12 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
     """The catalog the file declares, its tokens by kind ([(token, subject)]) and the admin token."""
     try:
         doc = msgspec.json.decode(raw, type=BootstrapDoc)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise BootstrapError(str(exc).replace("$.", "")) from None
+    except msgspec.ValidationError as exc:  # the field's path first, and the rule in words, as the API says them
+        field, rule = field_of(str(exc))
+        raise BootstrapError(f"{'the document' if field == 'body' else field}: "
+                             f"{rule.replace('of this request', 'of a bootstrap document')}") from None
+    except msgspec.DecodeError as exc:
+        raise BootstrapError(f"not valid JSON ({exc})") from None
     try:
         pairs = json.loads(raw, object_pairs_hook=_Pairs)
     except (ValueError, RecursionError):  # msgspec accepted it; nothing more to find

@@ -146,8 +146,9 @@ def _rule(text: str) -> str:
     return out
 
 
-def _field_of(message: str) -> tuple[str, str]:
-    """(field path, rule) out of a msgspec message such as "Expected `int` >= 1 - at `$.gpuCount`"."""
+def field_of(message: str) -> tuple[str, str]:
+    """(field path, rule) out of a msgspec message such as "Expected `int` >= 1 - at `$.gpuCount`" ("body" where
+    the document as a whole is wrong)."""
     path = ""
     rule = message
     m = _AT.search(message)
@@ -170,7 +171,7 @@ def decode(body: bytes, schema: type[Struct]) -> Any:
         except msgspec.DecodeError as syntax:
             raise DomainError(INVALID_INPUT, f"body: not valid JSON ({syntax})",
                               {"field": "body", "rule": "must be a JSON object"}) from None
-        field, rule = _field_of(str(exc))
+        field, rule = field_of(str(exc))
         raise DomainError(INVALID_INPUT, f"{field}: {rule}", {"field": field, "rule": rule}) from None
     except msgspec.DecodeError as exc:
         raise DomainError(INVALID_INPUT, f"body: not valid JSON ({exc})", {"field": "body", "rule": "must be a JSON object"}) from None

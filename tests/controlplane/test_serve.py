@@ -38,7 +38,8 @@ def test_bootstrap_is_applied_idempotently_across_restarts(tmp_path, db_url):
         (lambda d: d["nodes"][0].update(pool="nope"), "nodes[0].pool: no pool 'nope'"),
         (lambda d: d["tenants"][0]["quota"].update({"disk": 1}), "tenants[0].quota.disk"),
         (lambda d: d.update(policies="permit (principal, action, resource) when { resource.colour == 1 };"), "policies"),
-        (lambda d: d["principals"][0].update(token="short"), "token"),
+        (lambda d: d["principals"][0].update(token="short"), "principals[0].token: must be a string of length >= 16"),
+        (lambda d: d.update(colour="blue"), "colour: is not a field of a bootstrap document"),
     ],
 )
 def test_a_bad_bootstrap_stops_the_start_naming_the_field(tmp_path, change, message):
