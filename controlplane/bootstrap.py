@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from controlplane.catalog import Catalog
+from controlplane.iam import cedar
 from controlplane.schemas import field_of
 from controlplane.domain.model import (SHARING_MODES, BmcRef, Node, Offer, Pool, PoolPolicy, Principal, Tenant,
                                        Unit)
@@ -401,14 +402,21 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
             raise BootstrapError(f"nodeTokens[{i}].pool: no pool {t.pool!r}")
         tokens["node-bootstrap"].append((t.token, t.pool))
 
-    policies = doc.policies or ""
+    sources = [("policies", doc.policies or "")]
     if doc.policiesFile:
         path = _file(doc.policiesFile, "policiesFile", base_dir)
         try:
-            policies = policies + "\n" + path.read_text()
+            sources.append((f"policiesFile {path}", path.read_text()))
         except OSError as exc:
             raise BootstrapError(f"policiesFile: cannot read {path} ({exc.strerror}): give the file of the Cedar "
                                  "policies, or write them in policies") from None
+    for where, text in sources:  # each checked alone, so that a line number is the line of its own text
+        if text.strip():
+            try:
+                cedar.validate(text)
+            except cedar.PolicyError as exc:
+                raise BootstrapError(f"{where}: {exc}") from None
+    policies = "\n".join(text for _, text in sources if text)
     return Catalog(tenants, principals, pools, nodes, policies), tokens, doc.adminToken
 
 

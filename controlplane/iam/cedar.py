@@ -34,10 +34,62 @@ class PolicyError(ValueError):
 
 
 def validate(policies: str) -> None:
-    """Parse and validate a policy set against Berth's IAM schema; PolicyError says what is wrong."""
+    """Parse and validate a policy set against Berth's IAM schema; PolicyError says what is wrong, and where:
+    cedarpy's errors carry no line, so the policy at fault is found here (its line and first words)."""
     result = cedarpy.validate_policies(policies, SCHEMA_PATH.read_text())
-    if not result.validation_passed:
-        raise PolicyError("; ".join(str(e) for e in result.errors) or "policies do not validate")
+    if result.validation_passed:
+        return
+    starts = statement_lines(policies)
+    said: dict[str, list[str]] = {}  # where -> what is wrong there
+    for e in result.errors:
+        pid = getattr(e, "policy_id", "")
+        if pid.startswith("policy") and pid[6:].isdigit() and int(pid[6:]) < len(starts):  # cedarpy's policyN
+            where = starts[int(pid[6:])]
+        else:  # a parse error names no policy: the first statement that does not parse alone is the one
+            where = next((s for s in starts if not _parses(policies[s[1]:s[2]])), None)
+        at = f"line {where[0]} ({policies[where[1]:where[2]].strip()[:60]!r})" if where else ""
+        said.setdefault(at, []).append(str(getattr(e, "error", e)))
+    raise PolicyError("; ".join(f"{at}: {', '.join(dict.fromkeys(texts))}" if at else ", ".join(texts)
+                                for at, texts in said.items()) or "policies do not validate")
+
+
+def _parses(statement: str) -> bool:
+    try:
+        cedarpy.policies_to_json_str(statement)
+    except ValueError:
+        return False
+    return True
+
+
+def statement_lines(policies: str) -> list[tuple[int, int, int]]:
+    """(line, start, end) of each policy statement: the text up to each `;` outside strings and `//` comments,
+    its line the first one that holds more than blanks and comments."""
+    out, start, i, n = [], 0, 0, len(policies)
+    while i < n:
+        c = policies[i]
+        if c == '"':  # a string, with backslash escapes
+            i += 1
+            while i < n and policies[i] != '"':
+                i += 2 if policies[i] == "\\" else 1
+        elif policies.startswith("//", i):
+            i = policies.find("\n", i)
+            i = n if i < 0 else i
+        elif c == ";":
+            out.append((start, i + 1))
+            start = i + 1
+        i += 1
+    if policies[start:].strip() and not all(ln.strip().startswith("//") or not ln.strip()
+                                             for ln in policies[start:].splitlines()):
+        out.append((start, n))  # a last statement without its `;`
+    lines = []
+    for begin, end in out:
+        first = begin
+        for ln in policies[begin:end].splitlines(keepends=True):  # skip blank and comment lines
+            if ln.strip() and not ln.strip().startswith("//"):
+                break
+            first += len(ln)
+        lines.append((policies.count("\n", 0, first) + 1, first, end))
+    return lines
 
 
 def forbid_annotations(policies: str) -> dict[str, tuple[str, str]]:

@@ -94,3 +94,21 @@ forbid (principal, action, resource is Reservation) when { resource.gpuCount == 
     assert (False, "", "") == (none.allowed, none.policy, none.reason)
     err = access_denied(none, "alice may not create this reservation", {"action": CREATE})
     assert err.message.endswith(": no policy permits it") and "policy" not in err.details
+
+
+def test_a_policy_that_does_not_parse_or_validate_is_named_by_its_line_and_first_words():
+    policies = ('// the tenant\'s own\n'
+                'permit (principal, action, resource) when { principal.tenant == resource.tenant };\n'
+                '\n'
+                'permit (principal, action, resource) when { "a;b" == "x" && };\n'
+                'forbid (principal, action, resource) when { resource.colour == 1 };\n')
+    with pytest.raises(PolicyError) as err:
+        validate(policies)
+    assert str(err.value).startswith("line 4 ('permit (principal, action, resource) when { \"a;b\" == \"x\"")
+    assert str(err.value).endswith("Policy parse error: unexpected token `}`")
+    fixed = policies.replace("&& }", "}")
+    with pytest.raises(PolicyError) as err:
+        validate(fixed)
+    said = str(err.value)
+    assert (True, 1) == (said.startswith("line 5 ('forbid (principal, action, resource) when { resource.colour"),
+                         said.count("line 5")), said  # its several complaints under one place

@@ -55,6 +55,19 @@ def test_a_bad_bootstrap_stops_the_start_naming_the_field(tmp_path, change, mess
     assert message in out.stderr
 
 
+def test_a_policies_file_that_does_not_parse_is_named_with_its_line(tmp_path):
+    doc = bootstrap_doc()
+    doc.pop("policies", None)
+    doc["policiesFile"] = "policies.cedar"
+    (tmp_path / "policies.cedar").write_text("// ours\npermit (principal, action, resource)\n  when { principal.tenant == };\n")
+    (tmp_path / "b.json").write_text(json.dumps(doc))
+    out = subprocess.run([sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0", "--db",
+                          f"sqlite:///{tmp_path / 'cp.db'}", "--bootstrap", str(tmp_path / "b.json")],
+                         capture_output=True, text=True, timeout=30)
+    assert (2, True) == (out.returncode, f"policiesFile {tmp_path / 'policies.cedar'}: line 2 ('permit (principal"
+                         in out.stderr), out.stderr
+
+
 def test_an_unsupported_database_url_says_what_to_use(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "berth", "controlplane", "serve", "--db", "mysql://x"],
