@@ -68,6 +68,17 @@ def _count(least: int) -> Callable[[str], int]:
     return count
 
 
+def _finite(text: str) -> float:
+    """A number such as 1.5 (--hours, --vcpu, ...): not nan or inf, which float() takes."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number, e.g. 1.5")
+    return value
+
+
 def _seconds(text: str) -> float:
     """Seconds above 0 (--request-timeout, --timeout-sec)."""
     try:
@@ -122,7 +133,7 @@ def _add_field(p, f: Field, time_arg: Callable[[str], int], required: bool = Fal
     elif annotation.startswith("int"):
         kw["type"] = int
     elif annotation.startswith("float"):
-        kw["type"] = float
+        kw["type"] = _finite
     if f.name == "sharing":
         kw["choices"] = ("exclusive", "mig", "slots")
     p.add_argument(flag_of(f), required=required, **kw)

@@ -410,6 +410,7 @@ def test_provider_unavailable_advice_keeps_the_key_and_the_reference():
     (["reservations", "create", *ONE, "--start", "+1y"], "give a relative time with a unit, e.g. +30m"),
     (["reservations", "extend", "rsv_x", "--by", "10"], "give a duration with a unit"),
     (["reservations", "create", *ONE, "--max-hourly-price", "cheap"], "give a decimal price"),
+    (["reservations", "create", *ONE[:-2], "--hours", "nan"], "argument --hours: 'nan': give a number"),
     (["whoami", "--retries", "-1"], "argument --retries: '-1': give a whole number of at least 0"),
     (["whoami", "--request-timeout", "0"], "argument --request-timeout: '0': give seconds above 0"),
     (["operations", "wait", "op_x", "--timeout-sec", "-5"], "argument --timeout-sec: '-5': give seconds above 0"),
