@@ -206,6 +206,11 @@ LIST_COLUMNS = ("ID", "STATE", "POOL", "GPUS", "START", "END", "OPERATION")
 WIDE_COLUMNS = ("BINDING", "SPOT", "PRINCIPAL")
 
 
+# The states a tenant's list shows: a watch's STATE column is made as wide as the longest, so that a row printed
+# later (a reservation that became cancelled) lines up under the first table.
+LISTED_STATES = ("pending", "placed", "binding", "active", "released", "cancelled")
+
+
 def list_headers(wide: bool) -> tuple[str, ...]:
     return LIST_COLUMNS + (WIDE_COLUMNS if wide else ())
 

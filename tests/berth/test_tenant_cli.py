@@ -795,6 +795,10 @@ def test_list_watch_on_a_terminal_lines_up_the_changed_rows(server, config_home,
         new = later(alice)  # starts in hours: still placed when the row is printed
         row = lines.next()
         assert row.startswith(new.id) and row.index("placed") == header.index("STATE")
+        alice.cancel(new.id)  # a state wider than any the first table showed: the columns after it stay put
+        row = lines.next()
+        assert row.startswith(new.id) and row.index("cancelled") == header.index("STATE"), (header, row)
+        assert row.index("h100") == header.index("POOL"), (header, row)
     finally:
         interrupt(watch)
 
