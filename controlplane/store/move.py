@@ -174,7 +174,7 @@ async def open_target(dsn: str) -> asyncpg.Connection:
             raise Refused(f"--to {redact_url(dsn)}: {exc}; give postgresql://USER@HOST[:PORT]/DB (or "
                           "postgresql://USER@/DB?host=/run/postgresql for a unix socket) of an existing database") \
                 from None
-        raise Refused(f"--to {redact_url(dsn)}: cannot connect: {pg_connect.cannot_connect(exc)}") from None
+        raise Refused(f"--to {redact_url(dsn)}: cannot connect: {pg_connect.cannot_connect(exc, dsn)}") from None
 
 
 async def migrate_target(pg: asyncpg.Connection, shown_target: str) -> None:

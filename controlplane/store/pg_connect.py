@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import ssl
 import sys
 import threading
 import time
+import urllib.parse
 from typing import Any, Awaitable
 
 import asyncpg
@@ -27,7 +29,7 @@ UNREACHABLE = (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
                asyncpg.AdminShutdownError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
 
 
-def cannot_connect(exc: BaseException) -> str:
+def cannot_connect(exc: BaseException, dsn: str = "") -> str:
     """Why a connection could not be made, and what to change: the error itself, then the advice its kind
     calls for (a certificate, a password, pg_hba.conf's refusal, an address that does not answer)."""
     said = f"{type(exc).__name__}: {exc}"
@@ -50,6 +52,14 @@ def cannot_connect(exc: BaseException) -> str:
         return f"{said}; the server's pg_hba.conf lets no such connection in: its administrator adds a line for it"
     if isinstance(exc, asyncpg.InvalidCatalogNameError):
         return f"{said}; create the database first (createdb), or name an existing one in the URL"
+    if isinstance(exc, FileNotFoundError):  # a file the URL names (sslrootcert, sslcert, sslkey), or a unix socket
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(dsn).query) if dsn else {}
+        gone = [f"{key}={query[key][0]}" for key in ("sslrootcert", "sslcert", "sslkey")
+                if query.get(key) and not os.path.exists(query[key][0])]
+        if gone:
+            return f"{said}; the URL names a file that is not there: {', '.join(gone)}"
+        return (f"{said}; no PostgreSQL socket is there: check the URL's host (a unix socket's directory) and port, "
+                "and that PostgreSQL is running")
     return f"{said}; check the URL, that PostgreSQL is running there, and that the user may connect"
 
 

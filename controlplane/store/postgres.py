@@ -73,7 +73,7 @@ class PgStore(WriterFront, CommittedReads):
             raise StoreError(str(exc)) from None
         except (UNREACHABLE + (asyncpg.PostgresError,)) as exc:
             self.connector.close()
-            raise StoreError(f"cannot open the database: {cannot_connect(exc)}") from None
+            raise StoreError(f"cannot open the database: {cannot_connect(exc, dsn)}") from None
         self.writer: Writer | None = None
 
     async def _open(self) -> None:

@@ -134,3 +134,19 @@ def test_each_refused_connection_exits_2_saying_what_to_change(network_db, datab
     assert says in lines[0]
     assert PASSWORD not in out.stderr
     assert [] == berths_connections(network_db, database)
+
+
+@pytest.mark.parametrize("query, said", [
+    ("?host={tmp}/no-socket-here", "no PostgreSQL socket is there: check the URL's host"),
+    ("?host=127.0.0.1&port={port}&sslmode=verify-full&sslrootcert={tmp}/gone-ca.pem",
+     "the URL names a file that is not there: sslrootcert={tmp}/gone-ca.pem"),
+])
+def test_a_url_naming_a_file_or_socket_that_is_not_there_says_which(tmp_path, query, said):
+    """No server is needed to hear it: a missing file or socket is named, not left as a bare FileNotFoundError."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    url = "postgresql://berth@/berth" + query.format(tmp=tmp_path, port=port)
+    out = subprocess.run([sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
+                          "--db", url], capture_output=True, text=True, timeout=60)
+    assert (2, True) == (out.returncode, said.format(tmp=tmp_path) in out.stderr), out.stderr
