@@ -311,7 +311,8 @@ async def cmd_events_list(ctx: Context, argv: Sequence[str]) -> int:
         shown = [e for e in page.events if mine(e)]
         text = render_events(shown, width=ctx.width) if shown else "no events"
         if page.events:
-            text += f"\nmore: {same_command(ctx, [*without(argv, '--after'), '--after', str(page.next_cursor)])}"
+            after = same_command(ctx, [*without(argv, "--after"), "--after", str(page.next_cursor)])
+            text += f"\nthe next page, or events committed later: {after}"
         ctx.emit({"events": wire(shown), "nextCursor": page.next_cursor}, text)
         return EXIT_OK
     cursor, header = a.after, True
@@ -410,7 +411,8 @@ async def cmd_admin_events_list(ctx: Context, argv: Sequence[str]) -> int:
              e.data.get("by"), e.data.get("reason")) for e in page.events]
     text = table(("SEQ", "AT", "EVENT", "NODE", "STATE", "BY", "REASON"), rows, width=ctx.width) if rows else "no events"
     if page.events:
-        text += f"\nmore: {same_command(ctx, [*without(argv, '--after'), '--after', str(page.next_cursor)])}"
+        after = same_command(ctx, [*without(argv, "--after"), "--after", str(page.next_cursor)])
+        text += f"\nthe next page, or events committed later: {after}"
     ctx.emit(ctx.client.last_answer, text)
     return EXIT_OK
 

@@ -626,7 +626,7 @@ def test_events_list_shows_a_reservations_events_with_iso_times(berth, alice):
     assert 0 == run.code, run.err
     header, *rows = run.out.splitlines()
     assert header.split()[:5] == ["SEQ", "AT", "RESERVATION", "EVENT", "STATE"]
-    assert rows and all(r.id in row for row in rows if not row.startswith("more:"))
+    assert rows and all(r.id in row for row in rows if not row.startswith("the next page"))
     assert "reservation.placed" in run.out and "Z" in rows[0]
     doc = berth("events", "list", "--reservation", r.id, "--limit", "500", "--json").json
     assert {r.id} == {e["reservationId"] for e in doc["events"]} and doc["nextCursor"] >= doc["events"][-1]["seq"]
