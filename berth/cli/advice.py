@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shlex
 from decimal import Decimal
+import re
 from typing import Any, Sequence
 
 from berth.cli.context import Context, connection_flags, request_command, same_command, without
@@ -17,11 +18,29 @@ from berth.cli.parser import FLAG_OF_FIELD
 from berth.cli.render import humane, money_rate, when
 from berth.client import TERMINAL, BadAnswer, BerthError, InvalidInput, Operation, TransportError
 from common import errors as error_table
+from common.times import iso
 
 EXIT_OK, EXIT_CLI, EXIT_USAGE, EXIT_CUSTOMER, EXIT_PROVIDER, EXIT_PLATFORM, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5, 6
 EXIT_INTERRUPTED = 130
 
 EXIT_OF_ACTOR = {"customer": EXIT_CUSTOMER, "provider": EXIT_PROVIDER, "platform": EXIT_PLATFORM}
+
+
+TIME_FIELDS = frozenset({"start", "end", "until", "since", "from"})  # epoch ms on the wire, times on the flags
+_BOUND = re.compile(r"(?<![\w.])(\d{7,})(?![\w.])")  # a number of milliseconds the API states a bound in
+
+
+def in_flag_units(field: str, rule: str) -> str:
+    """A rule the API states in epoch ms ("must be an integer <= 32503680000000") in the flag's own units: a
+    time as ISO 8601, a duration of --by in days or hours."""
+    if field in TIME_FIELDS:
+        return _BOUND.sub(lambda m: iso(int(m.group(1)), "never"), rule).replace("an integer", "a time")
+    if field == "by":
+        def span(m: re.Match) -> str:
+            ms = int(m.group(1))
+            return f"{ms / 86_400_000:g}d" if ms % 86_400_000 == 0 else f"{ms / 3_600_000:g}h"
+        return _BOUND.sub(span, rule).replace("an integer", "a duration")
+    return rule
 
 
 def exit_code_of(err: BerthError) -> int:
@@ -208,7 +227,8 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         flag = FLAG_OF_FIELD.get(field, "")
         if flag and index.rstrip("]").isdigit():
             flag = f"{flag} number {int(index.rstrip(']')) + 1}"
-        return [f"next: fix {flag} ({d.get('rule', err.message)})" if flag else f"next: fix the request ({err.message})"]
+        rule = in_flag_units(field, d.get("rule", err.message))
+        return [f"next: fix {flag} ({rule})" if flag else f"next: fix the request ({err.message})"]
     if code == "UNAUTHENTICATED":
         return [f"the token (from {ctx.settings.sources.get('token')}) is not accepted: check --token, BERTH_TOKEN "
                 "or the config file"]

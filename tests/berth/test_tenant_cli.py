@@ -154,6 +154,14 @@ def test_a_url_that_is_not_http_exits_2_at_once_saying_what_to_write(berth, serv
     assert time.monotonic() - started < 10  # no retries: nothing was sent
 
 
+def test_a_bound_the_api_states_in_milliseconds_is_said_in_the_flag_s_units(berth, alice):
+    run = berth("reservations", "create", *ONE[:-2], "--start", "now", "--end", "99999999999999999")
+    assert (3, True) == (run.code, "next: fix --end (must be a time <= 3000-01-01T00:00:00Z)" in run.err), run.err
+    r = alice.create("h100", "H100_80GB", gpu_count=1, duration_hours=1)
+    run = berth("reservations", "extend", r.id, "--by", "10000d")
+    assert (3, True) == (run.code, "next: fix --by (must be a duration <= 366d)" in run.err), run.err
+
+
 def test_an_unknown_pool_points_at_the_pools_one_may_book(berth):
     run = berth("reservations", "create", "--pool", "nowhere", "--gpu-model", "H100_80GB", "--hours", "1")
     assert (3, "berth pools list") == (run.code, run.line("the pool is not yours or offered to you; the pools you "
