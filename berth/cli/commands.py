@@ -282,13 +282,13 @@ async def cmd_operation_wait(ctx: Context, argv: Sequence[str]) -> int:
 
 async def cmd_pools_list(ctx: Context, argv: Sequence[str]) -> int:
     pools = await ctx.client.list_pools(start=ctx.args.start, until=ctx.args.until)
-    ctx.emit(ctx.client.last_answer, render_offered_pools(pools, ctx.width))
+    ctx.emit(ctx.client.last_answer, render_offered_pools(pools, ctx.width, at_from=ctx.args.start is not None))
     return EXIT_OK
 
 
 async def cmd_pools_get(ctx: Context, argv: Sequence[str]) -> int:
     pool = await ctx.client.get_pool(ctx.args.pool_id, start=ctx.args.start, until=ctx.args.until)
-    ctx.emit(ctx.client.last_answer, render_offered_pool(pool))
+    ctx.emit(ctx.client.last_answer, render_offered_pool(pool, at_from=ctx.args.start is not None))
     return EXIT_OK
 
 

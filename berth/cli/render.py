@@ -307,22 +307,24 @@ def _free(p: OfferedPool) -> str:
     return text
 
 
-def render_offered_pools(pools: Sequence[OfferedPool], width: int | None = None) -> str:
+def render_offered_pools(pools: Sequence[OfferedPool], width: int | None = None, at_from: bool = False) -> str:
+    """at_from: the window starts at --from, not now (the first step's free count is then free at its start)."""
     if not pools:
         return "no pools: your tenant owns none and is offered none; ask the operator"
-    return table(("POOL", "REGION", "MODEL", "SHARING", "SHAPE", "BINDINGS", "PRICE/GPU-H", "NODES", "FREE NOW/TOTAL"),
+    free = "FREE AT FROM/TOTAL" if at_from else "FREE NOW/TOTAL"
+    return table(("POOL", "REGION", "MODEL", "SHARING", "SHAPE", "BINDINGS", "PRICE/GPU-H", "NODES", free),
                  [(p.id, p.region, p.gpu_model, p.sharing, _pool_shape(p), ",".join(p.bindings),
                    money_rate(p.price_per_gpu_hour_usd), " ".join(f"{s.nodes}x{s.gpus}" for s in p.node_sizes) or "0",
                    _free(p)) for p in pools], width=width)
 
 
-def render_offered_pool(p: OfferedPool) -> str:
+def render_offered_pool(p: OfferedPool, at_from: bool = False) -> str:
     steps = "; ".join(f"{s.units} from {when(s.at)}" for s in p.free)
     return fields([("pool", p.id), ("region", p.region), ("model", p.gpu_model), ("sharing", p.sharing),
                    ("yours", "owned" if p.owned else "offered to your tenant"), ("shape", _pool_shape(p)),
                    ("bindings", ", ".join(p.bindings)), ("price", money_rate(p.price_per_gpu_hour_usd) + " per GPU"),
                    ("nodes", ", ".join(f"{s.nodes} of {s.gpus} GPUs" for s in p.node_sizes) or "none"),
-                   ("free now", _free(p)), ("free over the window", steps),
+                   ("free at --from" if at_from else "free now", _free(p)), ("free over the window", steps),
                    ("tenant root", f"log in as {p.tenant_root.user}; cleaned {p.tenant_root.cleaning} within "
                                    f"{p.tenant_root.turnaround_minutes} min after each booking"
                     if p.tenant_root else None)])

@@ -740,6 +740,10 @@ def test_pools_list_and_get_show_what_can_be_booked_and_what_is_free(berth):
     assert (True, "exclusive") == (h100["owned"], h100["sharing"]) and h100["freeNow"] <= h100["units"]
     got = berth("pools", "get", "mig", env={"BERTH_FORCE_TTY": "1"})
     assert 0 == got.code and "free now" in got.out and "1g.10gb" in got.out, got.err
+    # a window from another time: its first count is free at --from, not now
+    later = berth("pools", "list", "--from", "+2d", env={"BERTH_FORCE_TTY": "1"})
+    assert "FREE AT FROM/TOTAL" in later.out.splitlines()[0] and "FREE NOW" not in later.out, later.out
+    assert "free at --from" in berth("pools", "get", "mig", "--from", "+2d", env={"BERTH_FORCE_TTY": "1"}).out
     missing = berth("pools", "get", "nope")
     assert 3 == missing.code and "NOT_FOUND" in missing.err
 
