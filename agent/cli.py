@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 
 from agent.errors import AgentError, TopologyError
@@ -17,6 +18,80 @@ from common.hostfacts import HostReadError
 
 RUNTIME_USAGE = ("berth agent --control-plane URL --bootstrap-token TOKEN [--simulate TOPOLOGY.json] "
                  "[--cgroup-root PATH] [--state-dir DIR] [options]; `berth agent discover` prints this host's inventory")
+
+
+def _amount(text: str) -> float:
+    """A finite amount of at least 0 (--reserve-vcpu, --reserve-memory-gib)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of at least 0, e.g. 2")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """Seconds above 0 (the loops' intervals and timeouts)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds above 0, e.g. 5")
+    return value
+
+
+def _milliseconds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give milliseconds above 0, e.g. 25000")
+    return value
+
+
+def _url(text: str) -> str:
+    """The control plane's base URL: http(s)://HOST[:PORT], checked before anything on the host is touched."""
+    import urllib.parse
+
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018 - a bad port raises here
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:
+        ok = False
+    if not ok:
+        hint = f"https://{text}" if "://" not in text else "https://HOST:PORT"
+        raise argparse.ArgumentTypeError(f"{text!r}: give the control plane's URL, e.g. {hint}")
+    return text
+
+
+def _host_port(text: str) -> str:
+    """HOST:PORT to listen on ([::1]:PORT for IPv6), the port 0-65535."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535 or host.startswith("[") != host.endswith("]"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected HOST:PORT, e.g. 127.0.0.1:9100")
+    return text
+
+
+def _library(text: str) -> str:
+    """--nvml-library: a file that is a shared library (ELF), so that a typo is refused here, not taken for a host
+    without a driver. Empty (an unset BERTH_NVML_LIBRARY): the system's libnvidia-ml.so.1."""
+    if not text:
+        return text
+    try:
+        with open(text, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: {exc.strerror}: give the path of libnvidia-ml.so.1") from None
+    if magic != b"\x7fELF":
+        raise argparse.ArgumentTypeError(f"{text}: not a shared library: give the path of libnvidia-ml.so.1")
+    return text
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 class _Stderr:
@@ -40,17 +115,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="replace NVML (and, where the file says so, the host's CPUs, memory and hugepages) "
                         "with a described topology")
     p.add_argument("--json", action="store_true", help="print the inventory document as JSON")
-    p.add_argument("--nvml-library", metavar="PATH", default=os.environ.get("BERTH_NVML_LIBRARY"),
+    p.add_argument("--nvml-library", metavar="PATH", default=os.environ.get("BERTH_NVML_LIBRARY"), type=_library,
                    help="load NVML from this file instead of libnvidia-ml.so.1 (env BERTH_NVML_LIBRARY)")
-    p.add_argument("--reserve-vcpu", type=float, default=1.0, metavar="N",
+    p.add_argument("--reserve-vcpu", type=_amount, default=1.0, metavar="N",
                    help="CPUs kept for the system, not allocatable (default 1)")
-    p.add_argument("--reserve-memory-gib", type=float, default=4.0, metavar="GIB",
+    p.add_argument("--reserve-memory-gib", type=_amount, default=4.0, metavar="GIB",
                    help="memory kept for the system, not allocatable (default 4)")
     p.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
     p.add_argument("--sys-root", default="/sys", help=argparse.SUPPRESS)
     p.add_argument("--device-classes", metavar="FILE",
                    help="operator device class rules (JSON list of {match, class}), tried before the built-in ones")
-    p.add_argument("--log-level", default="warning", help=argparse.SUPPRESS)
+    p.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS, help=argparse.SUPPRESS)
     return p
 
 
@@ -109,7 +184,7 @@ def _runtime_parser() -> argparse.ArgumentParser:
         description="Run the node agent: discover this host, register with the control plane, heartbeat, watch the "
                     "bindings wanted here and make each real as a cgroup v2 with its share and device allow-list. "
                     "`berth agent discover` prints the inventory instead.")
-    p.add_argument("--control-plane", metavar="URL", default=env("BERTH_CONTROL_PLANE"),
+    p.add_argument("--control-plane", metavar="URL", default=env("BERTH_CONTROL_PLANE"), type=_url,
                    help="the control plane's base URL, e.g. https://cp.example.net:8080 (env BERTH_CONTROL_PLANE)")
     p.add_argument("--ca-file", metavar="FILE", default=env("BERTH_CA_FILE") or None,
                    help="verify an https:// control plane with the CA certificates in this PEM file instead of the "
@@ -137,7 +212,7 @@ def _runtime_parser() -> argparse.ArgumentParser:
                         "down to the root (for hugetlb, which systemd does not delegate), e.g. the cgroup2 mount")
     p.add_argument("--state-dir", metavar="DIR", default=env("BERTH_AGENT_STATE_DIR", DEFAULT_STATE_DIR),
                    help=f"node identity, checkpoint, lock and exec socket (default {DEFAULT_STATE_DIR})")
-    p.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve /metrics and /status here")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT", type=_host_port, help="serve /metrics and /status here")
     p.add_argument("--kubelet-root", metavar="DIR", default=env("BERTH_KUBELET_ROOT", "/var/lib/kubelet"),
                    help="the kubelet's root: kubernetes bindings are served by device plugins in its device-plugins/ "
                         "and read back from its pod-resources/ (default /var/lib/kubelet)")
@@ -173,28 +248,33 @@ def _runtime_parser() -> argparse.ArgumentParser:
                    help="this uid may `berth exec` into the reservations of this tenant only (repeatable)")
     p.add_argument("--exec-allow-root", action="store_true",
                    help="let root run `berth exec --as-root` (root inside a reservation is NOT confined)")
-    p.add_argument("--nvml-library", metavar="PATH", default=env("BERTH_NVML_LIBRARY"),
+    p.add_argument("--nvml-library", metavar="PATH", default=env("BERTH_NVML_LIBRARY"), type=_library,
                    help="load NVML from this file instead of libnvidia-ml.so.1 (env BERTH_NVML_LIBRARY)")
-    p.add_argument("--reserve-vcpu", type=float, default=1.0, metavar="N", help="CPUs kept for the system (default 1)")
-    p.add_argument("--reserve-memory-gib", type=float, default=4.0, metavar="GIB",
+    p.add_argument("--reserve-vcpu", type=_amount, default=1.0, metavar="N", help="CPUs kept for the system (default 1)")
+    p.add_argument("--reserve-memory-gib", type=_amount, default=4.0, metavar="GIB",
                    help="memory kept for the system (default 4)")
     p.add_argument("--device-classes", metavar="FILE", help="operator device class rules (JSON)")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--watch-timeout-ms", type=int, default=25_000, help=argparse.SUPPRESS)
-    p.add_argument("--heartbeat-seconds", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--reconcile-seconds", type=float, default=30.0, help=argparse.SUPPRESS)
-    p.add_argument("--rediscover-seconds", type=float, default=60.0, help=argparse.SUPPRESS)
-    p.add_argument("--backoff-max-seconds", type=float, default=10.0, help=argparse.SUPPRESS)
-    p.add_argument("--request-timeout-seconds", type=float, default=10.0, help=argparse.SUPPRESS)
+    p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
+    p.add_argument("--watch-timeout-ms", type=_milliseconds, default=25_000, help=argparse.SUPPRESS)
+    p.add_argument("--heartbeat-seconds", type=_seconds, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reconcile-seconds", type=_seconds, default=30.0, help=argparse.SUPPRESS)
+    p.add_argument("--rediscover-seconds", type=_seconds, default=60.0, help=argparse.SUPPRESS)
+    p.add_argument("--backoff-max-seconds", type=_seconds, default=10.0, help=argparse.SUPPRESS)
+    p.add_argument("--request-timeout-seconds", type=_seconds, default=10.0, help=argparse.SUPPRESS)
     p.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
     p.add_argument("--sys-root", default="/sys", help=argparse.SUPPRESS)
     return p
 
 
 def read_token_file(path: str) -> str:
-    """The token in a file (one line, surrounding whitespace dropped); ValueError says what is wrong with it."""
+    """The token in a file (one line, surrounding whitespace dropped); ValueError says what is wrong with it. The
+    file must be the agent's alone (root's, mode 0600 or 0400): a token others can read registers their host too."""
     try:
+        mode = os.stat(path).st_mode
+        if mode & 0o077:
+            raise ValueError(f"--bootstrap-token-file {path}: mode {stat.filemode(mode)} lets others read the token: "
+                             f"`chmod 600 {path}`")
         text = open(path, encoding="utf-8").read().strip()
     except OSError as exc:
         raise ValueError(f"--bootstrap-token-file {path}: {exc.strerror}") from None
@@ -231,8 +311,6 @@ def runtime_main(argv: list[str]) -> int:
     if missing:
         parser.error(f"{' and '.join(missing)} required (or env BERTH_CONTROL_PLANE / BERTH_BOOTSTRAP_TOKEN_FILE); "
                      "`berth agent discover` prints this host's inventory")
-    if args.metrics_listen and ":" not in args.metrics_listen:
-        parser.error(f"--metrics-listen {args.metrics_listen!r}: expected HOST:PORT")
     try:
         reserve = Reserve.of(args.reserve_vcpu, args.reserve_memory_gib)
         policy = ExecPolicy.from_options(args.exec_allow_uid, args.exec_allow_group, args.exec_tenant_uid,

@@ -58,15 +58,19 @@ def test_hand_made_roots_are_options(capsys, tree):
     from tests.agent.trees import two_node_host
 
     two_node_host(tree)
+    broken = tree.proc.parent / "libnvidia-ml.so.1"  # an ELF that cannot be loaded: no GPU driver on this host,
+    broken.write_bytes(b"\x7fELF" + bytes(60))  # whatever is installed (and no library stays loaded in the process)
     assert 0 == cli.main(["discover", "--json", "--proc-root", str(tree.proc), "--sys-root", str(tree.sys),
-                          "--nvml-library", "/nonexistent/libnvidia-ml.so.1", "--reserve-memory-gib", "0"])
+                          "--nvml-library", str(broken), "--reserve-memory-gib", "0"])
     doc = json.loads(capsys.readouterr().out)
     assert ("gpu-host-7", "6-7,15", 60416) == (doc["hostname"], doc["cpus"]["offline"], doc["memory"]["allocatableMiB"])
 
 
 @pytest.mark.parametrize("args, message", [
     (["--simulate", "/nonexistent.json"], "/nonexistent.json"),
-    (["--reserve-vcpu", "-1"], "cannot be negative"),
+    (["--reserve-vcpu", "-1"], "argument --reserve-vcpu: '-1': give a number of at least 0"),
+    (["--reserve-memory-gib", "inf"], "argument --reserve-memory-gib: 'inf'"),
+    (["--nvml-library", "/etc/hostname"], "not a shared library"),
     (["--device-classes", "/nonexistent-classes.json"], "--device-classes"),
 ])
 def test_bad_options_exit_2_with_a_message(capsys, args, message):

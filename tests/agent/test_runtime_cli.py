@@ -37,6 +37,13 @@ def test_help_lists_the_pinned_flags(capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--metrics-listen", "9100"], "expected HOST:PORT"),
+    (["--metrics-listen", "127.0.0.1:99999"], "expected HOST:PORT"),
+    (["--reserve-memory-gib", "inf"], "argument --reserve-memory-gib: 'inf': give a number of at least 0"),
+    (["--reserve-vcpu", "nan"], "argument --reserve-vcpu: 'nan'"),
+    (["--heartbeat-seconds", "0"], "argument --heartbeat-seconds: '0': give seconds above 0"),
+    (["--log-level", "bogus"], "argument --log-level: invalid choice: 'bogus'"),
+    (["--nvml-library", "/etc/hostname"], "/etc/hostname: not a shared library"),
+    (["--nvml-library", "/nonexistent/libnvidia-ml.so.1"], "No such file or directory: give the path"),
     (["--exec-tenant-uid", "acme"], "expected TENANT=UID"),
     (["--exec-allow-group", "x-no-such-group-x"], "no such group"),
     (["--exec-tenant-user", "acme"], "expected TENANT=USER"),
@@ -53,6 +60,13 @@ def test_bad_options_exit_2_naming_the_option(capsys, args, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url", ["127.0.0.1:8080", "ftp://127.0.0.1:1"])
+def test_a_control_plane_url_that_is_not_http_exits_2_before_anything_is_touched(capsys, tmp_path, url):
+    state = tmp_path / "state"  # not made: the refusal comes before the state directory, the lock and the cgroups
+    assert 2 == cli.main(["--control-plane", url, "--bootstrap-token", "t", "--state-dir", str(state)])
+    assert "argument --control-plane" in capsys.readouterr().err and not state.exists()
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "No such file or directory"),
     ("", "must hold exactly one token on one line"),
@@ -62,6 +76,7 @@ def test_a_bad_token_file_exits_2_naming_the_file(capsys, tmp_path, content, mes
     path = tmp_path / "token"
     if content is not None:
         path.write_text(content)
+        path.chmod(0o600)
     assert 2 == cli.main(["--control-plane", "http://127.0.0.1:1", "--bootstrap-token-file", str(path)])
     err = capsys.readouterr().err
     assert f"--bootstrap-token-file {path}" in err and message in err
@@ -70,7 +85,11 @@ def test_a_bad_token_file_exits_2_naming_the_file(capsys, tmp_path, content, mes
 def test_the_token_file_is_read_and_never_needs_the_command_line(tmp_path):
     path = tmp_path / "token"
     path.write_text("  node-bootstrap-token-0001\n")
+    path.chmod(0o600)
     assert "node-bootstrap-token-0001" == cli.read_token_file(str(path))
+    path.chmod(0o644)  # readable by every user of the host: refused, saying how to mend it
+    with pytest.raises(ValueError, match=f"mode -rw-r--r-- lets others read the token: `chmod 600 {path}`"):
+        cli.read_token_file(str(path))
 
 
 def test_a_bad_topology_names_the_field(capsys, tmp_path):
