@@ -24,6 +24,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -43,6 +44,10 @@ DEFAULT_STATE_DIR = "/var/lib/berth/agent"
 
 class CheckpointError(AgentError):
     """The checkpoint cannot be trusted or contradicts the configuration; the message says what to do."""
+
+
+class StateDirError(AgentError):
+    """The state directory cannot be used as given; the message names --state-dir and what to give."""
 
 
 class StateLocked(AgentError):
@@ -261,8 +266,24 @@ class StateDir:
         return self.path / EXEC_SOCKET
 
     def open(self) -> "StateDir":
-        self.path.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.path, 0o711)
+        """Make the directory (0711) if it is not there, and take its lock. An existing one keeps its mode (the
+        unit's StateDirectoryMode makes it 0711; a directory named by mistake is not changed), but one that others
+        may write to is refused: they could put their own files where the agent keeps its identity."""
+        where = f"--state-dir {self.path}"
+        try:
+            self.path.mkdir(parents=True)
+            os.chmod(self.path, 0o711)  # mkdir's own mode is narrowed by the umask
+        except FileExistsError:
+            if not self.path.is_dir():
+                raise StateDirError(f"{where}: is a file, not a directory: give a directory of the agent's own "
+                                    "(default /var/lib/berth/agent)") from None
+            mode = self.path.stat().st_mode
+            if mode & 0o002:
+                raise StateDirError(f"{where}: others may write to it (mode {stat.filemode(mode)}): give a directory "
+                                    "of the agent's own (default /var/lib/berth/agent)") from None
+        except OSError as exc:  # a parent that is a file, a read-only file system
+            raise StateDirError(f"{where}: cannot make it ({exc.strerror}): give a directory the agent may "
+                                "create") from None
         fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -293,6 +293,7 @@ def runtime_main(argv: list[str]) -> int:
     from common import logs, tls
     from common.device_classes import DeviceClasses
 
+    from agent.checkpoint import StateDirError
     from agent.discovery import Reserve
     from agent.execgate import ExecPolicy
     from agent.nodebinding import TenantRootConfig
@@ -356,6 +357,9 @@ def runtime_main(argv: list[str]) -> int:
 
     try:
         asyncio.run(run())
+    except StateDirError as exc:  # --state-dir as given cannot be used: a bad option, found at start
+        print(f"berth agent: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # one line for the operator, not a traceback
         print(f"berth agent: {describe_error(exc)}", file=sys.stderr)
         return 1

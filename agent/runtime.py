@@ -424,8 +424,8 @@ class Agent:
             except OSError:
                 pass
         self.state.close()
-        self.log.info("agent stopped; workloads keep running",
-                      bindings=len(self.controller.states) if self.controller else 0)
+        if self.controller is not None:  # a start that failed says why on its own, and stopped nothing
+            self.log.info("agent stopped; workloads keep running", bindings=len(self.controller.states))
 
 
 def describe_error(exc: BaseException) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from common.nodewire import Report
 from agent.checkpoint import (CHECKPOINT_VERSION, BindingEntry, Checkpoint, CheckpointError, Identity,
-                              StateDir, StateLocked, read_boot_id, write_atomic)
+                              StateDir, StateDirError, StateLocked, read_boot_id, write_atomic)
 
 BOOT = "6f1c2a3e-0000-4000-8000-000000000001"
 ROOT = "/sys/fs/cgroup/berth.slice/berth-workloads.scope/workloads"
@@ -126,6 +126,27 @@ def test_the_node_identity_is_kept_with_mode_0600(tmp_path):
         assert ident == sd.read_identity()
         assert 0o600 == stat.S_IMODE(sd.identity_path.stat().st_mode)
         assert 0o711 == stat.S_IMODE(sd.path.stat().st_mode)
+
+
+def test_a_state_dir_the_agent_did_not_make_keeps_its_mode_and_one_others_may_write_is_refused(tmp_path):
+    own = tmp_path / "own"
+    own.mkdir(mode=0o755)
+    os.chmod(own, 0o755)
+    with StateDir(own):
+        pass
+    assert 0o755 == stat.S_IMODE(own.stat().st_mode)  # an existing directory named by --state-dir: not changed
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # /tmp, say
+    with pytest.raises(StateDirError, match=f"--state-dir {shared}: others may write to it"):
+        StateDir(shared).open()
+    assert (0o1777, []) == (stat.S_IMODE(shared.stat().st_mode), list(shared.iterdir()))  # nothing changed, no lock
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(StateDirError, match=f"--state-dir {afile}: is a file, not a directory"):
+        StateDir(afile).open()
+    with pytest.raises(StateDirError, match=f"--state-dir {afile / 'sub'}: cannot make it"):
+        StateDir(afile / "sub").open()
 
 
 HOLD = """
