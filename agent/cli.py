@@ -3,7 +3,7 @@
 `main(argv)` is called by berth/main.py with the arguments after
 `berth agent`. `berth agent discover ...` prints the inventory and exits;
 anything else runs the runtime (agent/runtime.py) until SIGTERM or SIGINT:
-`berth agent --control-plane URL --bootstrap-token TOKEN [--simulate
+`berth agent --control-plane URL --bootstrap-token-file FILE [--simulate
 TOPOLOGY.json] [--cgroup-root PATH] [--state-dir DIR] ...` (docs/agent.md).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from agent.errors import AgentError, TopologyError
 from common.hostfacts import HostReadError
 
-RUNTIME_USAGE = ("berth agent --control-plane URL --bootstrap-token TOKEN [--simulate TOPOLOGY.json] "
+RUNTIME_USAGE = ("berth agent --control-plane URL --bootstrap-token-file FILE [--simulate TOPOLOGY.json] "
                  "[--cgroup-root PATH] [--state-dir DIR] [options]; `berth agent discover` prints this host's inventory")
 
 
@@ -316,7 +316,10 @@ def runtime_main(argv: list[str]) -> int:
         reserve = Reserve.of(args.reserve_vcpu, args.reserve_memory_gib)
         policy = ExecPolicy.from_options(args.exec_allow_uid, args.exec_allow_group, args.exec_tenant_uid,
                                           args.exec_tenant_user, args.exec_allow_root)
-        classes = DeviceClasses.from_file(args.device_classes) if args.device_classes else None
+        try:
+            classes = DeviceClasses.from_file(args.device_classes) if args.device_classes else None
+        except ValueError as exc:
+            raise ValueError(f"--device-classes {exc}") from None
         ssl_context = (tls.client_context(args.ca_file, args.client_cert, args.client_key)
                        if args.ca_file or args.client_cert or args.client_key else None)
         tenant_root = None

@@ -76,6 +76,9 @@ def render(inv: Inventory) -> str:
     if s.perGpu:
         out.append(f"Per-GPU share: {s.perGpu.vcpu:g} vcpu, {s.perGpu.memoryGiB:.2f} GiB "
                    f"(over {s.bookableGpus} bookable GPUs)")
+    elif s.bookableGpus:  # GPUs, but the reserve left no CPU or memory to go with them
+        out.append(f"Per-GPU share: none: the reserve leaves no CPU or memory to share over {s.bookableGpus} "
+                   "bookable GPUs (lower --reserve-vcpu or --reserve-memory-gib)")
     else:
         out.append("Per-GPU share: none (no bookable GPU)")
     return "\n".join(out) + "\n"

@@ -63,6 +63,8 @@ class DeviceClasses:
 
     @classmethod
     def from_rules(cls, raw: list, source: str = "rules") -> "DeviceClasses":
+        if not isinstance(raw, list):
+            raise ValueError(f"{source}: must be a JSON list of rules, [{{\"match\": REGEX, \"class\": NAME}}, ...]")
         rules = []
         for i, item in enumerate(raw):
             try:

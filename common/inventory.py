@@ -177,7 +177,7 @@ class PerGpuShare(_Doc):
 
 class ShareDoc(_Doc):
     bookableGpus: Count
-    perGpu: PerGpuShare | None  # None: no bookable GPU (or no CPU/memory to share)
+    perGpu: PerGpuShare | None  # None: no bookable GPU, or no CPU or memory left to share after the reserve
 
 
 class Inventory(_Doc):

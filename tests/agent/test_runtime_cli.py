@@ -44,6 +44,7 @@ def test_help_lists_the_pinned_flags(capsys):
     (["--log-level", "bogus"], "argument --log-level: invalid choice: 'bogus'"),
     (["--nvml-library", "/etc/hostname"], "/etc/hostname: not a shared library"),
     (["--nvml-library", "/nonexistent/libnvidia-ml.so.1"], "No such file or directory: give the path"),
+    (["--device-classes", "/nonexistent/classes.json"], "--device-classes device class rules /nonexistent/classes.json"),
     (["--exec-tenant-uid", "acme"], "expected TENANT=UID"),
     (["--exec-allow-group", "x-no-such-group-x"], "no such group"),
     (["--exec-tenant-user", "acme"], "expected TENANT=USER"),
@@ -110,3 +111,11 @@ def test_a_cgroup_root_outside_cgroupfs_is_one_line_and_exit_1(tmp_path):
 def test_discover_is_unchanged(capsys):
     assert 0 == cli.main(["discover", "--simulate", str(REPO / "examples/topologies/h100x8.json"), "--json"])
     assert 8 == len(json.loads(capsys.readouterr().out)["gpus"])
+
+
+def test_device_classes_that_are_not_a_list_say_the_form_to_write(capsys, tmp_path):
+    rules = tmp_path / "classes.json"
+    rules.write_text('{"match": "H100", "class": "H100_80GB"}')
+    assert 2 == cli.main(["--control-plane", "http://127.0.0.1:1", "--bootstrap-token", "t", "--device-classes",
+                          str(rules)])
+    assert f"--device-classes {rules}: must be a JSON list of rules" in capsys.readouterr().err
