@@ -47,6 +47,13 @@ def test_discover_prints_a_table_without_json(capsys):
     assert "Per-GPU share: none (no bookable GPU)" in out
 
 
+def test_a_reserve_that_leaves_nothing_to_share_says_what_to_lower(capsys):
+    assert 0 == cli.main(["discover", "--simulate", str(EXAMPLES / "h100x8.json"), "--reserve-vcpu", "1000"])
+    out = capsys.readouterr().out
+    assert ("Per-GPU share: none: the reserve leaves no CPU or memory to share over 8 bookable GPUs (lower "
+            "--reserve-vcpu or --reserve-memory-gib)") in out
+
+
 def test_the_table_on_this_machine_says_no_gpu_driver():
     out = _berth("agent", "discover")
     assert 0 == out.returncode
