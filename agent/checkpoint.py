@@ -20,8 +20,6 @@ the agent does not guess about state it cannot trust.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import os
 import stat
@@ -32,6 +30,7 @@ from typing import Literal
 import msgspec
 
 from agent.errors import AgentError
+from common import pidlock
 from common.nodewire import Report
 
 CHECKPOINT_VERSION = 1
@@ -284,19 +283,11 @@ class StateDir:
         except OSError as exc:  # a parent that is a file, a read-only file system
             raise StateDirError(f"{where}: cannot make it ({exc.strerror}): give a directory the agent may "
                                 "create") from None
-        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise StateLocked(f"{self.path} is in use by another agent (pid {holder}); two agents must never "
-                                  "share a state directory: stop the other one or give --state-dir") from None
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+            self._lock_fd = pidlock.hold(self.path / LOCK_FILE)
+        except pidlock.Held as held:
+            raise StateLocked(f"{self.path} is in use by another agent (pid {held.holder}); two agents must never "
+                              "share a state directory: stop the other one or give --state-dir") from None
         return self
 
     def close(self) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import fcntl
 import os
 import sqlite3
 import threading
@@ -23,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 import structlog
 
+from common import pidlock
 from common.share import Share
 from controlplane.domain.calendar import Booking
 from controlplane.domain.errors import DomainError
@@ -508,21 +508,15 @@ def _fold_operations(conn: sqlite3.Connection) -> None:
 
 
 def serving_lock(path: str) -> int:
-    """One control plane per SQLite file: an exclusive flock on `PATH.lock` (holding the holder's pid) for as long
-    as the store is open, so a second `serve` on the file is refused instead of booking the same devices twice
-    (each process would place from its own memory). The file stays: removing it would let two holders in."""
-    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    """One control plane per SQLite file: `PATH.lock` held (common/pidlock.py) for as long as the store is open,
+    so a second `serve` on the file is refused instead of booking the same devices twice (each process would place
+    from its own memory)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise StoreError(f"{path} is served by another control plane (pid {holder}): one process serves a SQLite "
-                         "database; stop that one first (systemctl stop berth-controlplane), or run several "
+        return pidlock.hold(f"{path}.lock")
+    except pidlock.Held as held:
+        raise StoreError(f"{path} is served by another control plane (pid {held.holder}): one process serves a "
+                         "SQLite database; stop that one first (systemctl stop berth-controlplane), or run several "
                          "replicas on PostgreSQL (docs/scale-out.md)") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 class SqliteStore(WriterFront, SqliteReads, CommittedReads):
