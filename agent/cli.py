@@ -14,58 +14,11 @@ import stat
 import sys
 
 from agent.errors import AgentError, TopologyError
+from common import argtypes
 from common.hostfacts import HostReadError
 
 RUNTIME_USAGE = ("berth agent --control-plane URL --bootstrap-token-file FILE [--simulate TOPOLOGY.json] "
                  "[--cgroup-root PATH] [--state-dir DIR] [options]; `berth agent discover` prints this host's inventory")
-
-
-def _amount(text: str) -> float:
-    """A finite amount of at least 0 (--reserve-vcpu, --reserve-memory-gib)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number of at least 0, e.g. 2")
-    return value
-
-
-def _seconds(text: str) -> float:
-    """Seconds above 0 (the loops' intervals and timeouts)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: give seconds above 0, e.g. 5")
-    return value
-
-
-def _milliseconds(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give milliseconds above 0, e.g. 25000")
-    return value
-
-
-def _url(text: str) -> str:
-    """The control plane's base URL: http(s)://HOST[:PORT], checked before anything on the host is touched."""
-    import urllib.parse
-
-    try:
-        parts = urllib.parse.urlsplit(text)
-        parts.port  # noqa: B018 - a bad port raises here
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
-    except ValueError:
-        ok = False
-    if not ok:
-        hint = f"https://{text}" if "://" not in text else "https://HOST:PORT"
-        raise argparse.ArgumentTypeError(f"{text!r}: give the control plane's URL, e.g. {hint}")
-    return text
 
 
 def _host_port(text: str) -> str:
@@ -117,9 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the inventory document as JSON")
     p.add_argument("--nvml-library", metavar="PATH", default=os.environ.get("BERTH_NVML_LIBRARY"), type=_library,
                    help="load NVML from this file instead of libnvidia-ml.so.1 (env BERTH_NVML_LIBRARY)")
-    p.add_argument("--reserve-vcpu", type=_amount, default=1.0, metavar="N",
+    p.add_argument("--reserve-vcpu", type=argtypes.amount, default=1.0, metavar="N",
                    help="CPUs kept for the system, not allocatable (default 1)")
-    p.add_argument("--reserve-memory-gib", type=_amount, default=4.0, metavar="GIB",
+    p.add_argument("--reserve-memory-gib", type=argtypes.amount, default=4.0, metavar="GIB",
                    help="memory kept for the system, not allocatable (default 4)")
     p.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
     p.add_argument("--sys-root", default="/sys", help=argparse.SUPPRESS)
@@ -184,7 +137,7 @@ def _runtime_parser() -> argparse.ArgumentParser:
         description="Run the node agent: discover this host, register with the control plane, heartbeat, watch the "
                     "bindings wanted here and make each real as a cgroup v2 with its share and device allow-list. "
                     "`berth agent discover` prints the inventory instead.")
-    p.add_argument("--control-plane", metavar="URL", default=env("BERTH_CONTROL_PLANE"), type=_url,
+    p.add_argument("--control-plane", metavar="URL", default=env("BERTH_CONTROL_PLANE"), type=argtypes.http_url,
                    help="the control plane's base URL, e.g. https://cp.example.net:8080 (env BERTH_CONTROL_PLANE)")
     p.add_argument("--ca-file", metavar="FILE", default=env("BERTH_CA_FILE") or None,
                    help="verify an https:// control plane with the CA certificates in this PEM file instead of the "
@@ -250,18 +203,18 @@ def _runtime_parser() -> argparse.ArgumentParser:
                    help="let root run `berth exec --as-root` (root inside a reservation is NOT confined)")
     p.add_argument("--nvml-library", metavar="PATH", default=env("BERTH_NVML_LIBRARY"), type=_library,
                    help="load NVML from this file instead of libnvidia-ml.so.1 (env BERTH_NVML_LIBRARY)")
-    p.add_argument("--reserve-vcpu", type=_amount, default=1.0, metavar="N", help="CPUs kept for the system (default 1)")
-    p.add_argument("--reserve-memory-gib", type=_amount, default=4.0, metavar="GIB",
+    p.add_argument("--reserve-vcpu", type=argtypes.amount, default=1.0, metavar="N", help="CPUs kept for the system (default 1)")
+    p.add_argument("--reserve-memory-gib", type=argtypes.amount, default=4.0, metavar="GIB",
                    help="memory kept for the system (default 4)")
     p.add_argument("--device-classes", metavar="FILE", help="operator device class rules (JSON)")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
-    p.add_argument("--watch-timeout-ms", type=_milliseconds, default=25_000, help=argparse.SUPPRESS)
-    p.add_argument("--heartbeat-seconds", type=_seconds, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--reconcile-seconds", type=_seconds, default=30.0, help=argparse.SUPPRESS)
-    p.add_argument("--rediscover-seconds", type=_seconds, default=60.0, help=argparse.SUPPRESS)
-    p.add_argument("--backoff-max-seconds", type=_seconds, default=10.0, help=argparse.SUPPRESS)
-    p.add_argument("--request-timeout-seconds", type=_seconds, default=10.0, help=argparse.SUPPRESS)
+    p.add_argument("--watch-timeout-ms", type=argtypes.whole(1), default=25_000, help=argparse.SUPPRESS)
+    p.add_argument("--heartbeat-seconds", type=argtypes.seconds, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reconcile-seconds", type=argtypes.seconds, default=30.0, help=argparse.SUPPRESS)
+    p.add_argument("--rediscover-seconds", type=argtypes.seconds, default=60.0, help=argparse.SUPPRESS)
+    p.add_argument("--backoff-max-seconds", type=argtypes.seconds, default=10.0, help=argparse.SUPPRESS)
+    p.add_argument("--request-timeout-seconds", type=argtypes.seconds, default=10.0, help=argparse.SUPPRESS)
     p.add_argument("--proc-root", default="/proc", help=argparse.SUPPRESS)
     p.add_argument("--sys-root", default="/sys", help=argparse.SUPPRESS)
     return p

@@ -11,13 +11,12 @@ import os
 import signal
 import ssl
 import sys
-import urllib.parse
 from typing import Callable
 
 import structlog
 from aiohttp import web
 
-from common import logs, tls
+from common import argtypes, logs, tls
 from controlplane.api import access_log, guard
 from controlplane.api.access_log import AccessLog
 from controlplane.api.app import create_app, create_metrics_app
@@ -50,20 +49,6 @@ def positive_seconds(value: str) -> float:
     return seconds
 
 
-def http_url(value: str) -> str:
-    """A service's base URL (--authzen): http(s)://HOST[:PORT][/PATH], checked at start rather than at every
-    request, where a typo would look like an outage of the service."""
-    try:
-        parts = urllib.parse.urlsplit(value)
-        parts.port  # noqa: B018 - a bad port raises here
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise argparse.ArgumentTypeError(f"{value!r}: give the service's base URL, http(s)://HOST[:PORT][/PATH]")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="berth controlplane", description="Berth's control plane")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "process's command line, which every local user can read) (env BERTH_DB, which is not; "
                        f"default {default_db_url()})")
     serve.add_argument("--bootstrap", default=None, metavar="FILE", help="JSON file applied idempotently at start")
-    serve.add_argument("--authzen", default=None, metavar="URL", type=http_url,
+    serve.add_argument("--authzen", default=None, metavar="URL", type=argtypes.http_url,
                        help="decide with a remote OpenID AuthZEN service at URL instead of the embedded Cedar policies")
     serve.add_argument("--authzen-timeout", type=positive_seconds, default=2.0, metavar="SECONDS",
                        help="a remote decision slower than this is a deny (default 2)")

@@ -8,6 +8,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Sequence
 
 from berth.client import ReservationRequest, now_ms, parse_duration_ms, parse_time
+from common import argtypes
 
 DEFAULT_WAIT_S = 600
 OUTPUTS = ("table", "wide", "json", "yaml")  # -o: table and wide for people, json and yaml for programs
@@ -55,41 +56,6 @@ class _SumDurations(argparse.Action):
 # ---- the request's flags: one per ReservationRequest field ----------------------------
 
 
-def _count(least: int) -> Callable[[str], int]:
-    """A whole number of at least `least` (--retries)."""
-    def count(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = least - 1
-        if value < least:
-            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least {least}")
-        return value
-    return count
-
-
-def _finite(text: str) -> float:
-    """A number such as 1.5 (--hours, --vcpu, ...): not nan or inf, which float() takes."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number, e.g. 1.5")
-    return value
-
-
-def _seconds(text: str) -> float:
-    """Seconds above 0 (--request-timeout, --timeout-sec)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: give seconds above 0, e.g. 30")
-    return value
-
-
 def _ssh_key(text: str) -> str:
     """A public key as given: its line, or the path of a .pub file holding it (the server checks the key)."""
     if text.lstrip().startswith(("ssh-", "ecdsa-", "sk-")):
@@ -133,7 +99,7 @@ def _add_field(p, f: Field, time_arg: Callable[[str], int], required: bool = Fal
     elif annotation.startswith("int"):
         kw["type"] = int
     elif annotation.startswith("float"):
-        kw["type"] = _finite
+        kw["type"] = argtypes.finite
     if f.name == "sharing":
         kw["choices"] = ("exclusive", "mig", "slots")
     p.add_argument(flag_of(f), required=required, **kw)
@@ -192,9 +158,9 @@ def _common() -> argparse.ArgumentParser:
                            "(env BERTH_CLIENT_CERT, config clientCert; needs --client-key)")
     conn.add_argument("--client-key", metavar="FILE",
                       help="the unencrypted PEM key of --client-cert (env BERTH_CLIENT_KEY, config clientKey)")
-    conn.add_argument("--retries", type=_count(0), default=4, metavar="N",
+    conn.add_argument("--retries", type=argtypes.whole(0), default=4, metavar="N",
                       help="retries of transport errors and PROVIDER_UNAVAILABLE, same idempotency key (default 4)")
-    conn.add_argument("--request-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+    conn.add_argument("--request-timeout", type=argtypes.seconds, default=30.0, metavar="SECONDS",
                       help="seconds per attempt (default 30)")
     out = common.add_mutually_exclusive_group()
     out.add_argument("-o", "--output", choices=OUTPUTS,
@@ -283,7 +249,7 @@ def build_parser(now: int | None = None) -> argparse.ArgumentParser:
     wait = _command(ops, "wait", parents=[common], help="wait until the operation ends, showing the reservation's "
                     "conditions (exit code by failure.actor; gives up at once when the reservation is stuck)")
     wait.add_argument("operation_id", metavar="OPERATION")
-    wait.add_argument("--timeout-sec", type=_seconds, default=DEFAULT_WAIT_S, metavar="N",
+    wait.add_argument("--timeout-sec", type=argtypes.seconds, default=DEFAULT_WAIT_S, metavar="N",
                       help=f"give up after N seconds with exit code 6 (default {DEFAULT_WAIT_S})")
 
     usage = groups.add_parser("usage", parents=[common], help="charge history: lines per reservation and UTC day, totals")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from common import tls
+from common.argtypes import is_http_url
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
@@ -18,17 +19,11 @@ DEFAULT_URL = "http://127.0.0.1:8080"
 def check_url(url: str, source: str = "") -> str:
     """The control plane's base URL as given (without a trailing /); ConfigError unless it is http(s)://HOST..."""
     where = f" (from {source})" if source else ""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        host = parts.hostname
-    except ValueError:  # a bad port or IPv6 literal
-        host = None
-        parts = None
-    if parts is None or parts.scheme not in ("http", "https") or not host:
+    if not is_http_url(url):
         hint = f"http://{url}" if "://" not in url and url else "http://HOST:PORT or https://HOST"
         raise ConfigError(f"url {url!r}{where} is not an http:// or https:// URL of the control plane: give, for "
                           f"example, {hint}")
-    if parts.path.rstrip("/").endswith("/api"):  # every call's path starts with /api: it would be /api/api/...
+    if urllib.parse.urlsplit(url).path.rstrip("/").endswith("/api"):  # every call's path starts with /api
         base = url.rstrip("/")[:-len("/api")]
         raise ConfigError(f"url {url!r}{where} ends in /api: give the control plane's base URL, {base}")
     return url.rstrip("/")

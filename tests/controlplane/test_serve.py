@@ -183,7 +183,7 @@ def test_a_db_path_that_is_no_database_stops_the_start_saying_what_to_give(tmp_p
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--authzen", "notaurl"], "argument --authzen: 'notaurl': give the service's base URL"),
+    (["--authzen", "notaurl"], "argument --authzen: 'notaurl': give the URL, http(s)://HOST[:PORT]"),
     (["--authzen", "http://pdp.example:99999"], "argument --authzen"),
     (["--node-grace", "-5"], "argument --node-grace: '-5': give seconds above 0"),
     (["--authzen-timeout", "0"], "argument --authzen-timeout"),
