@@ -21,14 +21,6 @@ RUNTIME_USAGE = ("berth agent --control-plane URL --bootstrap-token-file FILE [-
                  "[--cgroup-root PATH] [--state-dir DIR] [options]; `berth agent discover` prints this host's inventory")
 
 
-def _host_port(text: str) -> str:
-    """HOST:PORT to listen on ([::1]:PORT for IPv6), the port 0-65535."""
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535 or host.startswith("[") != host.endswith("]"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected HOST:PORT, e.g. 127.0.0.1:9100")
-    return text
-
-
 def _library(text: str) -> str:
     """--nvml-library: a file that is a shared library (ELF), so that a typo is refused here, not taken for a host
     without a driver. Empty (an unset BERTH_NVML_LIBRARY): the system's libnvidia-ml.so.1."""
@@ -165,7 +157,7 @@ def _runtime_parser() -> argparse.ArgumentParser:
                         "down to the root (for hugetlb, which systemd does not delegate), e.g. the cgroup2 mount")
     p.add_argument("--state-dir", metavar="DIR", default=env("BERTH_AGENT_STATE_DIR", DEFAULT_STATE_DIR),
                    help=f"node identity, checkpoint, lock and exec socket (default {DEFAULT_STATE_DIR})")
-    p.add_argument("--metrics-listen", metavar="HOST:PORT", type=_host_port, help="serve /metrics and /status here")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT", type=argtypes.listen, help="serve /metrics and /status here")
     p.add_argument("--kubelet-root", metavar="DIR", default=env("BERTH_KUBELET_ROOT", "/var/lib/kubelet"),
                    help="the kubelet's root: kubernetes bindings are served by device plugins in its device-plugins/ "
                         "and read back from its pod-resources/ (default /var/lib/kubelet)")

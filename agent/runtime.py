@@ -84,7 +84,7 @@ class AgentConfig:
     cgroup_root: str | None = None
     cgroup_enable_from: str | None = None
     simulate: str | None = None
-    metrics_listen: str | None = None
+    metrics_listen: tuple[str, int] | None = None  # (host, port): common/argtypes.listen
     nvml_library: str | None = None
     reserve: Reserve = field(default_factory=Reserve)
     device_classes: object | None = None
@@ -341,10 +341,10 @@ class Agent:
             return
         from aiohttp import web
 
-        host, _, port = self.config.metrics_listen.rpartition(":")
+        host, port = self.config.metrics_listen
         runner = web.AppRunner(metrics_app(self.metrics, self.status), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host or "127.0.0.1", int(port))
+        site = web.TCPSite(runner, host, port)
         await site.start()
         self._metrics_runner = runner
         addrs = [f"{a[0]}:{a[1]}" for a in runner.addresses]

@@ -70,3 +70,12 @@ def http_url(text: str) -> str:
         hint = f"https://{text}" if "://" not in text and text else "https://HOST:PORT"
         raise argparse.ArgumentTypeError(f"{text!r}: give the URL, http(s)://HOST[:PORT], e.g. {hint}")
     return text
+
+
+def listen(text: str) -> tuple[str, int]:
+    """HOST:PORT to listen on, as (host, port): [::1]:PORT for IPv6, an empty host for every address, port 0 for
+    any free one."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535 or host.startswith("[") != host.endswith("]"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT, e.g. 127.0.0.1:9100")
+    return host.strip("[]") or "0.0.0.0", int(port)

@@ -25,13 +25,6 @@ from controlplane.wiring import Config, ConfigError, default_db_url
 log = structlog.get_logger("berth.controlplane")
 
 
-def parse_listen(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"{value!r}: give HOST:PORT, e.g. 127.0.0.1:8080")
-    return (host.strip("[]") or "0.0.0.0"), int(port)
-
-
 def access_log_option(value: str) -> AccessLog | None:
     try:
         return access_log.parse(value)
@@ -53,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="berth controlplane", description="Berth's control plane")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the HTTP API")
-    serve.add_argument("--listen", type=parse_listen, default=("127.0.0.1", 8080), metavar="HOST:PORT",
+    serve.add_argument("--listen", type=argtypes.listen, default=("127.0.0.1", 8080), metavar="HOST:PORT",
                        help="address to listen on (default 127.0.0.1:8080; port 0 picks a free one)")
     serve.add_argument("--db", default=None, metavar="URL",
                        help="sqlite:///PATH, or postgresql://USER@HOST[:PORT]/DB (several replicas may share one; "
@@ -83,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", type=int, default=limits.max_connections, metavar="N",
                        help="connections held open at most; at the cap the longest-waiting idle one is closed "
                        f"(default: the open-file limit less {guard.FD_RESERVE})")
-    serve.add_argument("--metrics-listen", type=parse_listen, default=None, metavar="HOST:PORT",
+    serve.add_argument("--metrics-listen", type=argtypes.listen, default=None, metavar="HOST:PORT",
                        help="also serve /metrics without a token on this address, e.g. 127.0.0.1:9464 (default off; "
                        "the API's /metrics needs the admin token)")
     serve.add_argument("--access-log", type=access_log_option, default=None, metavar="off|all|sample:N",

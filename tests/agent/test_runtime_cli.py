@@ -36,8 +36,8 @@ def test_help_lists_the_pinned_flags(capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--metrics-listen", "9100"], "expected HOST:PORT"),
-    (["--metrics-listen", "127.0.0.1:99999"], "expected HOST:PORT"),
+    (["--metrics-listen", "9100"], "give HOST:PORT"),
+    (["--metrics-listen", "127.0.0.1:99999"], "give HOST:PORT"),
     (["--reserve-memory-gib", "inf"], "argument --reserve-memory-gib: 'inf': give a number of at least 0"),
     (["--reserve-vcpu", "nan"], "argument --reserve-vcpu: 'nan'"),
     (["--heartbeat-seconds", "0"], "argument --heartbeat-seconds: '0': give seconds above 0"),
