@@ -313,7 +313,9 @@ class ReservationService:
         as a create does). Creates, charges and holds nothing."""
         tenant = self._tenant(principal)
         now = self.clock.compute_now()
-        plan = self._plan(self.store, principal, tenant, replace(cmd, quote_id=None, max_hourly_price=None), now)
+        # a price ceiling in the body is refused as a create would refuse it (NO_CAPACITY price_ceiling); a quoteId
+        # is not checked: a quote prices the request afresh
+        plan = self._plan(self.store, principal, tenant, replace(cmd, quote_id=None), now)
         verdict = await self._verdict_async(principal, self._create_request(principal, QUOTED, plan))
         if verdict.decision.unavailable:
             raise iam_unavailable(verdict.decision)

@@ -8,6 +8,7 @@ six decimals of the wire; totals are sums of lines, so they add up exactly.
 """
 from __future__ import annotations
 
+import re
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
 from controlplane.domain.model import Pool
@@ -26,9 +27,14 @@ def money(amount: Decimal) -> str:
 MAX_MONEY = Decimal(10) ** 12  # a trillion dollars: beyond any price or budget, within Decimal's exact range
 
 
+_PLAIN = re.compile(r"[0-9]{1,13}(?:\.[0-9]{1,6})?")  # below 10^12 is checked on the value; six decimals at most
+
+
 def parse_money(text: str) -> Decimal | None:
-    """A decimal string with at most six decimals, non-negative, below MAX_MONEY; None if it is not one."""
-    if not isinstance(text, str) or not text or len(text) > 32:
+    """A decimal string with at most six decimals, non-negative, below MAX_MONEY; None if it is not one. Plain
+    digits only ("12", "2.5", "0.000001"): not Python's wider Decimal grammar ("1e3", "1_000", " 3", "+3", "-0"),
+    which other clients would read otherwise."""
+    if not isinstance(text, str) or not _PLAIN.fullmatch(text):
         return None
     try:
         amount = Decimal(text)

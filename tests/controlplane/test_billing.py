@@ -98,6 +98,12 @@ async def test_a_quote_answers_what_the_create_would_preemption_iam_and_quota_in
     assert [] == api.cp.store.confirmations("acme", None, None, None, 10)  # none opened
     status, doc = await quote(api, gpuCount=1, resources={"vcpu": 60})
     assert (429, "QUOTA_EXCEEDED") == (status, doc["error"]["code"])  # as the create would answer
+    # a price ceiling below the price: NO_CAPACITY price_ceiling, as the create answers it
+    status, doc = await quote(api, gpuCount=1, maxHourlyPrice="0.010000")
+    created = await api.create(key="ceiling", gpuCount=1, maxHourlyPrice="0.010000")
+    assert (409, "NO_CAPACITY", "price_ceiling") == (status, doc["error"]["code"], doc["error"]["details"]["reason"])
+    assert doc["error"]["details"]["cheapestEligibleUsdPerHour"] == created[1]["error"]["details"]["cheapestEligibleUsdPerHour"]
+    assert 200 == (await quote(api, gpuCount=1, maxHourlyPrice="1000"))[0]  # at or above the price: priced
 
 
 async def test_a_changed_priced_field_or_price_is_price_changed(api):

@@ -94,8 +94,9 @@ async def test_admin_sets_a_budget_and_applies_a_bootstrap_at_run_time(api):
     assert status == 401
     status, doc = await api.post("/api/admin/tenants/budget", admin, {"tenantId": "nope", "budgetUsd": "1"})
     assert status == 404
-    status, doc = await api.post("/api/admin/tenants/budget", admin, {"tenantId": "globex", "budgetUsd": "-1"})
-    assert (status, doc["error"]["details"]["field"]) == (400, "budgetUsd")
+    for bad in ("-1", "1e3", "+3"):
+        status, doc = await api.post("/api/admin/tenants/budget", admin, {"tenantId": "globex", "budgetUsd": bad})
+        assert (status, doc["error"]["details"]["field"]) == (400, "budgetUsd")
     boot = bootstrap_doc()
     boot["policies"] = 'permit (principal, action, resource) when { principal.tenant == resource.tenant && resource.tenant != "acme" };'
     status, doc = await api.post("/api/admin/bootstrap", admin, boot)
