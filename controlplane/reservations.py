@@ -631,12 +631,13 @@ class ReservationService:
             raise DomainError(CONFLICT, "another extend of this reservation is being decided",
                               {"reason": "extend-in-flight", "retryAfterSeconds": EXTEND_RETRY_AFTER_S, "reservationId": rid})
         new_end = cmd.until if cmd.until is not None else (res.end or now) + (cmd.by_ms or 0)
+        # Nothing to change: answered with the reservation's latest operation, as every answer carries one
         if new_end <= (res.end or 0):  # already reached: safe to retry, no decision
-            return Answer(res, None, extended=False, available_until=self.moves.room(res, res.end or now),
+            return Answer(res, res.operation(), extended=False, available_until=self.moves.room(res, res.end or now),
                           not_extended="already-reached")
         room = self.moves.room(res, new_end)
         if room < new_end:
-            return Answer(res, None, extended=False, available_until=room, not_extended="no-room")
+            return Answer(res, res.operation(), extended=False, available_until=room, not_extended="no-room")
         res.pending_change = PendingChange(new_end, now)
         self.moves.save(tx, res, res.state)
         return res, new_end

@@ -202,6 +202,8 @@ async def test_extend_is_all_or_nothing_when_another_booking_starts_before_the_n
     assert (T0 + HOUR, "no-room") == (doc["reservation"]["end"], doc["reason"])
     status, doc = await api.call("extend", "alice", {"reservationId": gang["id"], "until": T0 + HOUR // 2})
     assert (202, False, "already-reached") == (status, doc["extended"], doc["reason"])  # earlier: nothing moves
+    got = await api.ok("get", "alice", {"reservationId": gang["id"]})
+    assert got["operation"] == doc["reservation"]["operation"] is not None  # its latest operation, never null
     ok = await api.ok("extend", "alice", {"reservationId": gang["id"], "until": T0 + 3 * HOUR})
     assert ok["end"] == T0 + 3 * HOUR
 
