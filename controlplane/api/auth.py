@@ -12,7 +12,11 @@ from controlplane.tokens import Tokens
 
 
 def bearer(request: web.Request) -> str:
-    header = request.headers.get("Authorization", "")
+    sent = request.headers.getall("Authorization", [])
+    if len(sent) > 1:  # which one a proxy or a server reads differs: refused rather than guessed
+        raise DomainError(UNAUTHENTICATED, "Authorization: send one header, not several",
+                          {"field": "Authorization"})
+    header = sent[0] if sent else ""
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token or not token.isprintable() or not token.isascii():

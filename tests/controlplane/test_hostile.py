@@ -70,6 +70,14 @@ def test_a_token_that_is_not_utf_8_is_401_on_every_route(server, path):
     assert (401, "UNAUTHENTICATED", "Authorization") == (status, doc["error"]["code"], doc["error"]["details"]["field"])
 
 
+def test_two_authorization_headers_are_refused_not_one_of_them_taken(server):
+    """A proxy that appends its own credentials and a server that reads the first disagree on who calls."""
+    status, doc = raw_request(server, "/api/compute/reservations/list", [
+        f"Authorization: Bearer {TOKENS['alice']}".encode(), f"Authorization: Bearer {TOKENS['carol']}".encode()])
+    assert (401, "UNAUTHENTICATED", "Authorization") == (status, doc["error"]["code"], doc["error"]["details"]["field"])
+    assert "send one header" in doc["error"]["message"]
+
+
 def test_an_idempotency_key_that_is_not_utf_8_is_400(server):
     body = json.dumps({"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1}).encode()
     status, doc = raw_request(server, "/api/compute/reservations/create",
