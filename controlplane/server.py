@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import errno
 import gc
+import logging
 import os
 import signal
 import ssl
@@ -246,6 +247,7 @@ async def serve(config: Config, host: str, port: int, limits: guard.Limits = gua
     loop = asyncio.get_running_loop()
     conns = guard.Guard(limits, cap if cap is not None else guard.connection_cap(limits))
     loop.set_exception_handler(conns.exception_handler)
+    logging.getLogger("aiohttp.server").addFilter(conns)  # a malformed request: one rate-limited line
     app = create_app(config, limits=limits, access_log=access_log)
     runners = [web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=limits.idle_timeout_s)]
     if metrics_listen:
@@ -269,6 +271,7 @@ async def serve(config: Config, host: str, port: int, limits: guard.Limits = gua
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
+        logging.getLogger("aiohttp.server").removeFilter(conns)
 
 
 async def listen(site: guard.GuardedSite, flag: str) -> guard.GuardedSite:

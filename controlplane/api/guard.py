@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import resource
 import ssl
 import time
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 log = structlog.get_logger("berth.controlplane")
 
@@ -199,6 +201,18 @@ class Guard:
         self._accept = RateLimitedLog("cannot accept connections: out of file descriptors; asyncio retries every "
                                       "second. Raise the open-file limit (LimitNOFILE= in the unit, or ulimit -n) "
                                       "or lower --max-connections", "error")
+        self._malformed = RateLimitedLog("refused a malformed HTTP request (answered 400)", "info")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """A logging filter for aiohttp's server logger: a request its parser refused (a header too long, a control
+        byte, a header twice that must be once) is the client's fault, answered 400 by aiohttp, and anyone can
+        send one: one rate-limited line, not an error-level traceback each, which would let anybody fill the log.
+        Everything else passes."""
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
+            self._malformed.hit(error=str(exc.message)[:200])
+            return False
+        return True
 
     def admit(self, conn: GuardedConnection) -> bool:
         if self.open >= self.cap:

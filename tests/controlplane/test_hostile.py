@@ -78,6 +78,18 @@ def test_two_authorization_headers_are_refused_not_one_of_them_taken(server):
     assert "send one header" in doc["error"]["message"]
 
 
+def test_malformed_requests_are_one_rate_limited_line_not_a_traceback_each(server):
+    """Anyone can send a request aiohttp's parser refuses; ten of them must not write ten error tracebacks."""
+    before = len(server.lines)
+    for _ in range(10):
+        status, _ = raw_request(server, "/api/compute/reservations/list", [b"X-Bad: a\x01b"])
+        assert 400 == status
+    assert 200 == server.post("/api/compute/reservations/list", TOKENS["alice"], {})[0]  # and it serves on
+    lines = server.lines[before:]
+    assert not [ln for ln in lines if "Traceback" in ln or "Error handling request" in ln], lines
+    assert 1 == sum("refused a malformed HTTP request" in ln for ln in lines), lines
+
+
 def test_an_idempotency_key_that_is_not_utf_8_is_400(server):
     body = json.dumps({"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1}).encode()
     status, doc = raw_request(server, "/api/compute/reservations/create",
