@@ -101,9 +101,10 @@ async def read_json(request: web.Request, schema: type[msgspec.Struct]) -> Any:
 
 async def read_checked(request: web.Request) -> bytes:
     """The request's raw body, once its media type, its arrival and its structure passed."""
-    if request.content_type not in JSON_TYPES or (request.content_type == "" and request.can_read_body):
-        raise web.HTTPUnsupportedMediaType(reason=f"Content-Type: {request.content_type or 'none'} is not "
-                                                  "application/json")
+    # aiohttp reads a missing Content-Type as application/octet-stream: said as none, as it was sent
+    ctype = request.content_type if request.headers.get("Content-Type") else ""
+    if ctype not in JSON_TYPES or (ctype == "" and request.can_read_body):
+        raise web.HTTPUnsupportedMediaType(reason=f"Content-Type: {ctype or 'none'} is not application/json")
     if request.content.is_eof():  # all of it came with the headers (no timer, no task: it is there)
         raw = await request.read()
     else:

@@ -115,6 +115,16 @@ def test_a_body_that_is_not_json_is_415(server):
     status, doc = server.post("/api/compute/reservations/list", TOKENS["alice"], b"scope=all",
                               headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert (415, "INVALID_INPUT", "Content-Type") == (status, doc["error"]["code"], doc["error"]["details"]["field"])
+    # a body with no Content-Type at all is said to have none (aiohttp reads it as application/octet-stream)
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /api/compute/reservations/list HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                  b"Authorization: Bearer " + TOKENS["alice"].encode() + b"\r\nContent-Length: 2\r\n\r\n{}")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    answer = json.loads(data.split(b"\r\n\r\n", 1)[1])
+    assert "Content-Type: none is not application/json" == answer["error"]["message"], answer
 
 
 @pytest.mark.parametrize("path, body, field", [
