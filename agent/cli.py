@@ -129,7 +129,8 @@ def _runtime_parser() -> argparse.ArgumentParser:
         description="Run the node agent: discover this host, register with the control plane, heartbeat, watch the "
                     "bindings wanted here and make each real as a cgroup v2 with its share and device allow-list. "
                     "`berth agent discover` prints the inventory instead.")
-    p.add_argument("--control-plane", metavar="URL", default=env("BERTH_CONTROL_PLANE"), type=argtypes.http_url,
+    p.add_argument("--control-plane", metavar="URL", default=env("BERTH_CONTROL_PLANE"),
+                   type=argtypes.http_url,
                    help="the control plane's base URL, e.g. https://cp.example.net:8080 (env BERTH_CONTROL_PLANE)")
     p.add_argument("--ca-file", metavar="FILE", default=env("BERTH_CA_FILE") or None,
                    help="verify an https:// control plane with the CA certificates in this PEM file instead of the "
@@ -195,7 +196,8 @@ def _runtime_parser() -> argparse.ArgumentParser:
                    help="let root run `berth exec --as-root` (root inside a reservation is NOT confined)")
     p.add_argument("--nvml-library", metavar="PATH", default=env("BERTH_NVML_LIBRARY"), type=_library,
                    help="load NVML from this file instead of libnvidia-ml.so.1 (env BERTH_NVML_LIBRARY)")
-    p.add_argument("--reserve-vcpu", type=argtypes.amount, default=1.0, metavar="N", help="CPUs kept for the system (default 1)")
+    p.add_argument("--reserve-vcpu", type=argtypes.amount, default=1.0, metavar="N",
+                   help="CPUs kept for the system (default 1)")
     p.add_argument("--reserve-memory-gib", type=argtypes.amount, default=4.0, metavar="GIB",
                    help="memory kept for the system (default 4)")
     p.add_argument("--device-classes", metavar="FILE", help="operator device class rules (JSON)")
