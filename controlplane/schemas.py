@@ -234,18 +234,14 @@ def create_request(body: CreateBody) -> CreateRequest:
     )
 
 
-def check_key(key: str | None, field: str) -> None:
-    """An idempotency key, in the header or the body: 1 to 255 printable ASCII characters (a header can carry no
-    other, so a key the body could hold but the header could not would never be retried by header)."""
-    if key is not None and not (1 <= len(key) <= 255 and key.isascii() and key.isprintable()):
-        raise DomainError(INVALID_INPUT, f"{field}: must be 1 to 255 printable ASCII characters",
-                          {"field": field, "rule": "1 to 255 printable ASCII characters"})
-
-
 def create_command(body: CreateBody, header_key: str | None) -> Create:
-    """A create (or a quote) as the service takes it; INVALID_INPUT for what only the wire can get wrong."""
-    check_key(header_key, "Idempotency-Key")
-    check_key(body.idempotencyKey, "idempotencyKey")
+    """A create (or a quote) as the service takes it; INVALID_INPUT for what only the wire can get wrong. A key in
+    the header is printable ASCII (what a header can carry); one in the body may be any text of 1 to 255
+    characters, stored and replayed as sent."""
+    if header_key is not None and not (1 <= len(header_key) <= 255 and header_key.isascii()
+                                       and header_key.isprintable()):
+        raise DomainError(INVALID_INPUT, "Idempotency-Key: must be 1 to 255 printable ASCII characters",
+                          {"field": "Idempotency-Key", "rule": "1 to 255 printable ASCII characters"})
     if header_key is not None and body.idempotencyKey is not None and header_key != body.idempotencyKey:
         raise DomainError(INVALID_INPUT, "idempotencyKey: differs from the Idempotency-Key header",
                           {"field": "idempotencyKey", "rule": "must equal the Idempotency-Key header when both are given"})
@@ -263,7 +259,6 @@ def create_command(body: CreateBody, header_key: str | None) -> Create:
 
 
 def extend_command(body: ExtendBody) -> Extend:
-    check_key(body.idempotencyKey, "idempotencyKey")
     if (body.until is None) == (body.by is None):
         raise DomainError(INVALID_INPUT, "until: give exactly one of until (epoch ms) or by (milliseconds)",
                           {"field": "until", "rule": "exactly one of until or by"})
