@@ -41,6 +41,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def seconds_within_a_day(text: str) -> float:
+    """Seconds above 0 and below a day (the control plane's timeouts and graces: longer is a typo)."""
+    value = seconds(text)
+    if value >= 86_400:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds above 0 and below a day, e.g. 10")
+    return value
+
+
 def whole(least: int) -> Callable[[str], int]:
     """A whole number of at least `least` (retries, milliseconds)."""
     def parse(text: str) -> int:

@@ -33,16 +33,6 @@ def access_log_option(value: str) -> AccessLog | None:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--access-log: ")) from None
 
 
-def positive_seconds(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = 0.0
-    if not 0 < seconds < 86_400:
-        raise argparse.ArgumentTypeError(f"{value!r}: give seconds above 0 and below a day, e.g. 10")
-    return seconds
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="berth controlplane", description="Berth's control plane")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,20 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--bootstrap", default=None, metavar="FILE", help="JSON file applied idempotently at start")
     serve.add_argument("--authzen", default=None, metavar="URL", type=argtypes.http_url,
                        help="decide with a remote OpenID AuthZEN service at URL instead of the embedded Cedar policies")
-    serve.add_argument("--authzen-timeout", type=positive_seconds, default=2.0, metavar="SECONDS",
+    serve.add_argument("--authzen-timeout", type=argtypes.seconds_within_a_day, default=2.0, metavar="SECONDS",
                        help="a remote decision slower than this is a deny (default 2)")
-    serve.add_argument("--node-grace", type=positive_seconds, default=30.0, metavar="SECONDS",
+    serve.add_argument("--node-grace", type=argtypes.seconds_within_a_day, default=30.0, metavar="SECONDS",
                        help="a node whose agent is silent for longer is lost (default 30)")
-    serve.add_argument("--commit-wait", type=positive_seconds, default=Config.commit_wait_s, metavar="SECONDS",
+    serve.add_argument("--commit-wait", type=argtypes.seconds_within_a_day, default=Config.commit_wait_s, metavar="SECONDS",
                        help="PostgreSQL: a request whose change is not committed within this (a synchronous standby "
                        "away, a stuck replica holding the write lock) is answered PROVIDER_UNAVAILABLE; the change "
                        "may still commit, so the client retries with the same idempotency key "
                        f"(default {Config.commit_wait_s:g})")
     limits = guard.Limits()
-    serve.add_argument("--request-timeout", type=positive_seconds, default=limits.request_timeout_s,
+    serve.add_argument("--request-timeout", type=argtypes.seconds_within_a_day, default=limits.request_timeout_s,
                        metavar="SECONDS", help="a request's headers must arrive within this of its first byte, and "
                        f"then its body within this (default {limits.request_timeout_s:g})")
-    serve.add_argument("--idle-timeout", type=positive_seconds, default=limits.idle_timeout_s, metavar="SECONDS",
+    serve.add_argument("--idle-timeout", type=argtypes.seconds_within_a_day, default=limits.idle_timeout_s, metavar="SECONDS",
                        help=f"close a connection with no request in progress after this (default "
                        f"{limits.idle_timeout_s:g})")
     serve.add_argument("--max-connections", type=int, default=limits.max_connections, metavar="N",

@@ -301,6 +301,15 @@ async def cmd_whoami(ctx: Context, argv: Sequence[str]) -> int:
 FOLLOW_WAIT_MS = 25_000  # each long poll of --follow (the server holds at most 30 s)
 
 
+def _events_after(ctx: Context, argv: Sequence[str], page: EventPage) -> str:
+    """The command that lists on from a page of events (the tenant's or the fleet's): its next page, or the events
+    committed later."""
+    if not page.events:
+        return ""
+    return "\nthe next page, or events committed later: " + same_command(
+        ctx, [*without(argv, "--after"), "--after", str(page.next_cursor)])
+
+
 async def cmd_events_list(ctx: Context, argv: Sequence[str]) -> int:
     """A page of the tenant's events; with --follow, every page up to now and then each new event as it is
     committed (one long poll after another on the cursor), until interrupted."""
@@ -310,9 +319,7 @@ async def cmd_events_list(ctx: Context, argv: Sequence[str]) -> int:
         page = await ctx.client.list_events(after=a.after, limit=a.limit)
         shown = [e for e in page.events if mine(e)]
         text = render_events(shown, width=ctx.width) if shown else "no events"
-        if page.events:
-            after = same_command(ctx, [*without(argv, "--after"), "--after", str(page.next_cursor)])
-            text += f"\nthe next page, or events committed later: {after}"
+        text += _events_after(ctx, argv, page)
         ctx.emit({"events": wire(shown), "nextCursor": page.next_cursor}, text)
         return EXIT_OK
     cursor, header = a.after, True
@@ -410,9 +417,7 @@ async def cmd_admin_events_list(ctx: Context, argv: Sequence[str]) -> int:
     rows = [(e.seq, when(e.at), e.type, e.data.get("nodeId"), f"{e.data.get('from')} -> {e.data.get('state')}",
              e.data.get("by"), e.data.get("reason")) for e in page.events]
     text = table(("SEQ", "AT", "EVENT", "NODE", "STATE", "BY", "REASON"), rows, width=ctx.width) if rows else "no events"
-    if page.events:
-        after = same_command(ctx, [*without(argv, "--after"), "--after", str(page.next_cursor)])
-        text += f"\nthe next page, or events committed later: {after}"
+    text += _events_after(ctx, argv, page)
     ctx.emit(ctx.client.last_answer, text)
     return EXIT_OK
 

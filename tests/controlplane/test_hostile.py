@@ -40,11 +40,14 @@ def server(tmp_path_factory, module_db_url):
         yield proc
 
 
-def raw_request(server, path: str, headers: list[bytes], body: bytes = b"{}") -> tuple[int, dict]:
-    """One HTTP/1.1 request written byte for byte (so headers can carry any bytes)."""
+def raw_request(server, path: str, headers: list[bytes], body: bytes = b"{}",
+                content_type: bytes | None = b"application/json") -> tuple[int, dict]:
+    """One HTTP/1.1 request written byte for byte (so headers can carry any bytes); content_type None: no
+    Content-Type header at all."""
     host, port = server.url.removeprefix("http://").split(":")
     head = [b"POST " + path.encode() + b" HTTP/1.1", b"Host: " + host.encode(), b"Connection: close",
-            b"Content-Type: application/json", b"Content-Length: " + str(len(body)).encode(), *headers]
+            *([b"Content-Type: " + content_type] if content_type is not None else []),
+            b"Content-Length: " + str(len(body)).encode(), *headers]
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(b"\r\n".join(head) + b"\r\n\r\n" + body)
         data = b""
@@ -116,15 +119,9 @@ def test_a_body_that_is_not_json_is_415(server):
                               headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert (415, "INVALID_INPUT", "Content-Type") == (status, doc["error"]["code"], doc["error"]["details"]["field"])
     # a body with no Content-Type at all is said to have none (aiohttp reads it as application/octet-stream)
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /api/compute/reservations/list HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                  b"Authorization: Bearer " + TOKENS["alice"].encode() + b"\r\nContent-Length: 2\r\n\r\n{}")
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    answer = json.loads(data.split(b"\r\n\r\n", 1)[1])
-    assert "Content-Type: none is not application/json" == answer["error"]["message"], answer
+    status, answer = raw_request(server, "/api/compute/reservations/list",
+                                 [f"Authorization: Bearer {TOKENS['alice']}".encode()], content_type=None)
+    assert (415, "Content-Type: none is not application/json") == (status, answer["error"]["message"]), answer
 
 
 @pytest.mark.parametrize("path, body, field", [

@@ -11,6 +11,19 @@ from tests.controlplane.conftest import TOKENS, bootstrap_doc
 from tests.serverproc import ServerProcess
 
 
+def serve_once(*args: str, **run) -> subprocess.CompletedProcess:
+    """`berth controlplane serve ARGS` run to its end (the starts that are refused); run: subprocess.run's env, cwd."""
+    return subprocess.run([sys.executable, "-m", "berth", "controlplane", "serve", *args], capture_output=True,
+                          text=True, timeout=30, **run)
+
+
+def on_file(tmp_path, db: str | None = None, doc: dict | None = None) -> list[str]:
+    """serve's arguments for a bootstrap file in tmp_path (`doc`, else the tests' one) and a database."""
+    (tmp_path / "b.json").write_text(json.dumps(doc or bootstrap_doc()))
+    return ["--listen", "127.0.0.1:0", "--db", db or f"sqlite:///{tmp_path / 'cp.db'}", "--bootstrap",
+            str(tmp_path / "b.json")]
+
+
 def test_serve_logs_its_address_answers_and_stops_cleanly_on_sigterm(tmp_path, db_url):
     (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
     server = ServerProcess(db_url, tmp_path / "b.json").start()
@@ -45,12 +58,7 @@ def test_bootstrap_is_applied_idempotently_across_restarts(tmp_path, db_url):
 def test_a_bad_bootstrap_stops_the_start_naming_the_field(tmp_path, change, message):
     doc = bootstrap_doc()
     change(doc)
-    (tmp_path / "b.json").write_text(json.dumps(doc))
-    out = subprocess.run(
-        [sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
-         "--db", f"sqlite:///{tmp_path / 'cp.db'}", "--bootstrap", str(tmp_path / "b.json")],
-        capture_output=True, text=True, timeout=30,
-    )
+    out = serve_once(*on_file(tmp_path, doc=doc))
     assert out.returncode == 2, out.stderr
     assert message in out.stderr
 
@@ -60,27 +68,19 @@ def test_a_policies_file_that_does_not_parse_is_named_with_its_line(tmp_path):
     doc.pop("policies", None)
     doc["policiesFile"] = "policies.cedar"
     (tmp_path / "policies.cedar").write_text("// ours\npermit (principal, action, resource)\n  when { principal.tenant == };\n")
-    (tmp_path / "b.json").write_text(json.dumps(doc))
-    out = subprocess.run([sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0", "--db",
-                          f"sqlite:///{tmp_path / 'cp.db'}", "--bootstrap", str(tmp_path / "b.json")],
-                         capture_output=True, text=True, timeout=30)
+    out = serve_once(*on_file(tmp_path, doc=doc))
     assert (2, True) == (out.returncode, f"policiesFile {tmp_path / 'policies.cedar'}: line 2 ('permit (principal"
                          in out.stderr), out.stderr
 
 
 def test_an_unsupported_database_url_says_what_to_use(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "berth", "controlplane", "serve", "--db", "mysql://x"],
-        capture_output=True, text=True, timeout=30,
-    )
+    out = serve_once("--db", "mysql://x")
     assert out.returncode == 2 and "sqlite:///PATH" in out.stderr
     import os
     env = {**os.environ, "BERTH_DB": "mysql://x"}
-    out = subprocess.run([sys.executable, "-m", "berth", "controlplane", "serve"], capture_output=True, text=True,
-                         timeout=30, env=env)
+    out = serve_once(env=env)
     assert (2, True) == (out.returncode, "BERTH_DB: 'mysql://x' is not sqlite:///PATH" in out.stderr), out.stderr
-    out = subprocess.run([sys.executable, "-m", "berth", "controlplane", "serve", "--db", ""], capture_output=True,
-                         text=True, timeout=30, cwd=tmp_path)  # not the default database by surprise
+    out = serve_once("--db", "", cwd=tmp_path)  # not the default database by surprise
     assert (2, True) == (out.returncode, "--db: empty" in out.stderr), out.stderr
 
 
@@ -148,18 +148,11 @@ async def test_a_budget_set_at_run_time_outlives_the_bootstrap_applied_again_unt
     assert await budget() == "80.000000"
 
 
-def serve_once(tmp_path, db: str) -> subprocess.CompletedProcess:
-    (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
-    return subprocess.run([sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
-                           "--db", db, "--bootstrap", str(tmp_path / "b.json")], capture_output=True, text=True,
-                          timeout=30)
-
-
 def test_a_second_control_plane_on_a_served_sqlite_file_is_refused_naming_the_first(tmp_path):
     """Two processes on one file would each place from their own memory: the same GPUs booked twice."""
     (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
     with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json") as first:
-        second = serve_once(tmp_path, f"sqlite:///{tmp_path / 'cp.db'}")
+        second = serve_once(*on_file(tmp_path, f"sqlite:///{tmp_path / 'cp.db'}"))
         assert 2 == second.returncode, second.stderr
         assert f"is served by another control plane (pid {first.proc.pid})" in second.stderr
         assert "PostgreSQL" in second.stderr and "Traceback" not in second.stderr
@@ -178,7 +171,7 @@ def test_a_db_path_that_is_no_database_stops_the_start_saying_what_to_give(tmp_p
     (tmp_path / "notes.txt").write_text("not a database, but long enough to have a header's worth of bytes " * 10)
     path = {"directory": tmp_path, "not a database": tmp_path / "notes.txt",
             "under a file": tmp_path / "notes.txt" / "cp.db"}[what]
-    out = serve_once(tmp_path, f"sqlite:///{path}")
+    out = serve_once(*on_file(tmp_path, f"sqlite:///{path}"))
     assert (2, True, False) == (out.returncode, said in out.stderr, "Traceback" in out.stderr), out.stderr
     assert "--db" in out.stderr
 
@@ -192,8 +185,6 @@ def test_a_db_path_that_is_no_database_stops_the_start_saying_what_to_give(tmp_p
 ])
 def test_a_flag_value_that_cannot_work_stops_the_start_naming_the_flag(tmp_path, flags, said):
     """Checked at start: a --authzen typo would otherwise answer every create PROVIDER_UNAVAILABLE, as an outage."""
-    out = subprocess.run([sys.executable, "-m", "berth", "controlplane", "serve", "--listen", "127.0.0.1:0",
-                          "--db", f"sqlite:///{tmp_path / 'cp.db'}", *flags], capture_output=True, text=True,
-                         timeout=30)
+    out = serve_once("--listen", "127.0.0.1:0", "--db", f"sqlite:///{tmp_path / 'cp.db'}", *flags)
     assert (2, True) == (out.returncode, said in out.stderr), out.stderr
     assert not (tmp_path / "cp.db").exists()  # refused before anything was opened
