@@ -7,6 +7,7 @@ changes nothing, and a changed file replaces what it names.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -32,7 +33,7 @@ class BootstrapError(ValueError):
 
 class TenantDoc(Struct, forbid_unknown_fields=True):
     id: Id
-    quota: dict[str, NonNegative] = {}
+    quota: dict[str, object] = {}  # each value checked by _quota, which names its key (msgspec cannot)
     budgetUsd: str | float | None = None
 
 
@@ -166,9 +167,21 @@ def _money(value, field: str) -> Decimal:
     return amount
 
 
-def _quota(raw: dict[str, float], field: str) -> dict[str, int]:
+def _json_kind(value: object) -> str:
+    """What a decoded JSON value is, in JSON's words (as msgspec's messages say it)."""
+    for kind, name in ((bool, "a boolean"), (str, "a string"), (list, "an array"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else "a number"
+
+
+def _quota(raw: dict[str, object], field: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for key, value in raw.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise BootstrapError(f"{field}.{key}: must be a number (got {_json_kind(value)})")
+        if not math.isfinite(value) or value < 0:
+            raise BootstrapError(f"{field}.{key}: must be a number >= 0")
         if key == "vcpu":
             out["vcpu_milli"] = round(value * 1000)
         elif key == "memoryGiB":
