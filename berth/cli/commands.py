@@ -314,11 +314,14 @@ async def cmd_events_list(ctx: Context, argv: Sequence[str]) -> int:
     """A page of the tenant's events; with --follow, every page up to now and then each new event as it is
     committed (one long poll after another on the cursor), until interrupted."""
     a = ctx.args
+    if a.reservation:  # the API lists the tenant's events; one of another tenant's, or a typo, is NOT_FOUND, as usage says
+        await ctx.client.get(a.reservation)
     mine = (lambda e: e.reservation_id == a.reservation) if a.reservation else (lambda e: True)
     if not a.follow:
         page = await ctx.client.list_events(after=a.after, limit=a.limit)
         shown = [e for e in page.events if mine(e)]
-        text = render_events(shown, width=ctx.width) if shown else "no events"
+        text = render_events(shown, width=ctx.width) if shown else (
+            f"none of this page's {len(page.events)} events is {a.reservation}'s" if page.events else "no events")
         text += _events_after(ctx, argv, page)
         ctx.emit({"events": wire(shown), "nextCursor": page.next_cursor}, text)
         return EXIT_OK

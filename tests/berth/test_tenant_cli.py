@@ -638,6 +638,15 @@ def test_events_list_shows_a_reservations_events_with_iso_times(berth, alice):
     assert "reservation.placed" in run.out and "Z" in rows[0]
     doc = berth("events", "list", "--reservation", r.id, "--limit", "500", "--json").json
     assert {r.id} == {e["reservationId"] for e in doc["events"]} and doc["nextCursor"] >= doc["events"][-1]["seq"]
+    # an id that is not the tenant's is refused as usage refuses it, not listed as "no events"
+    missing = berth("events", "list", "--reservation", "res_nope")
+    assert (3, True) == (missing.code, "NOT_FOUND" in missing.err), missing.err
+    # a page that holds none of the reservation's events says so, and where to list on from
+    other = alice.create("h100", "H100_80GB", gpu_count=1, duration_hours=1)
+    page = berth("events", "list", "--reservation", r.id, "--after", str(doc["nextCursor"]),
+                 env={"BERTH_FORCE_TTY": "1"})
+    assert 0 == page.code and "none of this page's" in page.out and "--after" in page.out, (page.out, page.err)
+    assert other.id not in page.out
 
 
 class Lines:
