@@ -174,6 +174,12 @@ def validate(top: Topology) -> None:
         for j, m in enumerate(migs):
             if (m.memoryMiB or 0) > spec.memoryMiB:
                 raise TopologyError(f"{where}.mig[{j}].memoryMiB: larger than the GPU's memoryMiB")
+        # No table of each model's profiles here: a profile of a larger GPU (7 x 1g.10gb on a 40 GB A100, whose
+        # smallest is 1g.5gb) is caught by the memory its instances would take.
+        memory = sum((m.memoryMiB or profile_memory_mib(m.profile)) * m.count for m in migs)
+        if memory > spec.memoryMiB:
+            raise TopologyError(f"{where}.mig: the instances take {memory} MiB; the GPU has {spec.memoryMiB} MiB "
+                                f"(is a profile one of a larger GPU's?)")
         if spec.migSlots is not None:
             if len(spec.migSlots) != instances or len(set(spec.migSlots)) != instances:
                 raise TopologyError(f"{where}.migSlots: needs {instances} distinct slots, one per MIG instance")
