@@ -11,7 +11,7 @@ import math
 from dataclasses import replace
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -33,7 +33,8 @@ class BootstrapError(ValueError):
 
 class TenantDoc(Struct, forbid_unknown_fields=True):
     id: Id
-    quota: dict[str, object] = {}  # each value checked by _quota, which names its key (msgspec cannot)
+    # Each value is checked by _quota, which names its key (msgspec's message cannot): a number >= 0.
+    quota: dict[str, Annotated[Any, Meta(description="a number >= 0")]] = {}
     budgetUsd: str | float | None = None
 
 
