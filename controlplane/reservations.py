@@ -73,7 +73,7 @@ class Verdict:
 def iam_unavailable(decision: Decision) -> DomainError:
     return DomainError(PROVIDER_UNAVAILABLE, "the IAM decision service could not be reached: nothing was decided; "
                        "retry later with the same idempotency key",
-                       {"actor": "platform", "reference": f"iam:{abs(hash(decision.errors)) % 10**10}",
+                       {"actor": "platform", "reference": f"iam-{time.time_ns():x}",
                         "errors": list(decision.errors)})
 
 

@@ -4,7 +4,8 @@ Every refusal leaves as `{"error": {"code", "message", "details"}}`, encoded
 from ErrorEnvelope, the one definition the API description (api/openapi.py)
 also reads. An unexpected failure is logged with a reference and answered as
 PROVIDER_UNAVAILABLE (the platform's fault; retry with the same key), never
-as a bare 500.
+as a bare 500; every other PROVIDER_UNAVAILABLE is logged with its reference
+too.
 """
 from __future__ import annotations
 
@@ -61,6 +62,18 @@ def error_response(err: e.DomainError, status: int | None = None) -> web.Respons
     return resp
 
 
+def _logged(request: web.Request, err: e.DomainError) -> e.DomainError:
+    """A platform failure as its caller hears it, logged with the reference the answer carries, so that support can
+    find what a tenant quotes; the operator's diagnostics (`errors`: the IAM service's address and how it failed) go
+    to the log only."""
+    details = dict(err.details)
+    diagnostics = details.pop("errors", None)
+    reference = details.setdefault("reference", f"ref-{time.time_ns():x}")
+    log.warning("answered PROVIDER_UNAVAILABLE", path=request.path, reference=reference, reason=err.message,
+                **({"errors": diagnostics} if diagnostics else {}))
+    return e.DomainError(err.code, err.message, details)
+
+
 # aiohttp's own refusals, in the envelope with their HTTP status; BODY_FIELDS: those that name what a body got wrong.
 HTTP_CODES = {404: e.NOT_FOUND, 405: e.INVALID_INPUT, 408: e.INVALID_INPUT, 413: e.INVALID_INPUT, 415: e.INVALID_INPUT}
 BODY_FIELDS = {408: "body", 413: "body", 415: "Content-Type"}
@@ -71,7 +84,7 @@ async def answer_errors(request: web.Request, call: Callable[[], Awaitable[web.S
     try:
         return await call()
     except e.DomainError as err:
-        return error_response(err)
+        return error_response(_logged(request, err) if err.code == e.PROVIDER_UNAVAILABLE else err)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import structlog
 from aiohttp import web
 
 from controlplane.api.app import create_app
@@ -96,12 +97,17 @@ async def test_a_failed_remote_decision_denies_and_answers_provider_unavailable(
         pdp.malformed = True
     else:
         api.cp.authorizer.base_url = "http://127.0.0.1:9"  # nothing listens there
-    status, doc = await api.create(key="x")
+    with structlog.testing.capture_logs() as logged:
+        status, doc = await api.create(key="x")
     assert (status, doc["error"]["code"]) == (503, "PROVIDER_UNAVAILABLE")
-    assert doc["error"]["details"]["actor"] == "platform" and doc["error"]["details"]["reference"]
+    details = doc["error"]["details"]
+    assert details["actor"] == "platform" and details["reference"]
     assert api.cp.state.calendar.by_reservation == {}
-    text = " ".join(doc["error"]["details"].get("errors", []))
+    # the reference is what support finds in the log, with how the service failed; the tenant is not told its address
+    [line] = [x for x in logged if x.get("reference") == details["reference"]]
+    text = " ".join(line["errors"])
     assert {"timeout": "did not answer", "500": "HTTP 500", "malformed": "boolean", "down": "failed"}[failure] in text
+    assert "errors" not in details and "127.0.0.1" not in str(doc)
 
 
 async def test_after_the_decision_service_recovers_the_same_key_is_decided_again(remote):
