@@ -61,7 +61,9 @@ def access_denied(decision: Decision, message: str, details: dict[str, Any]) -> 
     details name the policy."""
     if decision.reason:
         message = f"{message}: {decision.reason}"
-    elif not decision.policy and not decision.errors:
+    elif decision.policy:
+        message = f"{message}: forbidden by policy {decision.policy}"
+    elif not decision.errors:
         message = f"{message}: no policy permits it"
     extra = {"policy": decision.policy, "reason": decision.reason} if decision.policy or decision.reason else {}
     return DomainError(ACCESS_DENIED, message, {**details, **extra, "errors": list(decision.errors)})

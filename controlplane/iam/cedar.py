@@ -185,8 +185,8 @@ class CedarAuthorizer:
         policy = reason = ""
         if not result.allowed:
             matched = [self._forbids[r] for r in reasons if r in self._forbids]
-            if matched:
-                policy, reason = matched[0]
+            if matched:  # of several forbids, one that says why (the order of Cedar's reasons is no priority)
+                policy, reason = min(matched, key=lambda m: (not m[1], m[0]))
         return Decision(bool(result.allowed), reasons, tuple(str(e) for e in diagnostics.errors), policy=policy,
                         reason=reason)
 

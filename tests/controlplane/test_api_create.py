@@ -293,4 +293,4 @@ async def test_duration_cap_policy_uses_rounded_up_hours(api):
 async def test_a_forbid_without_annotations_is_named_by_cedars_id(api):
     status, doc = await api.create("robot", key="big", gpuCount=4)  # the agents' forbid has no @id or @reason
     assert (403, "policy1", "") == (status, doc["error"]["details"]["policy"], doc["error"]["details"]["reason"])
-    assert doc["error"]["message"] == "robot may not create this reservation"
+    assert doc["error"]["message"] == "robot may not create this reservation: forbidden by policy policy1"

@@ -89,6 +89,17 @@ forbid (principal, action, resource is Reservation) when { resource.gpuCount == 
     err = access_denied(denied, "alice may not create this reservation", {"action": CREATE})
     assert err.message == "alice may not create this reservation: H200 GPUs are for the research tenant"
     assert ("no-h200", "H200 GPUs are for the research tenant") == (err.details["policy"], err.details["reason"])
+    # with a second forbid that matches too and says nothing, the one that says why is named, whatever their order
+    for unannotated in ("forbid (principal, action, resource is Reservation) when { resource.gpuCount > 6 };\n",
+                        "@id(\"zz-big\") forbid (principal, action, resource is Reservation) when { resource.gpuCount > 6 };"):
+        for both in (unannotated + policies, policies + "\n" + unannotated):
+            twice = _authorizer(both).decide_now(AuthzRequest(ALICE, CREATE, _res(gpuCount=7)))
+            assert ("no-h200", "H200 GPUs are for the research tenant") == (twice.policy, twice.reason)
+    # a forbid without a reason is named in the message
+    bare = _authorizer(POLICIES + "\n@id(\"big\") forbid (principal, action, resource is Reservation) "
+                                  "when { resource.gpuCount == 7 };").decide_now(AuthzRequest(ALICE, CREATE, _res(gpuCount=7)))
+    err = access_denied(bare, "alice may not create this reservation", {"action": CREATE})
+    assert err.message == "alice may not create this reservation: forbidden by policy big"
     nobody = _authorizer("forbid (principal, action, resource) when { false };")
     none = nobody.decide_now(AuthzRequest(ALICE, CREATE, _res()))
     assert (False, "", "") == (none.allowed, none.policy, none.reason)
