@@ -44,14 +44,17 @@ class QuoteDoc(msgspec.Struct):
     hourly_usd: str
 
 
-def priced_fields(req: CreateRequest) -> dict:
-    """The fields of a request that set its price, by their wire names (a PRICE_CHANGED answer names them)."""
-    res = req.resources
+def priced_fields(plan: Plan) -> dict:
+    """The fields that set a request's price, by their wire names (a PRICE_CHANGED answer names them), as admission
+    read them: defaults filled in, and resources as what is booked above the per-GPU share (the share itself follows
+    gpuCount), so a create that restates what its quote said (the pool's sharing, the quote's own `resources`,
+    `resources: {}`) changes nothing."""
+    r = plan.excess
     return {
-        "poolId": req.pool_id, "gpuModel": req.gpu_model, "sharing": req.sharing, "migProfile": req.mig_profile,
-        "gpuCount": req.gpu_count, "nodeCount": req.node_count, "binding": req.binding, "spot": req.spot,
-        "resources": None if res is None else {"vcpuMilli": res.vcpu_milli, "memoryMiB": res.memory_mib,
-                                              "hugepages1Gi": res.hugepages_1g},
+        "poolId": plan.pool.id, "gpuModel": plan.pool.gpu_model, "sharing": plan.pool.sharing,
+        "migProfile": plan.mig_profile, "gpuCount": plan.gpu_count, "nodeCount": plan.node_count,
+        "binding": plan.binding, "spot": plan.spot,
+        "resources": {"vcpuMilli": r.vcpu_milli, "memoryMiB": r.memory_mib, "hugepages1Gi": r.hugepages_1g},
     }
 
 
@@ -125,13 +128,15 @@ class Quotes:
     def _check_quote(self, reads: Reads, principal: Principal, cmd: Create, plan: Plan, now: int) -> None:
         found = reads.quote(cmd.quote_id) if cmd.quote_id else None
         if found is None or found[0] != principal.tenant_id:
-            raise DomainError(QUOTE_EXPIRED, f"quoteId: {cmd.quote_id!r} is not a quote of this tenant; request a fresh quote",
-                              {"field": "quoteId", "quoteId": cmd.quote_id})
+            named = cmd.quote_id if len(cmd.quote_id or "") <= 64 else None  # a malformed id is not echoed whole
+            shown = repr(named) if named is not None else f"a {len(cmd.quote_id or '')}-character id"
+            raise DomainError(QUOTE_EXPIRED, f"quoteId: {shown} is not a quote of this tenant; request a fresh quote",
+                              {"field": "quoteId", "quoteId": named})
         doc = msgspec.json.decode(found[2], type=QuoteDoc)
         if doc.expires_at <= now:
             raise DomainError(QUOTE_EXPIRED, f"quote {doc.id} expired at {doc.expires_at}; request a fresh quote",
                               {"field": "quoteId", "quoteId": doc.id, "expiresAt": doc.expires_at})
-        changed = [k for k, v in priced_fields(cmd.request).items() if doc.priced.get(k) != v]
+        changed = [k for k, v in priced_fields(plan).items() if doc.priced.get(k) != v]
         if changed or Decimal(doc.hourly_usd) != plan.hourly_usd:
             raise DomainError(PRICE_CHANGED, (f"{', '.join(changed)} changed since the quote" if changed else
                               f"the price changed from ${doc.hourly_usd}/hr to ${money(plan.hourly_usd)}/hr") +
@@ -162,7 +167,7 @@ class Quotes:
         now = self.clock.compute_now()
         start, preempts = self.placement_now(plan, now)
         doc = QuoteDoc("qt_" + secrets.token_hex(12), tenant.id, principal.id, now, now + QUOTE_TTL_MS,
-                       priced_fields(req), money(plan.hourly_usd))
+                       priced_fields(plan), money(plan.hourly_usd))
         await self.store.call(lambda tx: tx.put_quote(doc.id, doc.tenant_id, doc.expires_at, msgspec.json.encode(doc)))
         return {
             "id": doc.id, "createdAt": now, "expiresAt": doc.expires_at, "currency": "USD",

@@ -56,14 +56,14 @@ class CreateBody(Struct, forbid_unknown_fields=True):
     start: EpochMs | None = None
     end: EpochMs | None = None
     durationHours: Annotated[float, Meta(gt=0, le=8784)] | None = None
-    binding: Id = "hold"
+    binding: Annotated[str, Meta(max_length=128)] = "hold"  # "" too is a binding Berth does not have: UNSUPPORTED
     resources: Resources | None = None
     spot: bool = False
-    leaseSeconds: Annotated[int, Meta(ge=1, le=604800)] | None = None
+    leaseSeconds: Annotated[int, Meta(ge=30, le=604800)] | None = None
     access: Access | None = None  # binding node: required
     idempotencyKey: Key | None = None
     wait: Wait | None = None
-    quoteId: Id | None = None
+    quoteId: str | None = None  # any text: one that is no quote of the tenant (malformed too) is QUOTE_EXPIRED
     maxHourlyPrice: Annotated[str, Meta(min_length=1, max_length=32)] | None = None
 
 

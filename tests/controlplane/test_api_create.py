@@ -220,12 +220,17 @@ async def test_spend_limit_reached_when_the_pool_or_offer_checks_the_budget(api)
         ("alice", {"binding": "kubernetes"}, 400, "INVALID_INPUT", "binding"),  # no policy.kubernetes
         ("carol", {"poolId": "k8s", "binding": "kubernetes"}, 400, "INVALID_INPUT", "binding"),  # not the owner
         ("alice", {"binding": "vm"}, 422, "UNSUPPORTED", "binding"),
+        ("alice", {"binding": ""}, 422, "UNSUPPORTED", "binding"),  # any binding other than hold, node or kubernetes
         ("alice", {"durationHours": None}, 400, "INVALID_INPUT", "durationHours"),
         ("alice", {"end": T0 + HOUR}, 400, "INVALID_INPUT", "end"),  # end and durationHours
         ("alice", {"durationHours": None, "start": T0 - 24 * HOUR, "end": T0 - HOUR}, 400, "INVALID_INPUT", "start"),
         ("alice", {"durationHours": None, "start": T0 + 2 * HOUR, "end": T0 + HOUR}, 400, "INVALID_INPUT", "end"),
         ("alice", {"gpuCount": None}, 400, "INVALID_INPUT", "gpuCount"),
         ("alice", {"leaseSeconds": 5}, 400, "INVALID_INPUT", "leaseSeconds"),
+        ("alice", {"leaseSeconds": 0}, 400, "INVALID_INPUT", "leaseSeconds"),
+        # a malformed quote id is QUOTE_EXPIRED, as an unknown one (seed 002: "expired or malformed")
+        ("alice", {"quoteId": ""}, 410, "QUOTE_EXPIRED", "quoteId"),
+        ("alice", {"quoteId": "q" * 300}, 410, "QUOTE_EXPIRED", "quoteId"),
         ("alice", {"wait": {"timeoutMs": 30001}}, 400, "INVALID_INPUT", "wait.timeoutMs"),
         # money in Python's wider grammar is not this API's
         ("alice", {"maxHourlyPrice": "1e3"}, 400, "INVALID_INPUT", "maxHourlyPrice"),
@@ -243,6 +248,14 @@ async def test_refusals_name_the_field_and_change_nothing(api, who, fields, stat
     assert doc["error"]["details"].get("field") == field
     assert api.cp.state.calendar.by_reservation == {}
     assert await api.events(who) == []
+
+
+async def test_a_lease_out_of_bounds_is_refused_with_the_bounds_that_hold(api):
+    for seconds, rule in ((0, "must be an integer >= 30"), (29, "must be an integer >= 30"),
+                          (604801, "must be an integer <= 604800")):
+        status, doc = await api.create(key=f"l{seconds}", leaseSeconds=seconds)
+        assert (400, f"leaseSeconds: {rule}") == (status, doc["error"]["message"])
+    assert 202 == (await api.create(key="l30", leaseSeconds=30))[0]
 
 
 async def test_node_binding_books_every_gpu_and_the_whole_host(api):

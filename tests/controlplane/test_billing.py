@@ -119,6 +119,23 @@ async def test_a_changed_priced_field_or_price_is_price_changed(api):
     assert doc["error"]["code"] == "PRICE_CHANGED" and doc["error"]["details"]["totalRunningUsdPerHour"] == "5.500000"
 
 
+async def test_a_create_that_restates_what_its_quote_said_is_not_price_changed(api):
+    """Priced fields are compared as admission reads them: the pool's own sharing, the quote's own resources and
+    resources below the per-GPU share (or {}) book what the quote priced."""
+    q = (await quote(api))[1]["quote"]
+    for i, same in enumerate(({"sharing": "exclusive"}, {"resources": q["resources"]}, {"resources": {}},
+                              {"resources": {"vcpu": 1}}, {"binding": "hold", "nodeCount": 1, "spot": False})):
+        status, doc = await api.create(key=f"same{i}", gpuCount=2, durationHours=3, quoteId=q["id"], **same)
+        assert 202 == status, (same, doc)
+        assert 202 == (await api.call("release", "alice", {"reservationId": doc["reservation"]["id"]}))[0]
+    # fewer GPUs change gpuCount alone (the share follows it); more than the share changes what is booked and its price
+    status, doc = await api.create(key="fewer", gpuCount=1, durationHours=3, quoteId=q["id"], sharing="exclusive")
+    assert (409, "PRICE_CHANGED", ["gpuCount"]) == (status, doc["error"]["code"], doc["error"]["details"]["changed"])
+    more = {k: v * 2 for k, v in q["resources"].items() if k != "hugepages1Gi"}
+    status, doc = await api.create(key="more", gpuCount=2, durationHours=3, quoteId=q["id"], resources=more)
+    assert (409, "PRICE_CHANGED") == (status, doc["error"]["code"]) and "resources" in doc["error"]["details"]["changed"]
+
+
 async def test_an_expired_or_unknown_quote_is_quote_expired(api):
     q = (await quote(api))[1]["quote"]
     api.clock.advance(120_001)
