@@ -253,11 +253,14 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
     if code == "COMPUTE_ACCESS_REQUIRED":
         return [f"the token (from {ctx.settings.sources.get('token')}) has {d.get('scope')} access; this needs "
                 f"{d.get('required', 'manage')}: use a token with scope {d.get('required', 'manage')}"]
+    # A create refused for money keeps its draft, as for quota: the same key continues it once the budget allows.
+    continues = (["  after the budget is raised, the same key continues the request: " + retry_same] if create else [])
     if code == "SPEND_LIMIT_REACHED":
-        return [f"spent {d.get('spentUsd')} of {d.get('budgetUsd')} USD: ask an admin to raise the budget"]
+        return [f"spent {d.get('spentUsd')} of {d.get('budgetUsd')} USD: ask an admin to raise the budget", *continues]
     if code == "INSUFFICIENT_FUNDS":
         return [f"{d.get('leftUsd')} USD left, this may bill {d.get('exposureUsd')} USD: "
-                "ask for fewer GPUs or hours, or have the budget raised"]
+                "ask for fewer GPUs or hours (a new request: drop --idempotency-key), or have the budget raised",
+                *continues]
     if code == "CONFLICT":
         if d.get("reason") == "extend-in-flight":
             return [f"next: retry in {err.retry_after_seconds or 1:g} s: " + same_command(ctx, argv)]

@@ -318,6 +318,10 @@ REFUSALS = [
       "quota vcpu: 56.0 above the 8.0 that come with the GPUs count against it; 0.0 of 32.0 in use",
       "ask an admin to raise the tenant's vcpu quota",
       "--vcpu 64 --idempotency-key cli-"]),
+    ("spend limit", ONE, "carol", 3,  # globex has a budget of 0 and its offer of h100 checks budgets
+     ["SPEND_LIMIT_REACHED (HTTP 402)", "spent 0.000000 of 0.000000 USD: ask an admin to raise the budget",
+      "after the budget is raised, the same key continues the request: berth reservations create --pool h100",
+      "--idempotency-key cli-"]),
     ("confirmation", [*ONE[:4], "--gpu-count", "4", "--hours", "1"], "agent", 3,
      ["alice must approve confirmation cnf_", "then retry with the same key: berth reservations create --pool h100",
       "--idempotency-key cli-"]),
