@@ -95,7 +95,9 @@ async def test_release_ends_bookings_now_refunds_quota_and_wakes_pending(api):
     api.clock.advance(10 * 60_000)
     res = await api.ok("release", "alice", {"reservationId": big["id"]})
     assert (res["state"], res["reason"]) == ("released", "release")
-    assert res["operation"]["kind"] == "release" and res["operation"]["status"] == "succeeded"
+    # a gang is seed 002's cluster: its operations are cluster_create and cluster_terminate
+    assert big["operation"]["kind"] == "cluster_create"
+    assert res["operation"]["kind"] == "cluster_terminate" and res["operation"]["status"] == "succeeded"
     await api.cp.reconciler.drain()
     woken = await api.ok("get", "alice", {"reservationId": waiting["id"]})
     assert woken["state"] == "placed" and woken["conditions"] == []
@@ -142,8 +144,9 @@ async def test_cancel_withdraws_pending_or_placed_and_refunds(api):
     placed = (await api.create(key="p", gpuCount=8, nodeCount=2, start=T0 + HOUR, end=T0 + 2 * HOUR))[1]["reservation"]
     res = await api.ok("cancel", "alice", {"reservationId": placed["id"]})
     assert (res["state"], res["reason"]) == ("cancelled", "cancel")
-    assert res["operation"]["kind"] == "cancel"
+    assert res["operation"]["kind"] == "cluster_terminate"  # a gang's cancel terminates the cluster too
     create_op = api.cp.store.operation(placed["operation"]["id"])
+    assert create_op.kind == "cluster_create"
     assert create_op.status == "cancelled" and create_op.failure.actor == "customer"
     assert api.cp.state.ledger.usage("acme")["gpu:H100_80GB"] == 0
     again = await api.ok("cancel", "alice", {"reservationId": placed["id"]})

@@ -122,7 +122,7 @@ async def test_a_release_runs_until_every_bound_node_reports_unbound(api):
         await node_call(api, "report", token, {"reports": [{"reservationId": res["id"], "status": "bound"}]})
     status, doc = await api.call("release", "alice", {"reservationId": res["id"]})
     op = doc["reservation"]["operation"]
-    assert (202, "release", "running", "released") == (status, op["kind"], op["status"], doc["reservation"]["state"])
+    assert (202, "cluster_terminate", "running", "released") == (status, op["kind"], op["status"], doc["reservation"]["state"])
     cond = next(c for c in doc["reservation"]["conditions"] if c["type"] == "DevicesBound")
     assert ("False", "Unbinding") == (cond["status"], cond["reason"])
     waiting = asyncio.ensure_future(api.post("/api/compute/operations/wait", "alice",
