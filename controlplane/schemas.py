@@ -333,6 +333,7 @@ def reservation_to_wire(res: Reservation, operation: Operation | None) -> dict:
         "createdAt": res.created_at,
         "updatedAt": res.updated_at,
         "reason": res.reason,
+        "endedAt": res.ended_at,
     }
     if res.binding == "node":  # tenant root: the keys and account the nodes take (docs/node-binding.md)
         out["access"] = {"sshKeys": list(res.ssh_keys), "user": res.login_user}

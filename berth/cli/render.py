@@ -152,11 +152,13 @@ ENDED = frozenset({"released", "cancelled"})
 
 
 def ended_at(r: Reservation) -> int | None:
-    """When a released or cancelled reservation actually ended: its state changed then (updatedAt), or its window
-    ended first (a release by the reconciler at the end comes a moment after it)."""
+    """When a released or cancelled reservation actually ended: its state changed then (endedAt; updatedAt from a
+    control plane that does not send it), or its window ended first (a release by the reconciler at the end comes a
+    moment after it)."""
     if r.state not in ENDED:
         return None
-    return min((t for t in (r.end, r.updated_at) if t is not None), default=None)
+    changed = r.ended_at if r.ended_at is not None else r.updated_at
+    return min((t for t in (r.end, changed) if t is not None), default=None)
 
 
 def _end(r: Reservation) -> str:

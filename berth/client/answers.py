@@ -94,6 +94,7 @@ class Reservation(Struct, rename="camel", kw_only=True, frozen=True):
     idempotency_key: str | None = None
     created_at: int | None = None
     updated_at: int | None = None
+    ended_at: int | None = None  # when it became released or cancelled
     reason: str | None = None
 
 

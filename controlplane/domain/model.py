@@ -305,6 +305,7 @@ class Reservation:
     operation_id: str | None = None  # the current operation (the latest mutation's)
     operations: list[Operation] = field(default_factory=list)  # oldest first; the create's is the first
     reason: str | None = None
+    ended_at: int | None = None  # when it became released or cancelled (`end` stays the window it was booked for)
     pending_change: PendingChange | None = None  # the reservation's authz row while an extend is decided
     extensions: int = 0
     confirmation_id: str | None = None

@@ -67,4 +67,5 @@ def move(reservation: Reservation, to_state: str, now: int, reason: str | None =
     reservation.updated_at = now
     if to_state in TERMINAL:
         reservation.reason = reason
+        reservation.ended_at = now
     return old

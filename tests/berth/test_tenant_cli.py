@@ -235,7 +235,9 @@ def test_a_released_reservation_shows_when_it_actually_ended(berth, alice):
     end_line = next(line for line in shown.splitlines() if line.startswith("end"))
     booked = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime((start + 3_600_000) / 1000))
     assert end_line.endswith(f"booked until {booked} (in {relative(start + 3_600_000).removeprefix('in ')})")
-    ended = alice.get(r.id).updated_at
+    got = alice.get(r.id)
+    ended = got.ended_at
+    assert ended is not None and ended == got.updated_at  # the client reads the API's endedAt
     assert end_line.startswith(f"end          {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(ended // 1000))}")
     row = next(line for line in berth("reservations", "list", "--table").out.splitlines() if line.startswith(r.id))
     assert booked not in row and ("ago)" in row or "(now)" in row)

@@ -95,6 +95,8 @@ async def test_release_ends_bookings_now_refunds_quota_and_wakes_pending(api):
     api.clock.advance(10 * 60_000)
     res = await api.ok("release", "alice", {"reservationId": big["id"]})
     assert (res["state"], res["reason"]) == ("released", "release")
+    assert (big["endedAt"], res["endedAt"]) == (None, T0 + 10 * 60_000)  # when it ended; `end` stays the window's
+    assert res["end"] == big["end"]
     # a gang is seed 002's cluster: its operations are cluster_create and cluster_terminate
     assert big["operation"]["kind"] == "cluster_create"
     assert res["operation"]["kind"] == "cluster_terminate" and res["operation"]["status"] == "succeeded"
@@ -143,7 +145,7 @@ async def test_release_of_a_future_booking_frees_it_entirely(api):
 async def test_cancel_withdraws_pending_or_placed_and_refunds(api):
     placed = (await api.create(key="p", gpuCount=8, nodeCount=2, start=T0 + HOUR, end=T0 + 2 * HOUR))[1]["reservation"]
     res = await api.ok("cancel", "alice", {"reservationId": placed["id"]})
-    assert (res["state"], res["reason"]) == ("cancelled", "cancel")
+    assert (res["state"], res["reason"], res["endedAt"]) == ("cancelled", "cancel", T0)
     assert res["operation"]["kind"] == "cluster_terminate"  # a gang's cancel terminates the cluster too
     create_op = api.cp.store.operation(placed["operation"]["id"])
     assert create_op.kind == "cluster_create"
