@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from common.metrics import LATENCY_BUCKETS
 from common.version import VERSION
+from controlplane.domain.states import DRAFT
 
 if TYPE_CHECKING:
     from controlplane.wiring import ControlPlane
@@ -66,9 +67,12 @@ class _Snapshot:
 
     def collect(self) -> Iterator[Metric]:
         reservations = GaugeMetricFamily("berth_reservations", "Reservations by pool and state (released and "
-                                         "cancelled ones included: they stay listed).", labels=["pool", "state"])
+                                         "cancelled ones included: they stay listed; drafts, the refused and "
+                                         "undecided creates a key keeps, are not reservations).",
+                                         labels=["pool", "state"])
         for pool, state, n in self.cp.store.state_counts():
-            reservations.add_metric([pool, state], n)
+            if state != DRAFT:
+                reservations.add_metric([pool, state], n)
         yield reservations
         nodes = GaugeMetricFamily("berth_nodes", "Nodes by pool and state: ready, cordoned, draining, cleaning, "
                                   "maintenance, or lost (its agent silent past the grace).", labels=["pool", "state"])
@@ -89,7 +93,8 @@ class _Snapshot:
         yield nodes
         yield age
         yield bindings
-        yield CounterMetricFamily("berth_store_groups", "Store transactions committed (each one fsync).",
+        yield CounterMetricFamily("berth_store_groups", "Store transactions committed (each one fsync; one that failed "
+                                  "and was rolled back is not counted).",
                                   value=self.cp.store.groups)
         yield CounterMetricFamily("berth_store_jobs", "Store jobs run (creates, reports, reconciler passes...).",
                                   value=self.cp.store.jobs)
@@ -99,9 +104,10 @@ class _Snapshot:
         yield CounterMetricFamily("berth_store_reloads", "Times this replica brought its memory up to the database "
                                   "because another replica wrote, or a speculative group was abandoned (PostgreSQL).",
                                   value=getattr(writer, "reloads", 0))
-        yield CounterMetricFamily("berth_store_rebuilds", "Of those, and at start: times the memory was rebuilt "
-                                  "whole rather than only the reservations that changed (PostgreSQL).",
-                                  value=getattr(writer, "rebuilds", 0))
+        yield CounterMetricFamily("berth_store_rebuilds", "Times the memory was rebuilt whole from the database: "
+                                  "PostgreSQL, of the reloads and at start, rather than only the reservations that "
+                                  "changed; SQLite, after a group's commit failed.",
+                                  value=getattr(writer, "rebuilds", getattr(self.cp.store, "rebuilds", 0)))
         yield CounterMetricFamily("berth_store_speculative_groups", "Store groups of creates run while the previous "
                                   "group committed, and committed by one statement (PostgreSQL).",
                                   value=getattr(writer, "speculated", 0))

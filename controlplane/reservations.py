@@ -197,7 +197,10 @@ class ReservationService:
         return self._answer(self.store, self.store.reservation(answer.reservation.id) or answer.reservation)
 
     # ---- create --------------------------------------------------------------
-    async def create(self, principal: Principal, cmd: Create) -> Answer:
+    async def create(self, principal: Principal, cmd: Create,
+                     decided: Callable[[Answer], None] | None = None) -> Answer:
+        """Create (or replay) the reservation; `decided` hears the answer before a requested wait holds it (the
+        HTTP edge's latency metric counts the create, not the wait the client asked for)."""
         key = cmd.key or secrets.token_urlsafe(18)
         tenant = self._tenant(principal)
         if self.authorizer.embedded:
@@ -208,6 +211,8 @@ class ReservationService:
             answer = await self._create_remote(principal, tenant, key, cmd)
         if answer.reservation.state == states.PLACED and (answer.reservation.start or 0) <= self.clock.compute_now():
             self.reconciler.wake()  # its window has started: binding now, not at the reconciler's next tick
+        if decided is not None:
+            decided(answer)
         if answer.reservation.state != states.PENDING or cmd.wait_ms <= 0:
             return answer
         return await self._wait_while_pending(answer, cmd.wait_ms)

@@ -113,5 +113,8 @@ async def read_checked(request: web.Request) -> bytes:
             raw = await asyncio.wait_for(request.read(), timeout)
         except asyncio.TimeoutError:
             raise web.HTTPRequestTimeout(reason=f"body: not received within {timeout:g} s") from None
+        except ConnectionError:  # the client went away mid-body: its refusal (nobody reads it), not our failure
+            raise DomainError(INVALID_INPUT, "body: the connection closed before the body was whole",
+                              {"field": "body", "rule": "the whole body, as Content-Length says"}) from None
     check_structure(raw)
     return raw

@@ -13,8 +13,8 @@ from aiohttp import web
 
 from controlplane import schemas
 from controlplane.api.body import read_json
-from controlplane.api.errors import json_response
-from controlplane.domain.errors import DomainError, invalid
+from controlplane.api.errors import HTTP_CODES, json_response
+from controlplane.domain.errors import INVALID_INPUT, PROVIDER_UNAVAILABLE, DomainError, invalid
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.reservations import Answer, ReservationService
 
@@ -33,19 +33,34 @@ def _one(answer: Answer, status: int = 200) -> web.Response:
 
 
 async def create(request: web.Request) -> web.Response:
-    started, outcome = time.perf_counter(), "error"
+    started = time.perf_counter()
+    metrics = request.app[METRICS] if METRICS in request.app else None
+
+    counted = False
+
+    def decided(answer: Answer) -> None:  # before a requested wait.timeoutMs: that is the client's time, not ours
+        nonlocal counted
+        if metrics is not None:
+            metrics.created(answer.reservation.state, time.perf_counter() - started)
+        counted = True
+
+    outcome = None
     try:
         body = await read_json(request, schemas.CreateBody)
         command = schemas.create_command(body, request.headers.get("Idempotency-Key"))
-        answer = await request.app[SERVICE].create(request["principal"], command)
-        outcome = answer.reservation.state
-        return _one(answer, 202)
+        return _one(await request.app[SERVICE].create(request["principal"], command, decided), 202)
     except DomainError as exc:
         outcome = exc.code
         raise
+    except web.HTTPException as exc:  # aiohttp's own refusals (408, 413, 415) leave with the code they carry
+        outcome = HTTP_CODES.get(exc.status, INVALID_INPUT)
+        raise
+    except Exception:  # answered PROVIDER_UNAVAILABLE at the edge (api/errors.py)
+        outcome = PROVIDER_UNAVAILABLE
+        raise
     finally:
-        if METRICS in request.app:
-            request.app[METRICS].created(outcome, time.perf_counter() - started)
+        if metrics is not None and outcome is not None and not counted:
+            metrics.created(outcome, time.perf_counter() - started)
 
 
 async def get(request: web.Request) -> web.Response:

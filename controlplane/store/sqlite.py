@@ -326,8 +326,9 @@ class Writer:
         self._lock = threading.Lock()  # call_sync against a group run by the loop
         self._hooks: list[Callable[[], None]] = []  # on_commit hooks of the open group
         self._appends = SqliteAppends()  # rows of the open group's jobs not yet written
-        self.groups = 0
+        self.groups = 0  # committed
         self.jobs = 0
+        self.rebuilds = 0  # the memory rebuilt from the file after a group's commit failed
         self.group_committed: Callable[[int], None] = lambda jobs: None  # each group's size, for /metrics
 
     def call(self, fn: Callable[[SqliteTx], Any]) -> "asyncio.Future[Any]":
@@ -392,12 +393,14 @@ class Writer:
                 if commit_future.exception() is not None:  # the commit thread itself failed
                     err = unavailable(f"the store failed: {commit_future.exception()}")
                     answers = [(fut, None, err) for fut, _, _ in answers]
+                self.rebuilds += 1
                 self._reset()
         finally:
             self._lock.release()
-        self.groups += 1
         self.jobs += len(answers)
-        self.group_committed(len(answers))
+        if committed:  # a group rolled back is no transaction committed (berth_store_groups_total)
+            self.groups += 1
+            self.group_committed(len(answers))
         if committed:
             run_hooks(hooks)
         resolve(answers)

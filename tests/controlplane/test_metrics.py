@@ -51,6 +51,47 @@ async def test_metrics_show_reservations_nodes_bindings_and_how_fast_creates_and
     assert "berth_reconciler_transitions_total" in m
 
 
+async def test_create_latency_counts_the_create_not_the_wait_asked_for_and_refusals_by_their_code(api):
+    await api.create(key="all", gpuCount=8, nodeCount=2)  # the pool is full: the next create waits, pending
+    status, doc = await api.create(key="waits", gpuCount=1, wait={"timeoutMs": 400})
+    assert (202, "pending") == (status, doc["reservation"]["state"])
+    resp = await api.client.post("/api/compute/reservations/create", data=b"{}", headers={
+        "Authorization": "Bearer token-acme-alice-000001", "Content-Type": "text/plain"})
+    assert 415 == resp.status
+    status, refused = await api.create("robot", key="big", gpuCount=4)  # the agents' forbid: its draft stays
+    assert (403, "ACCESS_DENIED") == (status, refused["error"]["code"])
+    m = await scrape(api)
+    creates = m["berth_create_duration_seconds_count"]
+    assert (1, 1) == (creates[(("outcome", "pending"),)], creates[(("outcome", "INVALID_INPUT"),)])
+    assert m["berth_create_duration_seconds_sum"][(("outcome", "pending"),)] < 0.3  # not the 0.4 s it was held
+    assert "error" not in {dict(k).get("outcome") for k in creates}
+    # the refused create's draft is kept for its key, but it is no reservation
+    assert {"placed", "pending"} == {dict(k)["state"] for k, v in m["berth_reservations"].items() if v}
+
+
+async def test_a_client_that_resets_mid_body_is_a_refusal_not_a_failure(api):
+    """No error line, no traceback, no 503 counted: the client went away, nothing of ours failed."""
+    import asyncio
+    import socket
+    import struct
+
+    import structlog
+
+    server = api.client.server
+    head = (b"POST /api/compute/reservations/create HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer token-acme-alice-000001\r\nContent-Length: 100\r\n\r\n{")
+    with structlog.testing.capture_logs() as logged:
+        sock = socket.create_connection((server.host, server.port))
+        sock.sendall(head)
+        await asyncio.sleep(0.2)  # the handler is reading the body
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # RST
+        await asyncio.sleep(0.3)
+    assert [] == [x for x in logged if x.get("log_level") in ("error", "warning")], logged
+    creates = (await scrape(api))["berth_create_duration_seconds_count"]
+    assert {(("outcome", "INVALID_INPUT"),): 1} == creates
+
+
 async def test_build_info_names_the_release_the_engine_and_the_schema(api, db_url):
     """Which release a control plane runs, on which engine and at which schema version of its database (the
     migrations applied at start): what a rolling upgrade of replicas is watched by."""

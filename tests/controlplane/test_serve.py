@@ -188,3 +188,46 @@ def test_a_flag_value_that_cannot_work_stops_the_start_naming_the_flag(tmp_path,
     out = serve_once("--listen", "127.0.0.1:0", "--db", f"sqlite:///{tmp_path / 'cp.db'}", *flags)
     assert (2, True) == (out.returncode, said in out.stderr), out.stderr
     assert not (tmp_path / "cp.db").exists()  # refused before anything was opened
+
+
+def test_a_commit_the_disk_refuses_is_answered_503_counted_as_no_commit_and_the_next_one_lands(tmp_path):
+    """A real write failure (the server's file-size limit lowered below its WAL: EFBIG, SQLite's disk I/O error):
+    the create is PROVIDER_UNAVAILABLE, /metrics counts no committed group for it and one rebuild of the memory,
+    and once the disk takes writes again the same key books."""
+    import os
+    import resource
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def store_counters(server) -> dict[str, float]:
+        req = urllib.request.Request(server.url + "/metrics",
+                                     headers={"Authorization": "Bearer admin-token-for-tests-0001"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            text = resp.read().decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name in ("berth_store_groups_total", "berth_store_jobs_total", "berth_store_rebuilds_total")}
+
+    (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
+    import time
+    later = (int(time.time()) + 86_400) * 1000  # a window ahead
+    body = {"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "start": later, "end": later + 3_600_000}
+    with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json", ["--synchronous", "NORMAL"]) as server:
+        assert 202 == server.post("/api/compute/reservations/create", TOKENS["alice"], {**body, "idempotencyKey": "a"})[0]
+        before = store_counters(server)
+        wal = os.path.getsize(f"{tmp_path / 'cp.db'}-wal")
+        resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (wal, resource.RLIM_INFINITY))
+        try:
+            status, doc = server.post("/api/compute/reservations/create", TOKENS["alice"], {**body, "idempotencyKey": "b"})
+        finally:
+            resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        assert (503, "PROVIDER_UNAVAILABLE") == (status, doc["error"]["code"]), doc
+        after = store_counters(server)
+        moved = {name: after[name] - before[name] for name in after}
+        # the failed group's job ran, but no transaction committed for it (other groups may commit meanwhile)
+        assert moved["berth_store_jobs_total"] - moved["berth_store_groups_total"] >= 1, moved
+        assert 1 == moved["berth_store_rebuilds_total"], moved
+        status, doc = server.post("/api/compute/reservations/create", TOKENS["alice"], {**body, "idempotencyKey": "b"})
+        assert 202 == status, doc
+        listed = server.post("/api/compute/reservations/list", TOKENS["alice"], {})[1]["reservations"]
+        assert 2 == len(listed)
