@@ -192,3 +192,89 @@ async def test_the_calendar_shows_the_known_bookings_where_they_are_for_operator
 
     await asyncio.wait_for(asyncio.to_thread(driven), 240)
     assert {"operator-1d.png", "operator-6h.png", "tenant-1d.png"} == {p.name for p in shots.iterdir()}
+
+
+async def test_the_page_says_when_it_is_stale_counts_pending_work_and_leaves_keys_and_sign_out_alone(api, tmp_path):
+    """Through the browser's own DevTools network switch: a load that fails shows a banner at the top and draws
+    nothing for a window it never loaded; a sign-out while a load is on its way stays signed out; operators see
+    each pool's pending work; shortcuts leave the browser's keys and the span selector alone; bars take focus;
+    a hand-edited fragment cannot break the page."""
+    await api.create(key="all", gpuCount=8, nodeCount=2)  # h100 full: the next one waits
+    pending = (await api.create(key="waits", gpuCount=1))[1]["reservation"]
+    assert "pending" == pending["state"]
+    url = str(api.client.make_url("/ui/")) + f"#from={VIEW_FROM}&span=1d"
+
+    def drive() -> None:
+        driver = browser(tmp_path / "profile")
+        try:
+            page = Page(driver)
+            driver.execute_cdp_cmd("Network.enable", {})
+            driver.get(url)
+            driver.execute_script("window.berthErrors = []; window.addEventListener('error', e => "
+                                  "window.berthErrors.push(String(e.message)))")
+            page.sign_in(ADMIN, "operator")
+            head = driver.find_element(By.CSS_SELECTOR, '.row[data-row="pool:h100"]')
+            assert ("1", "pool h100 · 1 pending (not placed yet)") == (head.get_attribute("data-pending"), head.text)
+            bar = driver.find_element(By.CSS_SELECTOR, ".bar")
+            assert "0" == bar.get_attribute("tabindex") and bar.get_attribute("aria-label")
+
+            # keys: the span selector's arrows and Ctrl/Alt combinations are not the page's shortcuts
+            before = driver.execute_script("return location.hash")
+            span = driver.find_element(By.ID, "span")
+            driver.execute_script("arguments[0].focus()", span)
+            for key, mods in (("ArrowRight", {}), ("=", {"ctrlKey": True}), ("ArrowLeft", {"altKey": True})):
+                driver.execute_script("document.activeElement.dispatchEvent(new KeyboardEvent('keydown', "
+                                      "{key: arguments[0], bubbles: true, ...arguments[1]}))", key, mods)
+            driver.execute_script("document.body.focus(); document.body.dispatchEvent(new KeyboardEvent('keydown', "
+                                  "{key: '=', ctrlKey: true, bubbles: true}))")
+            assert before == driver.execute_script("return location.hash")
+            driver.execute_script("document.body.dispatchEvent(new KeyboardEvent('keydown', {key: 'ArrowRight', "
+                                  "bubbles: true}))")  # the bare key still pans
+            page.wait("return location.hash !== arguments[0]", before)
+
+            # the control plane out of reach: a pan to a window never loaded shows nothing, and says so on top
+            driver.execute_cdp_cmd("Network.emulateNetworkConditions", {"offline": True, "latency": 0,
+                                                                         "downloadThroughput": -1, "uploadThroughput": -1})
+            driver.find_element(By.ID, "later").click()
+            page.wait("return !document.getElementById('banner').hidden")
+            banner = driver.find_element(By.ID, "banner").text
+            assert "Not up to date" in banner and "Nothing is shown for this window" in banner, banner
+            assert [] == page.rows()
+            assert driver.execute_script("return document.getElementById('banner').getBoundingClientRect().top") < 200
+            driver.execute_cdp_cmd("Network.emulateNetworkConditions", {"offline": False, "latency": 0,
+                                                                         "downloadThroughput": -1, "uploadThroughput": -1})
+            driver.find_element(By.ID, "now").click()
+            page.wait("return document.getElementById('banner').hidden && document.querySelectorAll('#rows .row').length > 0")
+
+            # a sign-out while a load is on its way: the load that lands later changes nothing
+            driver.execute_cdp_cmd("Network.emulateNetworkConditions", {"offline": False, "latency": 1500,
+                                                                         "downloadThroughput": -1, "uploadThroughput": -1})
+            driver.find_element(By.ID, "later").click()
+            driver.find_element(By.ID, "logout").click()
+            driver.execute_cdp_cmd("Network.emulateNetworkConditions", {"offline": False, "latency": 0,
+                                                                         "downloadThroughput": -1, "uploadThroughput": -1})
+            import time
+            time.sleep(2.5)
+            assert ("Signed out.", [], True) == (driver.find_element(By.ID, "status").text, page.rows(),
+                                                 driver.find_element(By.ID, "board").get_attribute("hidden") is not None)
+
+            # fragments a person may type: empty, or past what a date can be
+            for fragment in ("#from=&span=1d", "#from=99999999999999999&span=1d"):
+                driver.get(str(api.client.make_url("/ui/")) + fragment)
+                driver.execute_script("window.berthErrors = []; window.addEventListener('error', e => "
+                                      "window.berthErrors.push(String(e.message)))")
+                page.sign_in(ADMIN, "operator")
+                shown_from = driver.execute_script("return document.getElementById('range').textContent")
+                assert not shown_from.startswith("1970") and not shown_from.startswith("+"), shown_from
+                assert [] == driver.execute_script("return window.berthErrors")
+                driver.find_element(By.ID, "logout").click()
+        finally:
+            driver.quit()
+
+    def driven() -> None:
+        try:
+            drive()
+        except StopIteration as e:
+            raise AssertionError("an expected element was missing") from e
+
+    await asyncio.wait_for(asyncio.to_thread(driven), 240)

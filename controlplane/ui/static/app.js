@@ -17,6 +17,8 @@ const REFRESH_MS = 30e3;
 const TOKEN_KEY = "berth.token";
 const VIEW_KEY = "berth.view";
 const LIVE = new Set(["pending", "placed", "binding", "active"]);
+const MAX_TIME = 32503680000000;  // the year 3000, the API's bound for times
+const LIST_PAGES = 100;  // per live state: 20,000 reservations
 
 const $ = (id) => document.getElementById(id);
 const state = {
@@ -26,6 +28,8 @@ const state = {
   from: null,  // the left edge, epoch ms; null: a little before now
   skew: 0,  // the server's clock less this browser's, from the answers' `now`
   nodes: [], reservations: [], pools: [],
+  pending: {},  // operators: each pool's reservations not placed yet (they hold no node, so no bar)
+  loaded: null,  // [from, until] of the window the data on the page was loaded for
   loading: null,
 };
 
@@ -65,14 +69,13 @@ function iso(ms) { return new Date(ms).toISOString().replace(".000Z", "Z"); }
 function clock(ms) { const d = new Date(ms); return pad(d.getUTCHours()) + ":" + pad(d.getUTCMinutes()); }
 function day(ms) { const d = new Date(ms); return WEEKDAYS[d.getUTCDay()] + " " + d.getUTCDate() + " " + MONTHS[d.getUTCMonth()]; }
 
-function tickStep(span) {
-  if (span <= 6 * HOUR) return HOUR;
-  if (span <= 12 * HOUR) return 2 * HOUR;
-  if (span <= DAY) return 3 * HOUR;
-  if (span <= 3 * DAY) return 12 * HOUR;
-  if (span <= 7 * DAY) return DAY;
-  if (span <= 14 * DAY) return 2 * DAY;
-  return 4 * DAY;
+const STEPS = [HOUR, 2 * HOUR, 3 * HOUR, 6 * HOUR, 12 * HOUR, DAY, 2 * DAY, 4 * DAY, 7 * DAY];
+const TICK_PX = 64;  // the widest label ("Mon 17 Dec") with room to spare
+
+// The finest step whose ticks are at least a label apart on a track `width` pixels wide.
+function tickStep(span, width) {
+  const perPx = span / Math.max(1, width);
+  return STEPS.find((step) => step / perPx >= TICK_PX) || STEPS[STEPS.length - 1];
 }
 
 // ---- the fragment (the view, never the token) -----------------------------------------------------------------
@@ -81,8 +84,8 @@ function readHash() {
   const params = new URLSearchParams(location.hash.slice(1));
   const span = params.get("span");
   if (span && SPANS.some(([k]) => k === span)) state.span = span;
-  const from = Number(params.get("from"));
-  state.from = params.has("from") && Number.isFinite(from) ? from : null;
+  const from = Number(params.get("from"));  // a time the page can draw (a hand-edited one may not be)
+  state.from = params.get("from") && Number.isFinite(from) && from > 0 && from < MAX_TIME ? from : null;
 }
 
 function writeHash() {
@@ -141,6 +144,9 @@ function bar(b) {
   e.textContent = label;
   e.title = b.reservationId + "\n" + label + "\n" + iso(b.start) + " – " + iso(b.end) +
     (b.devices && b.devices.length ? "\n" + b.devices.join(", ") : "");
+  e.tabIndex = 0;  // reachable by keyboard; a screen reader reads what the tooltip shows
+  e.setAttribute("role", "img");
+  e.setAttribute("aria-label", e.title.replace(/\n/g, ", "));
   Object.assign(e.dataset, {reservation: b.reservationId, tenant: b.tenantId, state: b.state, binding: b.binding,
                             spot: String(!!b.spot), carriedOn: String(!!b.carriedOn), start: String(b.start),
                             end: String(b.end)});
@@ -174,7 +180,7 @@ function badge(text) { return el("span", "badge " + text, text); }
 function drawAxis() {
   const ticks = $("ticks");
   ticks.replaceChildren();
-  const from = viewFrom(), until = viewUntil(), step = tickStep(spanMs());
+  const from = viewFrom(), until = viewUntil(), step = tickStep(spanMs(), ticks.clientWidth || 800);
   for (let t = Math.ceil(from / step) * step; t < until; t += step) {
     const midnight = t % DAY === 0;
     const text = step >= DAY ? day(t) : (midnight ? day(t) : clock(t));
@@ -204,7 +210,9 @@ function drawOperator(rows) {
       lastPool = n.poolId;
       const head = el("div", "row pool-head");
       head.dataset.row = "pool:" + n.poolId;
-      head.append(el("div", "label", "pool " + n.poolId));
+      const pending = state.pending[n.poolId] || 0;
+      head.append(el("div", "label", "pool " + n.poolId + (pending ? " · " + pending + " pending (not placed yet)" : "")));
+      head.dataset.pending = String(pending);
       rows.append(head);
     }
     const inv = n.inventory;
@@ -300,6 +308,7 @@ function draw() {
   const fresh = document.createDocumentFragment();
   if (state.view === "operator") drawOperator(fresh); else drawTenant(fresh);
   rows.replaceChildren(fresh);
+  $("board").classList.toggle("unloaded", !covered());  // dimmed until this window's load lands
   $("span").value = state.span;
   drawCursor();
   document.body.dataset.view = state.view || "";
@@ -308,15 +317,29 @@ function draw() {
 
 // ---- loading ---------------------------------------------------------------------------------------------------
 
+// Whether the data on the page was loaded for the window in view (a pan or a zoom draws before its load lands).
+function covered() {
+  return state.loaded !== null && state.loaded[0] <= viewFrom() && viewUntil() <= state.loaded[1];
+}
+
+function stale(text) {
+  const b = $("banner");
+  b.hidden = !text;
+  b.textContent = text || "";
+}
+
 function say(text, error) {
   const s = $("status");
   s.textContent = text;
   s.classList.toggle("error", !!error);
+  if (!error) s.dataset.at = iso(now());
 }
 
 async function loadOperator() {
-  const doc = await post("/api/admin/nodes/list", {from: viewFrom(), until: viewUntil()});
+  const [doc, fleet] = await Promise.all([post("/api/admin/nodes/list", {from: viewFrom(), until: viewUntil()}),
+                                          post("/api/admin/pools/list", {})]);
   state.nodes = doc.nodes;
+  state.pending = Object.fromEntries(fleet.pools.map((p) => [p.id, p.pending || 0]));
   const select = $("pool");
   const chosen = select.value;
   const pools = [...new Set(doc.nodes.map((n) => n.poolId))].sort();
@@ -330,18 +353,20 @@ async function loadOperator() {
 async function loadTenant() {
   const [pools, reservations] = await Promise.all([
     post("/api/compute/pools/list", {from: viewFrom(), until: viewUntil()}),
-    (async () => {
+    // Every live reservation, state by state: ended ones (however many) hold nothing and are not drawn.
+    Promise.all([...LIVE].map(async (st) => {
       const all = [];
       let cursor = null;
-      for (let page = 0; page < 10; page++) {  // at most 2,000: the newest, which are the ones in view
-        const doc = await post("/api/compute/reservations/list", cursor ? {scope: "all", limit: 200, cursor}
-                                                                       : {scope: "all", limit: 200});
+      for (let page = 0; page < LIST_PAGES; page++) {
+        const body = {scope: "all", state: st, limit: 200};
+        if (cursor) body.cursor = cursor;
+        const doc = await post("/api/compute/reservations/list", body);
         all.push(...doc.reservations);
         if (!doc.nextCursor) break;
         cursor = doc.nextCursor;
       }
       return all;
-    })(),
+    })).then((lists) => lists.flat()),
   ]);
   state.pools = pools.pools;
   state.reservations = reservations;
@@ -352,15 +377,26 @@ async function load() {
   if (!state.token || !state.view) return;
   const mine = {};
   state.loading = mine;
+  const asked = [viewFrom(), viewUntil()];
   try {
     const summary = state.view === "operator" ? await loadOperator() : await loadTenant();
-    if (state.loading !== mine) return;  // a newer load is under way
+    if (state.loading !== mine) return;  // a newer load, or a sign-out, overtook this one
+    state.loaded = asked;
+    stale(null);
     draw();
     say((state.view === "operator" ? "operator view" : "tenant view") + " · " + summary + " · updated " +
         iso(now()));
   } catch (err) {
+    if (state.loading !== mine) return;
     if (err instanceof ApiError && err.status === 401) { signOut(); say("Sign in: " + err.message, true); return; }
-    say(err.message || String(err), true);
+    const why = err instanceof ApiError ? err.message : "the control plane cannot be reached (" + (err.message || err) + ")";
+    if (!covered()) $("rows").replaceChildren();  // never loaded for this window: nothing to show as if it were
+    stale("Not up to date: " + why + ". " + (covered() ? "The bookings shown were loaded at " + $("status").dataset.at + "."
+                                                       : "Nothing is shown for this window.") +
+          " Trying again every " + REFRESH_MS / 1e3 + " s.");
+    say(why, true);
+  } finally {
+    if (state.loading === mine) state.loading = null;
   }
 }
 
@@ -406,7 +442,10 @@ function signOut() {
   sessionStorage.removeItem(TOKEN_KEY);
   sessionStorage.removeItem(VIEW_KEY);
   state.token = state.view = null;
+  state.loading = state.loaded = null;  // a load in flight is dropped when it lands
   state.nodes = state.reservations = state.pools = [];
+  state.pending = {};
+  stale(null);
   $("rows").replaceChildren();
   showSignedIn(false);
 }
@@ -461,7 +500,11 @@ function init() {
     if (token) signIn(token);
   });
   document.addEventListener("keydown", (ev) => {
-    if (ev.target instanceof HTMLInputElement || !state.view) return;
+    // The browser's keys (Ctrl/Cmd zoom, Alt+arrow history) and the controls' own keys are theirs.
+    if (ev.ctrlKey || ev.metaKey || ev.altKey || !state.view) return;
+    const t = ev.target;
+    if (t instanceof HTMLSelectElement || t instanceof HTMLTextAreaElement ||
+        (t instanceof HTMLInputElement && t.type !== "checkbox")) return;
     if (ev.key === "+" || ev.key === "=") zoom(-1);
     else if (ev.key === "-") zoom(1);
     else if (ev.key === "ArrowLeft") pan(-1);
