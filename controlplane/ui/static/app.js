@@ -319,7 +319,10 @@ function draw() {
 
 // Whether the data on the page was loaded for the window in view (a pan or a zoom draws before its load lands).
 function covered() {
-  return state.loaded !== null && state.loaded[0] <= viewFrom() && viewUntil() <= state.loaded[1];
+  if (state.loaded === null) return false;
+  const [a, b] = state.loaded;
+  const slack = state.from === null ? spanMs() * 0.1 : 0;  // at "now" the view moves on by itself, a minute at a time
+  return b - a === spanMs() && a <= viewFrom() + slack && viewUntil() <= b + slack;
 }
 
 function stale(text) {
