@@ -35,7 +35,6 @@ def _one(answer: Answer, status: int = 200) -> web.Response:
 async def create(request: web.Request) -> web.Response:
     started = time.perf_counter()
     metrics = request.app[METRICS] if METRICS in request.app else None
-
     counted = False
 
     def decided(answer: Answer) -> None:  # before a requested wait.timeoutMs: that is the client's time, not ours
