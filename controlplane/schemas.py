@@ -294,6 +294,14 @@ def operation_to_wire(op: Operation | None) -> dict | None:
     return out
 
 
+def window_hours(res: Reservation) -> float | None:
+    """The window's length in hours: end - start once both are known (a fixed window, an as-soon-as-possible one
+    placed, either extended), else the length asked for."""
+    if res.start is not None and res.end is not None:
+        return (res.end - res.start) / 3_600_000
+    return res.duration_ms / 3_600_000 if res.duration_ms is not None else None
+
+
 def reservation_to_wire(res: Reservation, operation: Operation | None) -> dict:
     out: dict[str, Any] = {
         "id": res.id,
@@ -310,7 +318,7 @@ def reservation_to_wire(res: Reservation, operation: Operation | None) -> dict:
         "nodeCount": res.node_count,
         "start": res.start,
         "end": res.end,
-        "durationHours": res.duration_ms / 3_600_000 if res.duration_ms is not None else None,
+        "durationHours": window_hours(res),
         "spot": res.spot,
         "leaseSeconds": res.lease_seconds,
         "leaseDeadline": res.lease_deadline,

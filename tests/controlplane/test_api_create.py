@@ -17,6 +17,15 @@ async def test_create_places_a_fitting_request_and_answers_202(api):
     assert [e["type"] for e in await api.events()] == ["reservation.placed"]
 
 
+async def test_durationhours_answers_the_windows_length_however_it_was_asked(api):
+    asap = (await api.create(key="asap", gpuCount=1, durationHours=2))[1]["reservation"]
+    fixed = (await api.create(key="fixed", gpuCount=1, start=T0 + HOUR, durationHours=3))[1]["reservation"]
+    ended = (await api.create(key="end", gpuCount=1, durationHours=None, start=T0 + HOUR, end=T0 + 5 * HOUR))[1]
+    assert (2, 3, 4) == (asap["durationHours"], fixed["durationHours"], ended["reservation"]["durationHours"])
+    status, doc = await api.call("extend", "alice", {"reservationId": fixed["id"], "until": T0 + 5 * HOUR})
+    assert (202, 4) == (status, doc["reservation"]["durationHours"])
+
+
 async def test_whole_gpu_request_books_the_per_gpu_share_which_is_also_the_floor(api):
     # h100 nodes: 64 vcpu, 512 GiB, 8 GPUs -> 8 vcpu and 64 GiB per GPU.
     res = (await api.create(key="a", gpuCount=2))[1]["reservation"]
