@@ -534,6 +534,8 @@ class Transitions:
                 res.clear_condition("DevicesBound")
             elif op.kind == "extend" and all(b.end is not None and b.end >= (res.end or 0) for b in res.bound):
                 op.status, op.updated_at = "succeeded", now
+        if not res.bound and res.state in states.TERMINAL:  # an end with no operation (the window's, a lapse)
+            res.clear_condition("DevicesBound")  # Unbinding is over: no node holds the devices
 
 
 def ending_failure(reason: str, actor: str) -> Failure:

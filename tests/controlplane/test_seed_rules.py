@@ -137,6 +137,20 @@ async def test_a_release_runs_until_every_bound_node_reports_unbound(api):
     assert not any(c["type"] == "DevicesBound" for c in got["conditions"])  # nothing bound: no DevicesBound=True
 
 
+async def test_a_window_that_ends_by_itself_leaves_no_unbinding_condition_once_the_node_unbound(api):
+    res = await make_active(api, key="e", gpuCount=1, durationHours=1)
+    [node] = [n for n in [await register(api, "h1.test"), await register(api, "h2.test")]
+              if n["nodeId"] == res["placements"][0]["nodeId"]]
+    await node_call(api, "report", node["nodeToken"], {"reports": [{"reservationId": res["id"], "status": "bound"}]})
+    await api.settle(HOUR)  # the window's end: released, reason ended, no operation of its own
+    ended = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert ("released", "ended", "Unbinding") == (
+        ended["state"], ended["reason"], next(c["reason"] for c in ended["conditions"] if c["type"] == "DevicesBound"))
+    await node_call(api, "report", node["nodeToken"], {"reports": [{"reservationId": res["id"], "status": "unbound"}]})
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert ([], []) == (got["bound"], [c for c in got["conditions"] if c["type"] == "DevicesBound"])
+
+
 async def test_an_extension_of_a_bound_reservation_runs_until_its_node_applied_the_new_end(api):
     res = await make_active(api, key="x", gpuCount=1, durationHours=2)
     node = await register(api, res["placements"][0]["nodeId"] + ".test")
