@@ -38,7 +38,7 @@ from pathlib import Path
 
 from agent import confine, lifetime
 from agent.checkpoint import DEFAULT_STATE_DIR, EXEC_SOCKET, Checkpoint, CheckpointError, read_boot_id
-from agent.execgate import FORWARDED_SIGNALS, ExecPolicy, NoWorkloadUser
+from agent.execgate import FORWARDED_SIGNALS, ExecPolicy, NoWorkloadUser, ended_note, not_bound
 from cgroups.record import XattrRecords
 
 EXIT_USAGE, EXIT_NOT_BOUND, EXIT_DENIED, EXIT_MOVE = 2, 3, 4, 5
@@ -95,8 +95,7 @@ def bound_binding(reservation: str, state_dir: Path, cgroup_root: str | None) ->
     entry = data.bindings.get(reservation)
     if entry is None or entry.state != "completed":
         state = "not known" if entry is None else entry.state
-        raise ExecRefused(EXIT_NOT_BOUND, f"berth exec: reservation {reservation} is not bound on this node "
-                                          f"({state} in {state_dir})")
+        raise ExecRefused(EXIT_NOT_BOUND, "berth exec: " + not_bound(reservation, f" ({state} in {state_dir})"))
     if entry.kind == "kubernetes":
         raise ExecRefused(EXIT_NOT_BOUND, f"berth exec: reservation {reservation} is a kubernetes binding: the kubelet "
                                           "gives its devices to pods (request its resource in a pod spec), not to "
@@ -192,10 +191,26 @@ def through_agent(reservation: str, sock_path: Path, command: list[str]) -> int:
                   "unknown", file=sys.stderr)
             return EXIT_MOVE
         if "exit" in done:
+            if done.get("ended"):
+                print(ended_note(reservation, int(done["exit"])), file=sys.stderr)
             return int(done["exit"])
 
 
+def _stdio_open() -> None:
+    """A caller started with a standard descriptor closed (cron, `<&-`) gets /dev/null in its place, so that no
+    socket or file this process opens takes fd 0, 1 or 2 and becomes the command's stdin or output."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one, unless a lower is free too
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _stdio_open()
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv and ("-h" in argv or "--help" in argv):
         _parser().print_help()

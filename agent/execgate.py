@@ -28,7 +28,8 @@ pid, uid and groups from the kernel (SO_PEERCRED and /proc/<pid>/status,
 which the caller cannot forge), applies the rule, and starts the confining
 launcher with those three descriptors. Answers, one JSON line each:
 `{"ok": true, "cgroup": ..., "pid": N, "user": ...}` then `{"exit": CODE}`
-(128+N for a signal), or `{"ok": false, "code": "NOT_BOUND"|"ACCESS_DENIED"|
+(128+N for a signal; with `"ended": true` when the reservation was no longer
+bound once the command had ended: the agent stopped it at the end), or `{"ok": false, "code": "NOT_BOUND"|"ACCESS_DENIED"|
 "FAILED"|"INVALID_INPUT", "message": ...}`. While it runs the caller may send
 `{"signal": N}` (forwarded to the workload's process group); a caller that
 goes away sends SIGHUP, as a closed terminal does.
@@ -367,7 +368,7 @@ class ExecGate:
         rid = call.doc["reservationId"]
         target = self.lookup(rid)
         if target is None:
-            raise Refused("NOT_BOUND", f"reservation {rid} is not bound on this node")
+            raise Refused("NOT_BOUND", not_bound(rid))
         try:
             gids = groups_of(call.pid, self.proc)
         except OSError:
@@ -433,16 +434,29 @@ class ExecGate:
             waiting.cancel()
             raise
         code = exit_code(rc)
+        ended = self.lookup(call.doc["reservationId"]) is None  # unbound (or being unbound): its end stopped it
         self.log.info("exec ended", reservation_id=call.doc["reservationId"], pid=proc.pid, exit=code,
-                      caller_gone=caller_gone)
+                      caller_gone=caller_gone, reservation_ended=ended)
         if not caller_gone:
-            await self._send(conn, {"exit": code})
+            await self._send(conn, {"exit": code, **({"ended": True} if ended else {})})
 
     async def _send(self, conn: socket.socket, doc: dict) -> None:
         data = json.dumps(doc).encode() + b"\n"
         if conn.gettimeout() != 0.0:
             conn.setblocking(False)
         await asyncio.get_running_loop().sock_sendall(conn, data)
+
+
+def not_bound(rid: str, detail: str = "") -> str:
+    """Why a reservation cannot be entered here, and where to look: the same words from the socket and as root."""
+    return (f"reservation {rid} is not bound on this node{detail}: it may not have started yet, be placed on another "
+            f"node, or have ended; see its state, window and nodes: berth reservations get {rid}")
+
+
+def ended_note(rid: str, code: int) -> str:
+    """What `berth exec` says when the reservation ended under the command: not an OOM kill or a stray signal."""
+    return (f"berth exec: reservation {rid} ended while the command ran (its window ended, it was released, or its "
+            f"node was given up): the agent stopped every process in it (exit {code})")
 
 
 def _launcher_env() -> dict[str, str]:

@@ -6,6 +6,7 @@ another uid through the agent's exec socket (SO_PEERCRED, the caller's stdio pas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -70,6 +72,7 @@ def test_a_reservation_not_bound_here_is_refused_with_exit_3(tmp_path):
     cp.save()
     out = berth_exec("--state-dir", str(tmp_path), "rsv_nope", "--", "true")
     assert 3 == out.returncode and "reservation rsv_nope is not bound on this node (not known" in out.stderr
+    assert "see its state, window and nodes: berth reservations get rsv_nope" in out.stderr
 def test_without_root_and_without_an_agent_exec_says_it_needs_one(tmp_path):
     with pytest.raises(agent_exec.ExecRefused) as err:
         agent_exec.through_agent("r1", tmp_path / "exec.sock", ["true"])
@@ -232,14 +235,17 @@ class GateThread:
 class AsNobody:
     """A forked child that drops to uid/gid 65534 and runs agent.exec.main(argv) (it returns the command's status)."""
 
-    def __init__(self, argv: list[str], stdin: bytes = b"") -> None:
+    def __init__(self, argv: list[str], stdin: bytes = b"", close_stdin: bool = False) -> None:
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: nothing but syscalls and agent.exec until it exits
             try:
-                os.dup2(in_r, 0)
+                if close_stdin:  # started as `<&-` (or by a cron that closes it)
+                    os.close(0)
+                else:
+                    os.dup2(in_r, 0)
                 os.dup2(out_w, 1)
                 os.dup2(err_w, 2)
                 for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
@@ -262,10 +268,24 @@ class AsNobody:
         os.close(in_w)
         self.pid, self._out, self._err = pid, out_r, err_r
 
-    def wait(self) -> tuple[int, str, str]:
-        with os.fdopen(self._out) as o, os.fdopen(self._err) as e:
-            stdout, stderr = o.read(), e.read()
-        _, status = os.waitpid(self.pid, 0)
+    def wait(self, timeout: float | None = None, workload: Callable[[], list[int]] = list) -> tuple[int, str, str]:
+        """Its status and output; past `timeout` seconds it and the `workload()` pids (which hold its output pipes)
+        are killed, so a hang fails the test instead of stopping the run."""
+        def kill() -> None:
+            for pid in [self.pid, *workload()]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+        guard = threading.Timer(timeout, kill) if timeout else None
+        if guard is not None:
+            guard.start()
+        try:
+            with os.fdopen(self._out) as o, os.fdopen(self._err) as e:
+                stdout, stderr = o.read(), e.read()
+            _, status = os.waitpid(self.pid, 0)
+        finally:
+            if guard is not None:
+                guard.cancel()
         return os.waitstatus_to_exitcode(status), stdout, stderr
 
 
@@ -326,6 +346,32 @@ def test_through_the_socket_the_exit_status_and_a_signal_come_back(bound):
 
 
 @pytest.mark.kernel
+def test_a_caller_with_stdin_closed_gives_the_workload_dev_null_not_the_agents_socket(bound):
+    """Else the socket to the agent takes fd 0 and is passed on as the workload's stdin: a `wc` reading it hangs,
+    and the caller going away is not seen."""
+    binder, state = bound
+    with GateThread(gate_for(binder, state, NOBODY_MAY_ACME)):
+        code, out, err = AsNobody(["--state-dir", str(state), "r1", "--", "sh", "-c", "readlink /proc/self/fd/0; wc -c"],
+                                  close_stdin=True).wait(timeout=20, workload=lambda: binder.subtree.procs("rsv-r1"))
+    assert (0, ["/dev/null", "0"]) == (code, out.split()), err
+
+
+@pytest.mark.kernel
+def test_a_reservation_that_ends_under_the_command_is_said_to_have_ended(bound):
+    """Its processes are killed when it is unbound: the caller is told why, so a 137 does not read as an OOM kill."""
+    binder, state = bound
+    with GateThread(gate_for(binder, state, NOBODY_MAY_ACME)):
+        caller = AsNobody(["--state-dir", str(state), "r1", "--", "sleep", "600"])
+        deadline = time.monotonic() + 10
+        while not binder.subtree.procs("rsv-r1") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert binder.subtree.procs("rsv-r1")
+        assert all(o.ok for o in binder.run(plan({}, binder.actual())))  # its window is over: unbound
+        code, _, err = caller.wait(timeout=20, workload=lambda: binder.subtree.procs("rsv-r1"))
+    assert (128 + signal.SIGKILL, True) == (code, "reservation r1 ended while the command ran" in err), err
+
+
+@pytest.mark.kernel
 def test_a_uid_not_allowed_is_refused_with_exit_4_and_an_unknown_reservation_with_exit_3(bound):
     binder, state = bound
     policy = ExecPolicy.from_options(tenant_uids=[f"globex={NOBODY}"], tenant_users=[f"acme={WORKLOAD_UID}"])
@@ -335,7 +381,7 @@ def test_a_uid_not_allowed_is_refused_with_exit_4_and_an_unknown_reservation_wit
         code, _, err = as_nobody(["--state-dir", str(state), "r2", "--", "true"])  # globex has no workload user
         assert (4, True) == (code, "--exec-tenant-user globex=USER" in err), err
         code, _, err = as_nobody(["--state-dir", str(state), "r-other", "--", "true"])
-        assert (3, True) == (code, "is not bound on this node" in err), err
+        assert (3, True) == (code, "is not bound on this node" in err and "berth reservations get r-other" in err), err
         code, _, err = as_nobody(["--state-dir", str(state), "--as-root", "r1", "--", "true"])
         assert (4, True) == (code, "only root may ask for root" in err), err
     assert [] == binder.subtree.procs("rsv-r1")
