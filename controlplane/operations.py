@@ -32,15 +32,16 @@ class OperationService:
             if not fut.done():
                 fut.set_result(None)
 
-    async def get(self, principal: Principal, op_id: str) -> Operation:
+    async def get(self, principal: Principal, op_id: str) -> tuple[Operation, int]:
+        """The operation, and its reservation's node count (a gang's operations are answered as a cluster's)."""
         op = self.store.operation(op_id)
         if op is None or op.tenant_id != principal.tenant_id:
             raise not_found("operation", op_id, field="operationId")
-        await self.reservations.get(principal, op.reservation_id)  # reading it is reading its reservation
-        return op
+        answer = await self.reservations.get(principal, op.reservation_id)  # reading it is reading its reservation
+        return op, answer.reservation.node_count
 
-    async def wait(self, principal: Principal, op_id: str, timeout_ms: int) -> Operation:
-        op = await self.get(principal, op_id)
+    async def wait(self, principal: Principal, op_id: str, timeout_ms: int) -> tuple[Operation, int]:
+        op, node_count = await self.get(principal, op_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_ms / 1000
         while op.status not in TERMINAL:
@@ -58,4 +59,4 @@ class OperationService:
                 if fut in waiting:
                     waiting.remove(fut)
             op = self.store.operation(op_id) or op
-        return op
+        return op, node_count

@@ -272,12 +272,23 @@ def list_query(body: ListBody) -> ListQuery:
 
 # ---- answers -------------------------------------------------------------
 
-def operation_to_wire(op: Operation | None) -> dict | None:
+# Seed 002: "Cluster operations are cluster_create and cluster_terminate". A gang (nodeCount > 1, all nodes or none)
+# is Berth's cluster; its release and its cancel both terminate it. Stored under the kinds every release knows (a
+# replica of the previous release reads them), named so on the wire only.
+CLUSTER_KINDS = {"create": "cluster_create", "release": "cluster_terminate", "cancel": "cluster_terminate"}
+
+
+def operation_kind(op: Operation, node_count: int) -> str:
+    return CLUSTER_KINDS.get(op.kind, op.kind) if node_count > 1 else op.kind
+
+
+def operation_to_wire(op: Operation | None, node_count: int) -> dict | None:
+    """The operation as the API answers it; `node_count`: its reservation's (a gang's are named as a cluster's)."""
     if op is None:
         return None
     out: dict[str, Any] = {
         "id": op.id,
-        "kind": op.kind,
+        "kind": operation_kind(op, node_count),
         "status": op.status,
         "reservationId": op.reservation_id,
         "createdAt": op.created_at,
@@ -337,7 +348,7 @@ def reservation_to_wire(res: Reservation, operation: Operation | None) -> dict:
             for c in res.conditions
         ],
         "bound": [bound_to_wire(b) for b in res.bound],
-        "operation": operation_to_wire(operation),
+        "operation": operation_to_wire(operation, res.node_count),
         "createdAt": res.created_at,
         "updatedAt": res.updated_at,
         "reason": res.reason,

@@ -527,9 +527,9 @@ class Transitions:
         """The nodes confirmed what the running operations asked: a release or cancel when nothing is bound any
         more, an extension when every bound node applied the new end."""
         for op in res.operations:
-            if op.status != "running" or op.creates:
+            if op.status != "running" or op.kind == "create":
                 continue
-            if op.ends and not res.bound:
+            if op.kind in ("release", "cancel") and not res.bound:
                 op.status, op.updated_at = "succeeded", now
                 res.clear_condition("DevicesBound")
             elif op.kind == "extend" and all(b.end is not None and b.end >= (res.end or 0) for b in res.bound):

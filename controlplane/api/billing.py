@@ -23,14 +23,15 @@ BILLING = web.AppKey("billing", Billing)
 
 async def operation_get(request: web.Request) -> web.Response:
     body = await read_json(request, schemas.OperationRef)
-    op = await request.app[OPERATIONS].get(request["principal"], body.operationId)
-    return json_response({"operation": schemas.operation_to_wire(op)})
+    op, node_count = await request.app[OPERATIONS].get(request["principal"], body.operationId)
+    return json_response({"operation": schemas.operation_to_wire(op, node_count)})
 
 
 async def operation_wait(request: web.Request) -> web.Response:
     body = await read_json(request, schemas.OperationWait)
-    op = await request.app[OPERATIONS].wait(request["principal"], body.operationId, body.timeoutMs)
-    return json_response({"operation": schemas.operation_to_wire(op), "done": op.status in ("succeeded", "failed", "cancelled")})
+    op, node_count = await request.app[OPERATIONS].wait(request["principal"], body.operationId, body.timeoutMs)
+    return json_response({"operation": schemas.operation_to_wire(op, node_count),
+                          "done": op.status in ("succeeded", "failed", "cancelled")})
 
 
 async def quote(request: web.Request) -> web.Response:

@@ -225,27 +225,13 @@ class Failure:
 @dataclass(slots=True)
 class Operation:
     id: str
-    kind: str  # create | release | cancel | extend; a gang's: cluster_create | cluster_terminate | extend
+    kind: str  # create | release | cancel | extend (a gang's are answered as a cluster's: schemas.operation_kind)
     reservation_id: str
     tenant_id: str
     status: str  # running | succeeded | failed | cancelled
     created_at: int
     updated_at: int
     failure: Failure | None = None
-
-    @property
-    def creates(self) -> bool:
-        return self.kind in ("create", "cluster_create")
-
-    @property
-    def ends(self) -> bool:
-        """A release or a cancel (of a gang: its cluster_terminate)."""
-        return self.kind in ("release", "cancel", "cluster_terminate")
-
-
-# Seed 002: "Cluster operations are cluster_create and cluster_terminate". A gang (nodeCount > 1, all nodes or none)
-# is Berth's cluster; its release and its cancel both terminate it.
-CLUSTER_KINDS = {"create": "cluster_create", "release": "cluster_terminate", "cancel": "cluster_terminate"}
 
 
 @dataclass(slots=True)
@@ -334,13 +320,10 @@ class Reservation:
         return next((op for op in self.operations if op.id == op_id), None)
 
     def create_operation(self) -> Operation | None:
-        return self.operations[0] if self.operations and self.operations[0].creates else None
+        return self.operations[0] if self.operations and self.operations[0].kind == "create" else None
 
     def add_operation(self, kind: str, status: str, now: int) -> Operation:
-        """A new operation of this reservation (create, release, cancel or extend; named as a cluster's for a
-        gang), now its current one."""
-        if self.node_count > 1:
-            kind = CLUSTER_KINDS.get(kind, kind)
+        """A new operation of this reservation, now its current one."""
         op = Operation(operation_id(self.id, len(self.operations)), kind, self.id, self.tenant_id, status, now, now)
         self.operations.append(op)
         self.operation_id = op.id

@@ -132,9 +132,14 @@ async def test_a_release_runs_until_every_bound_node_reports_unbound(api):
     assert "running" == api.cp.store.operation(op["id"]).status  # one node still holds the devices
     await node_call(api, "report", tokens[second], {"reports": [{"reservationId": res["id"], "status": "unbound"}]})
     status, waited = await waiting
-    assert (True, "succeeded") == (waited["done"], waited["operation"]["status"])
+    assert (True, "succeeded", "cluster_terminate") == (waited["done"], waited["operation"]["status"],
+                                                        waited["operation"]["kind"])
     got = await api.ok("get", "alice", {"reservationId": res["id"]})
     assert not any(c["type"] == "DevicesBound" for c in got["conditions"])  # nothing bound: no DevicesBound=True
+    # stored under the kinds every release reads (a replica of the previous one among them); named so on the wire
+    assert ["create", "release"] == [op.kind for op in api.cp.store.reservation(res["id"]).operations]
+    status, first = await api.post("/api/compute/operations/get", "alice", {"operationId": res["operation"]["id"]})
+    assert (200, "cluster_create") == (status, first["operation"]["kind"])
 
 
 async def test_a_window_that_ends_by_itself_leaves_no_unbinding_condition_once_the_node_unbound(api):
