@@ -19,8 +19,9 @@ from typing import Any
 
 import msgspec
 
+from common.share import Share
 from controlplane.commands import Create
-from controlplane.domain.admission import MAX_LEAD_MS, CreateRequest, Plan, admit
+from controlplane.domain.admission import MAX_LEAD_MS, CreateRequest, Plan, PoolProfile, admit
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import NO_CAPACITY, PRICE_CHANGED, QUOTE_EXPIRED, DomainError
 from controlplane.domain.model import Principal, Tenant
@@ -44,18 +45,31 @@ class QuoteDoc(msgspec.Struct):
     hourly_usd: str
 
 
-def priced_fields(plan: Plan) -> dict:
-    """The fields that set a request's price, by their wire names (a PRICE_CHANGED answer names them), as admission
-    read them: defaults filled in, and resources as what is booked above the per-GPU share (the share itself follows
-    gpuCount), so a create that restates what its quote said (the pool's sharing, the quote's own `resources`,
-    `resources: {}`) changes nothing."""
-    r = plan.excess
+def priced_fields(req: CreateRequest) -> dict:
+    """The fields of a request that set its price, by their wire names, as sent (a quote stores them so: the shape
+    every release reads; compared through `as_booked`)."""
+    res = req.resources
     return {
-        "poolId": plan.pool.id, "gpuModel": plan.pool.gpu_model, "sharing": plan.pool.sharing,
-        "migProfile": plan.mig_profile, "gpuCount": plan.gpu_count, "nodeCount": plan.node_count,
-        "binding": plan.binding, "spot": plan.spot,
-        "resources": {"vcpuMilli": r.vcpu_milli, "memoryMiB": r.memory_mib, "hugepages1Gi": r.hugepages_1g},
+        "poolId": req.pool_id, "gpuModel": req.gpu_model, "sharing": req.sharing, "migProfile": req.mig_profile,
+        "gpuCount": req.gpu_count, "nodeCount": req.node_count, "binding": req.binding, "spot": req.spot,
+        "resources": None if res is None else {"vcpuMilli": res.vcpu_milli, "memoryMiB": res.memory_mib,
+                                              "hugepages1Gi": res.hugepages_1g},
     }
+
+
+def as_booked(priced: dict, plan: Plan, profile: PoolProfile) -> dict:
+    """Priced fields as admission reads them, so that a create restating what its quote said (the pool's sharing,
+    the quote's own `resources`, `resources: {}`) is no change: `sharing` left out is the pool's, and `resources`
+    are what is booked above the per-GPU share of that request's gpuCount (the share itself follows gpuCount)."""
+    out = {**priced, "sharing": priced.get("sharing") or plan.pool.sharing}
+    count, asked = priced.get("gpuCount"), priced.get("resources")
+    if plan.whole_node or not isinstance(count, int):
+        return out  # a node binding books whole hosts and takes no resources
+    floor = profile.share.scaled(count)
+    share = Share(*((asked or {}).get(k) or 0 for k in ("vcpuMilli", "memoryMiB", "hugepages1Gi")))
+    above = share.max_with(floor).minus(floor)
+    out["resources"] = {"vcpuMilli": above.vcpu_milli, "memoryMiB": above.memory_mib, "hugepages1Gi": above.hugepages_1g}
+    return out
 
 
 def window_ms(plan: Plan) -> int:
@@ -136,7 +150,9 @@ class Quotes:
         if doc.expires_at <= now:
             raise DomainError(QUOTE_EXPIRED, f"quote {doc.id} expired at {doc.expires_at}; request a fresh quote",
                               {"field": "quoteId", "quoteId": doc.id, "expiresAt": doc.expires_at})
-        changed = [k for k, v in priced_fields(plan).items() if doc.priced.get(k) != v]
+        profile = self.catalog.current.profile(plan.pool.id)
+        quoted, asked = as_booked(doc.priced, plan, profile), as_booked(priced_fields(cmd.request), plan, profile)
+        changed = [k for k, v in asked.items() if quoted.get(k) != v]
         if changed or Decimal(doc.hourly_usd) != plan.hourly_usd:
             raise DomainError(PRICE_CHANGED, (f"{', '.join(changed)} changed since the quote" if changed else
                               f"the price changed from ${doc.hourly_usd}/hr to ${money(plan.hourly_usd)}/hr") +
@@ -167,7 +183,7 @@ class Quotes:
         now = self.clock.compute_now()
         start, preempts = self.placement_now(plan, now)
         doc = QuoteDoc("qt_" + secrets.token_hex(12), tenant.id, principal.id, now, now + QUOTE_TTL_MS,
-                       priced_fields(plan), money(plan.hourly_usd))
+                       priced_fields(req), money(plan.hourly_usd))
         await self.store.call(lambda tx: tx.put_quote(doc.id, doc.tenant_id, doc.expires_at, msgspec.json.encode(doc)))
         return {
             "id": doc.id, "createdAt": now, "expiresAt": doc.expires_at, "currency": "USD",

@@ -128,6 +128,10 @@ async def test_a_create_that_restates_what_its_quote_said_is_not_price_changed(a
         status, doc = await api.create(key=f"same{i}", gpuCount=2, durationHours=3, quoteId=q["id"], **same)
         assert 202 == status, (same, doc)
         assert 202 == (await api.call("release", "alice", {"reservationId": doc["reservation"]["id"]}))[0]
+    # the quote keeps the fields as they were sent, the shape a replica of the previous release compares
+    import json
+    stored = json.loads(api.cp.store.quote(q["id"])[2])["priced"]
+    assert (None, None, 2) == (stored["sharing"], stored["resources"], stored["gpuCount"])
     # fewer GPUs change gpuCount alone (the share follows it); more than the share changes what is booked and its price
     status, doc = await api.create(key="fewer", gpuCount=1, durationHours=3, quoteId=q["id"], sharing="exclusive")
     assert (409, "PRICE_CHANGED", ["gpuCount"]) == (status, doc["error"]["code"], doc["error"]["details"]["changed"])
