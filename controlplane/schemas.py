@@ -19,7 +19,7 @@ from controlplane.domain.errors import DomainError, INVALID_INPUT
 from controlplane.domain.ids import fingerprint
 from controlplane.domain.model import Bound, Operation, Reservation
 from controlplane.domain.pricing import money, parse_money
-from controlplane.domain.states import PUBLIC_STATES
+from controlplane.domain.states import PUBLIC_STATES, TERMINAL
 
 Id = Annotated[str, Meta(min_length=1, max_length=128)]
 Key = Annotated[str, Meta(min_length=1, max_length=255)]
@@ -313,6 +313,14 @@ def window_hours(res: Reservation) -> float | None:
     return res.duration_ms / 3_600_000 if res.duration_ms is not None else None
 
 
+def ended_at(res: Reservation) -> int | None:
+    """When a released or cancelled reservation reached that state; for one that ended before the moment was stored
+    (or whose record a replica of the previous release rewrote), its last change."""
+    if res.state not in TERMINAL:
+        return None
+    return res.ended_at if res.ended_at is not None else res.updated_at
+
+
 def reservation_to_wire(res: Reservation, operation: Operation | None) -> dict:
     out: dict[str, Any] = {
         "id": res.id,
@@ -352,7 +360,7 @@ def reservation_to_wire(res: Reservation, operation: Operation | None) -> dict:
         "createdAt": res.created_at,
         "updatedAt": res.updated_at,
         "reason": res.reason,
-        "endedAt": res.ended_at,
+        "endedAt": ended_at(res),
     }
     if res.binding == "node":  # tenant root: the keys and account the nodes take (docs/node-binding.md)
         out["access"] = {"sshKeys": list(res.ssh_keys), "user": res.login_user}

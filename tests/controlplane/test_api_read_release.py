@@ -146,6 +146,11 @@ async def test_cancel_withdraws_pending_or_placed_and_refunds(api):
     placed = (await api.create(key="p", gpuCount=8, nodeCount=2, start=T0 + HOUR, end=T0 + 2 * HOUR))[1]["reservation"]
     res = await api.ok("cancel", "alice", {"reservationId": placed["id"]})
     assert (res["state"], res["reason"], res["endedAt"]) == ("cancelled", "cancel", T0)
+    # one that ended before the moment was stored (or an older replica rewrote it) answers its last change
+    from controlplane.schemas import reservation_to_wire
+    import dataclasses
+    older = dataclasses.replace(api.cp.store.reservation(placed["id"]), ended_at=None)
+    assert T0 == reservation_to_wire(older, None)["endedAt"] == older.updated_at
     assert res["operation"]["kind"] == "cluster_terminate"  # a gang's cancel terminates the cluster too
     create_op = api.cp.store.operation(placed["operation"]["id"])
     assert create_op.kind == "create"  # stored under the kind every release reads; a cluster's on the wire only
