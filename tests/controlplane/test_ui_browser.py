@@ -257,6 +257,8 @@ async def test_the_page_says_when_it_is_stale_counts_pending_work_and_leaves_key
             time.sleep(2.5)
             assert ("Signed out.", [], True) == (driver.find_element(By.ID, "status").text, page.rows(),
                                                  driver.find_element(By.ID, "board").get_attribute("hidden") is not None)
+            # and what it brought is not kept, for whoever signs in next to see
+            assert [0, 0] == driver.execute_script("return [state.nodes.length, Object.keys(state.pending).length]")
 
             # fragments a person may type: empty, or past what a date can be
             for fragment in ("#from=&span=1d", "#from=99999999999999999&span=1d"):

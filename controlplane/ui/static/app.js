@@ -30,6 +30,7 @@ const state = {
   nodes: [], reservations: [], pools: [],
   pending: {},  // operators: each pool's reservations not placed yet (they hold no node, so no bar)
   loaded: null,  // [from, until] of the window the data on the page was loaded for
+  failed: false,  // the last load failed
   loading: null,
 };
 
@@ -306,7 +307,10 @@ function draw() {
   drawAxis();
   const rows = $("rows");
   const fresh = document.createDocumentFragment();
-  if (state.view === "operator") drawOperator(fresh); else drawTenant(fresh);
+  // A window never loaded, whose load failed, shows nothing (a redraw for the pool filter or "GPUs" included).
+  if (!(state.failed && !covered())) {
+    if (state.view === "operator") drawOperator(fresh); else drawTenant(fresh);
+  }
   rows.replaceChildren(fresh);
   $("board").classList.toggle("unloaded", !covered());  // dimmed until this window's load lands
   $("span").value = state.span;
@@ -338,9 +342,15 @@ function say(text, error) {
   if (!error) s.dataset.at = iso(now());
 }
 
+// The loaders fetch and return what they found, and `keep` puts it in the page's state: load() calls that only
+// once it knows no sign-out or newer load overtook this one, so what a dropped load brings is never drawn.
 async function loadOperator() {
   const [doc, fleet] = await Promise.all([post("/api/admin/nodes/list", {from: viewFrom(), until: viewUntil()}),
                                           post("/api/admin/pools/list", {})]);
+  return {summary: doc.nodes.length + " nodes", keep: () => keepOperator(doc, fleet)};
+}
+
+function keepOperator(doc, fleet) {
   state.nodes = doc.nodes;
   state.pending = Object.fromEntries(fleet.pools.map((p) => [p.id, p.pending || 0]));
   const select = $("pool");
@@ -350,7 +360,6 @@ async function loadOperator() {
   select.firstChild.value = "";
   for (const p of pools) { const o = el("option", "", p); o.value = p; select.append(o); }
   select.value = pools.includes(chosen) ? chosen : "";
-  return doc.nodes.length + " nodes";
 }
 
 async function loadTenant() {
@@ -369,11 +378,11 @@ async function loadTenant() {
         cursor = doc.nextCursor;
       }
       return all;
-    })).then((lists) => lists.flat()),
+    // one that moved on between the states' pages may come twice: once, as its later listing has it
+    })).then((lists) => [...new Map(lists.flat().map((r) => [r.id, r])).values()]),
   ]);
-  state.pools = pools.pools;
-  state.reservations = reservations;
-  return reservations.filter((r) => LIVE.has(r.state)).length + " live reservations";
+  return {summary: reservations.length + " live reservations",
+          keep: () => { state.pools = pools.pools; state.reservations = reservations; }};
 }
 
 async function load() {
@@ -382,9 +391,11 @@ async function load() {
   state.loading = mine;
   const asked = [viewFrom(), viewUntil()];
   try {
-    const summary = state.view === "operator" ? await loadOperator() : await loadTenant();
-    if (state.loading !== mine) return;  // a newer load, or a sign-out, overtook this one
+    const {summary, keep} = state.view === "operator" ? await loadOperator() : await loadTenant();
+    if (state.loading !== mine) return;  // a newer load, or a sign-out, overtook this one: its data is dropped
+    keep();
     state.loaded = asked;
+    state.failed = false;
     stale(null);
     draw();
     say((state.view === "operator" ? "operator view" : "tenant view") + " · " + summary + " · updated " +
@@ -393,6 +404,7 @@ async function load() {
     if (state.loading !== mine) return;
     if (err instanceof ApiError && err.status === 401) { signOut(); say("Sign in: " + err.message, true); return; }
     const why = err instanceof ApiError ? err.message : "the control plane cannot be reached (" + (err.message || err) + ")";
+    state.failed = true;
     if (!covered()) $("rows").replaceChildren();  // never loaded for this window: nothing to show as if it were
     stale("Not up to date: " + why + ". " + (covered() ? "The bookings shown were loaded at " + $("status").dataset.at + "."
                                                        : "Nothing is shown for this window.") +
@@ -446,6 +458,7 @@ function signOut() {
   sessionStorage.removeItem(VIEW_KEY);
   state.token = state.view = null;
   state.loading = state.loaded = null;  // a load in flight is dropped when it lands
+  state.failed = false;
   state.nodes = state.reservations = state.pools = [];
   state.pending = {};
   stale(null);
