@@ -199,7 +199,7 @@ def through_agent(reservation: str, sock_path: Path, command: list[str]) -> int:
 def _stdio_open() -> None:
     """A caller started with a standard descriptor closed (cron, `<&-`) gets /dev/null in its place, so that no
     socket or file this process opens takes fd 0, 1 or 2 and becomes the command's stdin or output."""
-    for fd in (0, 1, 2):
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
         try:
             os.fstat(fd)
         except OSError:
@@ -207,6 +207,9 @@ def _stdio_open() -> None:
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
+            os.set_inheritable(fd, True)  # os.open's are not: root's path execs the command with it
+        if getattr(sys, name) is None:  # Python found it closed at start-up and left sys.<name> None
+            setattr(sys, name, open(fd, mode, closefd=False))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -434,7 +434,8 @@ class ExecGate:
             waiting.cancel()
             raise
         code = exit_code(rc)
-        ended = self.lookup(call.doc["reservationId"]) is None  # unbound (or being unbound): its end stopped it
+        # killed by a signal with the reservation unbound (or being unbound): its end stopped it
+        ended = code >= 128 and self.lookup(call.doc["reservationId"]) is None
         self.log.info("exec ended", reservation_id=call.doc["reservationId"], pid=proc.pid, exit=code,
                       caller_gone=caller_gone, reservation_ended=ended)
         if not caller_gone:

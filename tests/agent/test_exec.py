@@ -209,6 +209,15 @@ def test_the_commands_exit_status_is_passed_through(bound):
     assert 127 == berth_exec("--state-dir", str(state), "r1", "--", "no-such-command-xyz").returncode
 
 
+@pytest.mark.kernel
+def test_root_started_with_stdout_closed_runs_the_command_with_dev_null_there(bound):
+    _, state = bound
+    out = subprocess.run([sys.executable, "-m", "berth", "exec", "--state-dir", str(state), "r1", "--", "sh", "-c",
+                          "exec 3>&1; readlink /proc/self/fd/3 >&2"], stderr=subprocess.PIPE, text=True, timeout=20,
+                         cwd=str(REPO), preexec_fn=lambda: os.close(1))
+    assert (0, "/dev/null") == (out.returncode, out.stderr.strip().splitlines()[-1]), out.stderr
+
+
 # -- callers other than root, through the agent's socket -----------------------------------------------------
 
 
