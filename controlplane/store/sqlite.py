@@ -349,6 +349,7 @@ class Writer:
             if self._commit(answers, self._appends.take()):
                 run_hooks(hooks)
             else:
+                self.rebuilds += 1
                 self._reset()
         _, value, error = answers[0]
         if error is not None:
