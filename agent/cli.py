@@ -277,6 +277,10 @@ def runtime_main(argv: list[str]) -> int:
                                            endpoint=args.ssh_endpoint, scratch=tuple(args.scratch_path))
         elif args.scratch_path:
             raise ValueError("--scratch-path is for node bindings: give --ssh-keys-dir too")
+        for path in (Path(args.kubelet_root), Path(args.kubelet_root) / "device-plugins"):
+            if path.exists() and not path.is_dir():  # found at the first kubernetes booking, it stopped the agent
+                raise ValueError(f"--kubelet-root {args.kubelet_root}: {path} is not a directory; give the kubelet's "
+                                 "root directory (its --root-dir, default /var/lib/kubelet)")
     except (ValueError, HostKeysError) as exc:  # tls.TlsError is a ValueError
         parser.error(str(exc))
     if args.simulate:

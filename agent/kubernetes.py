@@ -113,6 +113,7 @@ class KubernetesBindings:
         self._api: tuple | None = None  # (NodeTaints, PodEvictions), made when first needed
         self.api_error: str | None = None
         self.plugins: dict[str, _Plugin] = {}
+        self.start_errors: dict[str, str] = {}  # resource name -> why its device plugin could not start
         self.states: dict[str, dict] = {}  # reservation id -> what /status shows
         self.reported: dict[str, str] = {}  # reservation id -> the tag of the last report
         self.let_go: list[str] = []  # released bindings reported unbound (AllocationReleased) by the last pass
@@ -124,7 +125,8 @@ class KubernetesBindings:
         self._advertised_states: dict[str, dict] = {}
         self._hostname = ""
         self._pods_error: str | None = None
-        self._evicted_for: dict[str, set[str]] = {}  # ended binding -> the pods evicted from its devices
+        self._evicted_for: dict[str, set[str]] = {}  # ended binding -> the pods in a new booking's way
+        self._evicted: set[str] = set()  # of those, the pods the Kubernetes API evicted (others left by themselves)
         self.log = log
 
     async def reconcile(self, bindings: list[Binding], inv: Inventory, fresh: Iterable[Binding] = ()) -> list[Report]:
@@ -200,9 +202,14 @@ class KubernetesBindings:
                                "devices": ids}
                 reports += self._once(rid, Report(rid, "bound", devices=tuple(_paths(entry.plugin, ids)), end=b.end),
                                       f"bound:{b.resourceName}:{','.join(ids)}:{b.end}")
+            elif entry is None and b.resourceName in self.start_errors:
+                why = f"the device plugin for {b.resourceName} cannot start: {self.start_errors[b.resourceName]}"
+                states[rid] = {"state": "failed", "kind": "kubernetes", "message": why}
+                reports += self._once(rid, Report(rid, "failed", message=why[:1900]), f"failed:{why}")
             elif entry is not None and time.monotonic() - entry.started > REGISTER_GRACE_S:
                 why = (f"the kubelet has not accepted the device plugin for {b.resourceName}: "
-                       f"{entry.plugin.last_error or 'no kubelet socket at ' + str(entry.plugin.kubelet_socket)}")
+                       f"{entry.plugin.last_error or 'no kubelet socket at ' + str(entry.plugin.kubelet_socket)}; "
+                       "is the kubelet running on this node, with its root at the agent's --kubelet-root?")
                 states[rid] = {"state": "failed", "kind": "kubernetes", "message": why}
                 reports += self._once(rid, Report(rid, "failed", message=why[:1900]), f"failed:{why}")
             else:
@@ -227,30 +234,34 @@ class KubernetesBindings:
                 continue
             self.blocked[b.reservationId] = in_the_way
             for pod in in_the_way:
-                await self._evict(pod)
+                if await self._evict(pod):
+                    self._evicted.add(pod)
                 for old, old_ids in self.recent.items():
                     if old not in wanted and old_ids & holding[pod]:
                         self._evicted_for.setdefault(old, set()).add(pod)
         for old, evicted in list(self._evicted_for.items()):
             still = [pod for pod in evicted if pod in holding and holding[pod] & self.recent.get(old, frozenset())]
-            if not still:  # gone: the ended binding hears which pods made room
-                reports += self._once(old, Report(old, "unbound", evicted=tuple(sorted(evicted))[:256]),
-                                      f"evicted:{','.join(sorted(evicted))}")
+            if not still:  # gone: the ended binding hears which pods were evicted to make room (none: they left)
+                named = tuple(sorted(pod for pod in evicted if pod in self._evicted))
+                self._evicted -= evicted
+                reports += self._once(old, Report(old, "unbound", evicted=named[:256]), f"evicted:{','.join(named)}")
                 del self._evicted_for[old]
         return reports
 
-    async def _evict(self, pod: str) -> None:
+    async def _evict(self, pod: str) -> bool:
+        """Whether the Kubernetes API evicted the pod (no API, a failure, a disruption budget: not, this time)."""
         namespace, name = pod.split("/", 1)
         api = self._apis()
         if api is None:
-            return
+            return False
         try:
             outcome = await api[1].evict_async(namespace, name)
         except KubeletError as exc:
             self.log.error("eviction failed", pod=pod, error=str(exc))
-            return
+            return False
         if outcome == "evicted":
             self.log.warning("pod evicted: it held devices a new booking takes", pod=pod)
+        return outcome == "evicted"
 
     async def _taint(self, stuck: bool, inv: Inventory) -> None:
         """The node carries the KubernetesReleaseStuck NoSchedule taint exactly while a release is carried on."""
@@ -355,7 +366,9 @@ class KubernetesBindings:
             await plugin.start()
         except KubeletError as exc:
             self.log.error("device plugin cannot start", resource_name=name, error=str(exc))
+            self.start_errors[name] = str(exc)  # its bookings fail with it (BindFailed), the agent goes on
             return
+        self.start_errors.pop(name, None)
         entry = self.plugins[name] = _Plugin(plugin)
         entry.watcher = asyncio.ensure_future(self._watch(plugin))
 

@@ -263,8 +263,12 @@ class DevicePlugin:
 
     async def _serve(self) -> None:
         await self._stop_serving()
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
-        self.socket_path.unlink(missing_ok=True)  # a stale socket from an earlier run
+        try:
+            self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+            self.socket_path.unlink(missing_ok=True)  # a stale socket from an earlier run
+        except OSError as e:  # this booking's failure (BindFailed), not the agent's
+            raise KubeletError(f"{self.resource_name}: cannot serve on {self.socket_path}: {e.strerror or e}; check "
+                               "--kubelet-root (the kubelet's root directory, default /var/lib/kubelet)") from e
         server = grpc.aio.server()
         api_grpc.add_DevicePluginServicer_to_server(_DevicePluginService(self), server)
         try:

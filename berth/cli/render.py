@@ -179,7 +179,8 @@ def render_reservation(r: Reservation, wide: bool = False) -> str:
         ("reservation", r.id), ("state", r.state + (f" ({r.reason})" if r.reason else "")),
         ("pool", f"{r.pool_id} ({r.region})"), ("gpus", _shape(r)), ("binding", r.binding + (", spot" if r.spot else "")),
         ("start", when(r.start) if r.start is not None else "as soon as placed"),
-        ("end", _end(r) + (f", booked until {when(r.end)}" if ended is not None and r.end not in (None, ended) else "")),
+        ("end", _end(r) + (f" (its window was to run until {when(r.end)})"
+                           if ended is not None and r.end not in (None, ended) else "")),
         ("price", money_rate(r.hourly_usd) if r.hourly_usd is not None else None),
         ("resources", f"{r.resources.vcpu:g} vcpu, {r.resources.memory_gib:g} GiB, {r.resources.hugepages_1gi} x 1 GiB hugepages"
          if r.resources.vcpu is not None else None),
@@ -262,10 +263,11 @@ def render_operation(op: Operation) -> str:
 
 
 def render_usage(u: Usage, ctx: Context, argv: Sequence[str]) -> str:
+    held = any(line.held for line in u.lines)  # a column of its own only where a kubernetes release was held
     rows = [(line.day, line.reservation_id, line.pool_id, line.seconds, money_rate(line.hourly_usd), money(line.amount_usd),
-             "yes" if line.running else "") for line in u.lines]
-    parts = [table(("DAY", "RESERVATION", "POOL", "SECONDS", "RATE", "AMOUNT", "RUNNING"), rows, width=ctx.width) if rows
-             else "no usage lines"]
+             "yes" if line.running else "", *(("yes" if line.held else "",) if held else ())) for line in u.lines]
+    head = ("DAY", "RESERVATION", "POOL", "SECONDS", "RATE", "AMOUNT", "RUNNING", *(("HELD",) if held else ()))
+    parts = [table(head, rows, width=ctx.width) if rows else "no usage lines"]
     parts.append(fields([("page total", money(u.page_total_usd)), ("total", money(u.total_usd))]))
     if u.by_reservation:
         parts.append(table(("RESERVATION", "TOTAL"), [(t.reservation_id, money(t.total_usd)) for t in u.by_reservation],

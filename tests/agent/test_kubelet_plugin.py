@@ -81,6 +81,15 @@ async def test_a_plugin_started_before_the_kubelet_registers_once_the_kubelet_is
         await plugin.stop()
 
 
+async def test_a_kubelet_root_that_cannot_hold_the_socket_is_a_kubelet_error_naming_the_option(tmp_path):
+    """A KubeletError fails that resource's bookings (BindFailed); an OSError stopped the whole agent."""
+    (tmp_path / "device-plugins").write_text("not a directory")
+    plugin = DevicePlugin(RESOURCE, tmp_path, poll_s=0.05)
+    with pytest.raises(KubeletError, match="--kubelet-root"):
+        await plugin.start()
+    await plugin.stop()
+
+
 async def test_a_refused_registration_is_retried_and_its_error_kept(tmp_path, kubelet):
     kubelet.refusals = [grpc.StatusCode.UNAVAILABLE]
     async with DevicePlugin(RESOURCE, tmp_path, poll_s=0.05) as plugin:

@@ -55,6 +55,8 @@ def test_help_lists_the_pinned_flags(capsys):
     (["--ca-file", "/nonexistent/ca.pem"], "--ca-file /nonexistent/ca.pem: cannot read it"),
     (["--client-cert", "/nonexistent/node.pem"], "--client-cert and --client-key go together"),
     (["--ca-file", "/proc/version"], "--ca-file /proc/version: holds no PEM CA certificate"),
+    # a file where the kubelet's root goes stopped the agent at the first kubernetes booking
+    (["--kubelet-root", "/etc/hostname"], "--kubelet-root /etc/hostname: /etc/hostname is not a directory"),
 ])
 def test_bad_options_exit_2_naming_the_option(capsys, args, message):
     assert 2 == cli.main(["--control-plane", "http://127.0.0.1:1", "--bootstrap-token", "t", *args])

@@ -71,3 +71,23 @@ def test_rows_printed_apart_line_up_with_at_least():
     widths = render.column_widths(("ID", "STATE", "OPERATION"), ROWS)
     alone = render.table(("ID", "STATE", "OPERATION"), [ROWS[1]], header=False, at_least=widths)
     assert alone.index("released") == render.table(("ID", "STATE", "OPERATION"), ROWS).splitlines()[2].index("released")
+
+
+def test_usage_has_a_held_column_only_where_a_kubernetes_release_was_held():
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from berth.cli.render import render_usage
+    from berth.client.answers import Usage
+
+    def usage(*held: bool) -> Usage:
+        lines = [{"reservationId": f"rsv_{i}", "poolId": "k8s", "day": "2026-12-06", "from": 0, "to": 1000,
+                  "seconds": 1, "hourlyUsd": "8", "amountUsd": "0.002222", "held": h} for i, h in enumerate(held)]
+        return msgspec.convert({"lines": lines, "pageTotalUsd": "0.004444", "totalUsd": "0.004444"}, Usage)
+
+    ctx = SimpleNamespace(width=None)
+    plain = render_usage(usage(False, False), ctx, []).splitlines()[0].split()
+    assert "HELD" not in plain
+    header, first, second = render_usage(usage(False, True), ctx, []).splitlines()[:3]
+    assert "HELD" == header.split()[-1] and not first.endswith("yes") and second.endswith("yes")

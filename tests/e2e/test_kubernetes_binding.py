@@ -223,3 +223,27 @@ def test_held_past_its_end_the_node_is_tainted_and_a_booking_made_in_advance_evi
     evicted = [e for e in doc["events"] if e["type"] == "reservation.pods-evicted"]
     assert [(res["id"], ["team-a/trainer-0"])] == [(e["reservationId"], e["data"]["pods"]) for e in evicted]
     assert uuids_of(cp, cp.get(later["id"])) == kubelet.devices()
+
+
+def test_without_api_access_pods_that_leave_by_themselves_are_not_said_to_be_evicted(k8s):
+    """No kubeconfig: the agent cannot evict. The pod in the advance booking's way leaves by itself; the ended
+    booking is unbound then, and no reservation.pods-evicted names a pod nobody evicted."""
+    import time
+
+    cp, a, kubelet = k8s
+    now = int(time.time() * 1000)
+    end = now + 4_000
+    res = cp.wait_state(cp.create(poolId="k8s", gpuCount=8, binding="kubernetes", end=end,
+                                  durationHours=None)["id"], "active", timeout=5)
+    later = cp.create(poolId="k8s", gpuCount=8, binding="kubernetes", start=end + 1_000, end=end + 3_600_000,
+                      durationHours=None)
+    kubelet.kubelet.hold("team-a", "trainer-0", "main", K8S_RESOURCE, sorted(uuids_of(cp, res))[:1])
+    cp.release(res["id"])
+    wait_for(lambda: cp.get(later["id"])["state"] == "binding", 15, interval=0.1, what="the advance booking's start")
+    time.sleep(1.0)  # the agent tried (and could not) make room
+    kubelet.kubelet.free("team-a", "trainer-0")  # the pod leaves by itself
+    cp.wait_state(later["id"], "active", timeout=15)
+    time.sleep(3)  # the agent's report once the pod is gone (which, before, named it as evicted within a second)
+    _, doc = cp.post("/api/compute/events/list", {"limit": 500})
+    assert "reservation.hold-ended" in [e["type"] for e in doc["events"] if e["reservationId"] == res["id"]]
+    assert [] == [e for e in doc["events"] if e["type"] == "reservation.pods-evicted"]
