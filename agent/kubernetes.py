@@ -127,6 +127,7 @@ class KubernetesBindings:
         self._pods_error: str | None = None
         self._evicted_for: dict[str, set[str]] = {}  # ended binding -> the pods in a new booking's way
         self._evicted: set[str] = set()  # of those, the pods the Kubernetes API evicted (others left by themselves)
+        self._said: set[tuple[str, str]] = set()  # (pod, why it stays in the way) already logged
         self.log = log
 
     async def reconcile(self, bindings: list[Binding], inv: Inventory, fresh: Iterable[Binding] = ()) -> list[Report]:
@@ -253,6 +254,8 @@ class KubernetesBindings:
         namespace, name = pod.split("/", 1)
         api = self._apis()
         if api is None:
+            self._in_the_way(pod, "the agent has no Kubernetes API access to evict it (--kubeconfig, or the "
+                                  "in-cluster service account)")
             return False
         try:
             outcome = await api[1].evict_async(namespace, name)
@@ -261,7 +264,16 @@ class KubernetesBindings:
             return False
         if outcome == "evicted":
             self.log.warning("pod evicted: it held devices a new booking takes", pod=pod)
+        elif outcome == "blocked":
+            self._in_the_way(pod, "its disruption budget does not allow an eviction now; retried until it does")
         return outcome == "evicted"
+
+    def _in_the_way(self, pod: str, why: str) -> None:
+        """Say once, for the operator, why a pod still holds devices a booking has started on."""
+        if (pod, why) not in self._said:
+            self._said.add((pod, why))
+            self.log.warning("pod holds devices a booking has started on, and stays: the booking waits until it "
+                             "leaves", pod=pod, why=why)
 
     async def _taint(self, stuck: bool, inv: Inventory) -> None:
         """The node carries the KubernetesReleaseStuck NoSchedule taint exactly while a release is carried on."""

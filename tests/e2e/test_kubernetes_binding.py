@@ -240,7 +240,8 @@ def test_without_api_access_pods_that_leave_by_themselves_are_not_said_to_be_evi
     kubelet.kubelet.hold("team-a", "trainer-0", "main", K8S_RESOURCE, sorted(uuids_of(cp, res))[:1])
     cp.release(res["id"])
     wait_for(lambda: cp.get(later["id"])["state"] == "binding", 15, interval=0.1, what="the advance booking's start")
-    time.sleep(1.0)  # the agent tried (and could not) make room
+    said = a.wait_event("pod holds devices a booking has started on, and stays: the booking waits until it leaves")
+    assert ("team-a/trainer-0", True) == (said["pod"], "no Kubernetes API access" in said["why"]), said
     kubelet.kubelet.free("team-a", "trainer-0")  # the pod leaves by itself
     cp.wait_state(later["id"], "active", timeout=15)
     time.sleep(3)  # the agent's report once the pod is gone (which, before, named it as evicted within a second)
