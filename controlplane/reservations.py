@@ -182,7 +182,7 @@ class ReservationService:
                 if not fut.done():
                     fut.set_result(None)
 
-    async def _wait_while_pending(self, answer: Answer, timeout_ms: int) -> Answer:
+    async def wait_while_pending(self, answer: Answer, timeout_ms: int) -> Answer:
         """Hold the create's answer while its reservation waits for capacity, at most timeout_ms."""
         if answer.reservation.state != states.PENDING or timeout_ms <= 0:
             return answer
@@ -197,10 +197,8 @@ class ReservationService:
         return self._answer(self.store, self.store.reservation(answer.reservation.id) or answer.reservation)
 
     # ---- create --------------------------------------------------------------
-    async def create(self, principal: Principal, cmd: Create,
-                     decided: Callable[[Answer], None] | None = None) -> Answer:
-        """Create (or replay) the reservation; `decided` hears the answer before a requested wait holds it (the
-        HTTP edge's latency metric counts the create, not the wait the client asked for)."""
+    async def create(self, principal: Principal, cmd: Create) -> Answer:
+        """Create (or replay) the reservation, then hold the answer while it is pending for at most cmd.wait_ms."""
         key = cmd.key or secrets.token_urlsafe(18)
         tenant = self._tenant(principal)
         if self.authorizer.embedded:
@@ -211,11 +209,7 @@ class ReservationService:
             answer = await self._create_remote(principal, tenant, key, cmd)
         if answer.reservation.state == states.PLACED and (answer.reservation.start or 0) <= self.clock.compute_now():
             self.reconciler.wake()  # its window has started: binding now, not at the reconciler's next tick
-        if decided is not None:
-            decided(answer)
-        if answer.reservation.state != states.PENDING or cmd.wait_ms <= 0:
-            return answer
-        return await self._wait_while_pending(answer, cmd.wait_ms)
+        return await self.wait_while_pending(answer, cmd.wait_ms)
 
     def _create_job(self, tx: Tx, principal: Principal, tenant: Tenant, key: str, cmd: Create) -> Answer | None:
         """The whole create with an embedded decision (microseconds): replay, or draft, decide and admit.
