@@ -19,9 +19,8 @@ from typing import Any
 
 import msgspec
 
-from common.share import Share
 from controlplane.commands import Create
-from controlplane.domain.admission import MAX_LEAD_MS, CreateRequest, Plan, PoolProfile, admit
+from controlplane.domain.admission import MAX_LEAD_MS, CreateRequest, Plan, PoolProfile, ResourcesAsk, admit
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import NO_CAPACITY, PRICE_CHANGED, QUOTE_EXPIRED, DomainError
 from controlplane.domain.model import Principal, Tenant
@@ -45,6 +44,9 @@ class QuoteDoc(msgspec.Struct):
     hourly_usd: str
 
 
+PRICED_RESOURCES = ("vcpuMilli", "memoryMiB", "hugepages1Gi")  # a priced `resources`, in ResourcesAsk's order
+
+
 def priced_fields(req: CreateRequest) -> dict:
     """The fields of a request that set its price, by their wire names, as sent (a quote stores them so: the shape
     every release reads; compared through `as_booked`)."""
@@ -52,8 +54,8 @@ def priced_fields(req: CreateRequest) -> dict:
     return {
         "poolId": req.pool_id, "gpuModel": req.gpu_model, "sharing": req.sharing, "migProfile": req.mig_profile,
         "gpuCount": req.gpu_count, "nodeCount": req.node_count, "binding": req.binding, "spot": req.spot,
-        "resources": None if res is None else {"vcpuMilli": res.vcpu_milli, "memoryMiB": res.memory_mib,
-                                              "hugepages1Gi": res.hugepages_1g},
+        "resources": None if res is None else dict(zip(PRICED_RESOURCES, (res.vcpu_milli, res.memory_mib,
+                                                                          res.hugepages_1g))),
     }
 
 
@@ -66,9 +68,8 @@ def as_booked(priced: dict, plan: Plan, profile: PoolProfile) -> dict:
     if plan.whole_node or not isinstance(count, int):
         return out  # a node binding books whole hosts and takes no resources
     floor = profile.share.scaled(count)
-    share = Share(*((asked or {}).get(k) or 0 for k in ("vcpuMilli", "memoryMiB", "hugepages1Gi")))
-    above = share.max_with(floor).minus(floor)
-    out["resources"] = {"vcpuMilli": above.vcpu_milli, "memoryMiB": above.memory_mib, "hugepages1Gi": above.hugepages_1g}
+    above = ResourcesAsk(*((asked or {}).get(k) for k in PRICED_RESOURCES)).as_share().max_with(floor).minus(floor)
+    out["resources"] = dict(zip(PRICED_RESOURCES, (above.vcpu_milli, above.memory_mib, above.hugepages_1g)))
     return out
 
 
