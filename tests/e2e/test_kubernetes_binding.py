@@ -191,19 +191,24 @@ def k8s_api(agents, workdir, bpf_works):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_held_past_its_end_the_node_is_tainted_and_a_booking_made_in_advance_evicts_the_pods(k8s_api):
+def held_then_booked_again(cp: ControlPlane, kubelet: KubeletThread, lasts_ms: int, gap_ms: int) -> tuple[dict, dict]:
+    """The whole node booked (kubernetes) for `lasts_ms` from now and again from `gap_ms` after that end, with the
+    first booking's first GPU held by pod team-a/trainer-0: (the first, active; the second, placed)."""
     import time
 
-    cp, a, kubelet, api = k8s_api
-    now = int(time.time() * 1000)
-    end = now + 6_000
+    end = int(time.time() * 1000) + lasts_ms
     res = cp.wait_state(cp.create(poolId="k8s", gpuCount=8, binding="kubernetes", end=end,
                                   durationHours=None)["id"], "active", timeout=5)
-    later = cp.create(poolId="k8s", gpuCount=8, binding="kubernetes", start=end + 4_000, end=end + 3_600_000,
+    later = cp.create(poolId="k8s", gpuCount=8, binding="kubernetes", start=end + gap_ms, end=end + 3_600_000,
                       durationHours=None)
     assert "placed" == later["state"]
-    booked = sorted(uuids_of(cp, res))
-    kubelet.kubelet.hold("team-a", "trainer-0", "main", K8S_RESOURCE, booked[:1])
+    kubelet.kubelet.hold("team-a", "trainer-0", "main", K8S_RESOURCE, sorted(uuids_of(cp, res))[:1])
+    return res, later
+
+
+def test_held_past_its_end_the_node_is_tainted_and_a_booking_made_in_advance_evicts_the_pods(k8s_api):
+    cp, a, kubelet, api = k8s_api
+    res, later = held_then_booked_again(cp, kubelet, 6_000, 4_000)
     api.pods.add(("team-a", "trainer-0"))
     cp.release(res["id"])
     wait_for(lambda: "team-a/trainer-0" in conditions(cp, res["id"])["DevicesHeld"]["message"], 5,
@@ -231,13 +236,7 @@ def test_without_api_access_pods_that_leave_by_themselves_are_not_said_to_be_evi
     import time
 
     cp, a, kubelet = k8s
-    now = int(time.time() * 1000)
-    end = now + 4_000
-    res = cp.wait_state(cp.create(poolId="k8s", gpuCount=8, binding="kubernetes", end=end,
-                                  durationHours=None)["id"], "active", timeout=5)
-    later = cp.create(poolId="k8s", gpuCount=8, binding="kubernetes", start=end + 1_000, end=end + 3_600_000,
-                      durationHours=None)
-    kubelet.kubelet.hold("team-a", "trainer-0", "main", K8S_RESOURCE, sorted(uuids_of(cp, res))[:1])
+    res, later = held_then_booked_again(cp, kubelet, 4_000, 1_000)
     cp.release(res["id"])
     wait_for(lambda: cp.get(later["id"])["state"] == "binding", 15, interval=0.1, what="the advance booking's start")
     said = a.wait_event("pod holds devices a booking has started on, and stays: the booking waits until it leaves")
