@@ -37,6 +37,8 @@ log = structlog.get_logger("berth.agent.kubernetes")
 
 DEFAULT_KUBELET_ROOT = Path("/var/lib/kubelet")
 REGISTER_GRACE_S = 30.0  # a plugin the kubelet has not accepted by then: the binding is reported failed
+EVICTION_RETRY_S = 5.0  # an eviction a disruption budget refused (or that failed) is tried again after this, as
+# `kubectl drain` does
 
 
 def plugin_devices(binding: Binding, inv: Inventory) -> list[PluginDevice]:
@@ -62,6 +64,15 @@ def holders_of(binding: Binding, pods: Iterable[PodDevices]) -> list[str]:
     ids = {u.uuid for u in binding.units}
     return sorted({f"{p.namespace}/{p.name}" for p in pods
                    if p.resource_name == binding.resourceName and ids.intersection(p.device_ids)})
+
+
+def waiting_message(pods: list[str], why: dict[str, str]) -> str:
+    """Why a booking that has started waits: the pods of an ended booking still holding its devices, each with
+    why it is still there (as the last eviction found; nothing known yet: being evicted)."""
+    named = [f"{pod}: {why.get(pod, 'being evicted')}." for pod in pods[:20]]
+    more = [f"And {len(pods) - 20} more."] if len(pods) > 20 else []
+    return " ".join(["Pods of an ended booking still hold the devices; they are bound once the pods are gone.",
+                     *named, *more])[:2000]
 
 
 def advertised_devices(bindings: Iterable[Binding], inv: Inventory) -> tuple[dict[str, list[PluginDevice]],
@@ -128,6 +139,11 @@ class KubernetesBindings:
         self._evicted_for: dict[str, set[str]] = {}  # ended binding -> the pods in a new booking's way
         self._evicted: set[str] = set()  # of those, the pods the Kubernetes API evicted (others left by themselves)
         self._said: set[tuple[str, str]] = set()  # (pod, why it stays in the way) already logged
+        self._why: dict[str, str] = {}  # pod in a new booking's way -> why it is still there, as last tried
+        self._retry_at: float | None = None  # when to try the refused evictions again (monotonic)
+        # The control plane takes `waiting` reports (its heartbeat answer says so: one of an older release would
+        # refuse the whole batch they ride in).
+        self.report_waiting = False
         self.log = log
 
     async def reconcile(self, bindings: list[Binding], inv: Inventory, fresh: Iterable[Binding] = ()) -> list[Report]:
@@ -136,8 +152,9 @@ class KubernetesBindings:
         Active ones are advertised (bound once the kubelet accepted the plugin); released ones report the pods
         that still hold their devices (held) or that none does (unbound: AllocationReleased). A binding not yet
         bound here (any kind, `fresh` for the others) whose devices pods of an ended binding still hold is
-        `blocked`: those pods are evicted first, and the ended binding is told which. The stuck taint follows
-        whether any released binding is carried on past its window."""
+        `blocked`: those pods are evicted first, the blocked binding is reported `waiting` with them and why they
+        stay, and the ended binding is told which were evicted. The stuck taint follows whether any released
+        binding is carried on past its window."""
         released = [b for b in bindings if b.released]
         active = [b for b in bindings if not b.released]
         for b in bindings:
@@ -173,7 +190,8 @@ class KubernetesBindings:
                 self.let_go.append(rid)
         self.holder_view = self._view(released, new, pods)
         await self._taint(any(b.stuck for b in released), inv)
-        for rid in [r for r in self.reported if r not in states and r not in self._evicted_for]:
+        for rid in [r for r in self.reported if r not in states and r not in self._evicted_for
+                    and r not in self.blocked]:
             self.reported.pop(rid)  # withdrawn: the checkpoint's entry goes, and its unbound report with it
         self.states = states
         return reports
@@ -240,6 +258,14 @@ class KubernetesBindings:
                 for old, old_ids in self.recent.items():
                     if old not in wanted and old_ids & holding[pod]:
                         self._evicted_for.setdefault(old, set()).add(pod)
+            if self.report_waiting:
+                why = waiting_message(in_the_way, self._why)
+                reports += self._once(b.reservationId, Report(b.reservationId, "waiting",
+                                                              holders=tuple(in_the_way[:256]), message=why),
+                                      f"waiting:{why}")
+        self._why = {pod: why for pod, why in self._why.items() if pod in holding}
+        if not self.blocked:
+            self._retry_at = None
         for old, evicted in list(self._evicted_for.items()):
             still = [pod for pod in evicted if pod in holding and holding[pod] & self.recent.get(old, frozenset())]
             if not still:  # gone: the ended binding hears which pods were evicted to make room (none: they left)
@@ -250,7 +276,8 @@ class KubernetesBindings:
         return reports
 
     async def _evict(self, pod: str) -> bool:
-        """Whether the Kubernetes API evicted the pod (no API, a failure, a disruption budget: not, this time)."""
+        """Whether the Kubernetes API evicted the pod (no API, a failure, a disruption budget: not, this time);
+        `_why` keeps why it is still there."""
         namespace, name = pod.split("/", 1)
         api = self._apis()
         if api is None:
@@ -260,16 +287,23 @@ class KubernetesBindings:
         try:
             outcome = await api[1].evict_async(namespace, name)
         except KubeletError as exc:
-            self.log.error("eviction failed", pod=pod, error=str(exc))
+            if self._why.get(pod) != f"its eviction failed ({exc}); retried":
+                self.log.error("eviction failed", pod=pod, error=str(exc))
+            self._why[pod] = f"its eviction failed ({exc}); retried"
+            self._retry_at = self._retry_at or time.monotonic() + EVICTION_RETRY_S
             return False
         if outcome == "evicted":
-            self.log.warning("pod evicted: it held devices a new booking takes", pod=pod)
+            if pod not in self._evicted:
+                self.log.warning("pod evicted: it held devices a new booking takes", pod=pod)
+            self._why[pod] = "evicted, stopping"
         elif outcome == "blocked":
             self._in_the_way(pod, "its disruption budget does not allow an eviction now; retried until it does")
+            self._retry_at = self._retry_at or time.monotonic() + EVICTION_RETRY_S
         return outcome == "evicted"
 
     def _in_the_way(self, pod: str, why: str) -> None:
         """Say once, for the operator, why a pod still holds devices a booking has started on."""
+        self._why[pod] = why
         if (pod, why) not in self._said:
             self._said.add((pod, why))
             self.log.warning("pod holds devices a booking has started on, and stays: the booking waits until it "
@@ -343,13 +377,17 @@ class KubernetesBindings:
 
     async def watch_holds(self, wanted: Callable[[], list[Binding]], every_s: float = 1.0) -> None:
         """While released bindings wait for their pods (or new ones for evicted pods to go), look every `every_s`
-        and reconcile when what the kubelet says changed."""
+        and reconcile when what the kubelet says changed, or when refused evictions are due to be tried again."""
         while True:
             await asyncio.sleep(every_s)
             bindings = wanted()
             released = [b for b in bindings if b.kind == "kubernetes" and b.released]
             waiting = [b for b in bindings if b.reservationId in self.blocked]
             if not released and not waiting:
+                continue
+            if waiting and self._retry_at is not None and time.monotonic() >= self._retry_at:
+                self._retry_at = None
+                self.on_change()
                 continue
             try:
                 pods = await self._pods()

@@ -180,7 +180,8 @@ class ControlPlaneLink:
             assert inv is not None
             send = inv if self.inventory_dirty else None
             try:
-                await self.client.heartbeat(send)
+                ans = await self.client.heartbeat(send)
+                self._takes_reports(ans.reportStatuses)
                 self.metrics.heartbeats_ok += 1
                 self.metrics.last_heartbeat = time.monotonic()
                 if send is not None and self.inventory() is inv:
@@ -193,6 +194,14 @@ class ControlPlaneLink:
                 self.metrics.heartbeat_failures += 1
                 self.log.warning("heartbeat failed", error=str(exc))
             await asyncio.sleep(self.heartbeat_s)
+
+    def _takes_reports(self, statuses: tuple[str, ...]) -> None:
+        """What the control plane's release takes: `waiting` only where it says so (an older one refuses the
+        whole batch a report of a status it does not know rides in)."""
+        pods = self.controller.kubernetes
+        if pods is not None and pods.report_waiting != ("waiting" in statuses):
+            pods.report_waiting = "waiting" in statuses
+            pods.on_change()  # a booking already waiting is reported now
 
     async def report_loop(self) -> None:
         backoff = Backoff(self.backoff_min_s, self.backoff_max_s)

@@ -9,7 +9,7 @@ heartbeats with is common.inventory.Inventory.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -22,7 +22,8 @@ Path = Annotated[str, Meta(max_length=4096)]
 ResourceVersion = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 REPORT_MAX = 1000  # reports in one call
 BINDING_KINDS = ("hold", "node", "kubernetes")
-REPORT_STATUSES = ("bound", "unbound", "failed", "held")
+ReportStatus = Literal["bound", "unbound", "failed", "held", "cleaned", "waiting"]
+REPORT_STATUSES: tuple[str, ...] = get_args(ReportStatus)  # what a heartbeat answer says this release takes
 Pod = Annotated[str, Meta(min_length=3, max_length=507, pattern=r"^[a-z0-9.-]+/[a-z0-9.-]+$")]  # namespace/name
 
 
@@ -67,8 +68,12 @@ class HeartbeatRequest(Request):
 
 
 class HeartbeatAnswer(Answer):
+    """`reportStatuses`: the report statuses this control plane takes (a newer agent sends no other: an older
+    control plane refuses a whole report call for one status it does not know)."""
+
     resourceVersion: int = 0
     graceSeconds: float | None = None
+    reportStatuses: tuple[str, ...] = ()
 
 
 # -- watch -------------------------------------------------------------------------------------
@@ -156,16 +161,18 @@ class Report(Request):
     `unbound` is AllocationReleased: no pod holds them any more. `evicted` on a bound report names the pods the
     agent evicted because they held devices of an earlier, ended binding. A node binding's `bound` carries `ssh`;
     after its hand-back (`unbound`: keys removed, sessions ended) and an in-band clean, `cleaned` carries the
-    check."""
+    check. `waiting`: a binding that has started here but cannot be made yet, because pods of an ended kubernetes
+    binding still hold its devices (`holders`), with why they stay (`message`); sent only to a control plane whose
+    heartbeat answer lists it."""
 
     reservationId: Id
-    status: Literal["bound", "unbound", "failed", "held", "cleaned"]
+    status: ReportStatus
     end: Annotated[int, Meta(ge=0, le=32503680000000)] | None = None
     cgroup: Path | None = None
     devices: Annotated[tuple[Path, ...], Meta(max_length=256)] = ()
     unenforced: Annotated[tuple[Message, ...], Meta(max_length=32)] = ()
     oomKills: Annotated[int, Meta(ge=0, le=(1 << 31) - 1)] = 0
-    holders: Annotated[tuple[Pod, ...], Meta(max_length=256)] = ()  # held: the pods holding the devices
+    holders: Annotated[tuple[Pod, ...], Meta(max_length=256)] = ()  # held, waiting: the pods holding the devices
     evicted: Annotated[tuple[Pod, ...], Meta(max_length=256)] = ()  # bound: pods evicted to free its devices
     ssh: SshAccess | None = None  # bound, node binding: how the tenant connects
     clean: CleanCheck | None = None  # cleaned, node binding (cleaning inband): the check after the hand-back

@@ -35,8 +35,8 @@ from controlplane.reconciler import Reconciler
 from controlplane.store.port import Store, Tx
 from controlplane.tokens import Tokens
 from common.inventory import Inventory
-from common.nodewire import (Binding, BindingShare, BindingUnit, HeartbeatAnswer, Ignored, RegisterAnswer, Report,
-                             ReportAnswer, WatchAnswer)
+from common.nodewire import (REPORT_STATUSES, Binding, BindingShare, BindingUnit, HeartbeatAnswer, Ignored,
+                             RegisterAnswer, Report, ReportAnswer, WatchAnswer)
 from controlplane.transitions import CatalogRef, Transitions
 
 log = structlog.get_logger("berth.nodes")
@@ -379,7 +379,7 @@ class NodeService:
             await self.update_inventory(node, inventory)
         if self._is_lost(node.id):
             await self._found(node.id)
-        return HeartbeatAnswer(live.rv, self.grace_s)
+        return HeartbeatAnswer(live.rv, self.grace_s, REPORT_STATUSES)
 
     def _is_lost(self, node_id: str) -> bool:
         """Lost here, or by another replica (the catalog, as the database has it, says so)."""
@@ -548,6 +548,16 @@ class NodeService:
                         ignored.append(Ignored(rid, "the reservation holds no devices on this node"))
                         continue
                     self.moves.held(res, node.id, list(rep.holders), now)
+                    self.moves.save(tx, res)
+                elif rep.status == "waiting":
+                    if res.state not in (states.BINDING, states.ACTIVE):
+                        ignored.append(Ignored(rid, f"the reservation is {res.state}"))
+                        continue
+                    if any(b.node_id == node.id for b in res.bound):
+                        ignored.append(Ignored(rid, "the reservation is bound on this node"))
+                        continue
+                    res.set_condition("DevicesBound", "False", "PodsInTheWay",
+                                      f"node {node.id}: {(rep.message or 'pods hold the devices')}"[:500], now)
                     self.moves.save(tx, res)
                 elif rep.status == "cleaned":  # a node binding's in-band clean check after its hand-back
                     why = self.cleaner.cleaned(tx, node.id, rid, rep.clean, now)

@@ -42,3 +42,43 @@ async def test_refused_credentials_say_which_verb_to_grant(standin):
     evictions = PodEvictions(kubeconfig=kubeconfig_for(tmp / "kc", port, token="not-the-token-000000"))
     with pytest.raises(ApiServerError, match="create verb on pods/eviction"):
         await evictions.evict_async("team-a", "trainer-0")
+
+
+async def test_a_booking_that_pods_are_in_the_way_of_is_reported_waiting_with_why_only_to_a_control_plane_that_takes_it(
+        standin):
+    """KubernetesBindings' side: the pods of an ended booking holding a new booking's device are evicted; the new
+    booking is reported `waiting` with them and why each stays (its budget, then evicted and stopping), once per
+    change, and only where the control plane's heartbeat answer listed `waiting` (an older one does not)."""
+    import msgspec
+
+    from agent.kubelet.podresources import PodDevices
+    from agent.kubernetes import KubernetesBindings
+    from common.nodewire import Binding, BindingUnit, HeartbeatAnswer
+
+    api, port, tmp = standin
+    api.pods.add(("team-a", "trainer-0"))
+    api.blocked.add(("team-a", "trainer-0"))
+    pods = KubernetesBindings(tmp, kubeconfig=kubeconfig_for(tmp / "kc", port), node_name="n1")
+    new = Binding("rsv_new", "kubernetes", "t", "p", 0, 1, (BindingUnit("u0", 0, "GPU-1"),),
+                  resourceName="berth.dev/gpu")
+    held = [PodDevices("team-a", "trainer-0", "main", "berth.dev/gpu", ("GPU-1",))]
+
+    older = msgspec.json.decode(b'{"resourceVersion": 3, "graceSeconds": 30.0}', type=HeartbeatAnswer)
+    assert "waiting" not in older.reportStatuses
+    assert [] == await pods._evict_for([new], held, {"rsv_new"})  # the default: nothing such is sent
+    assert {"rsv_new": ["team-a/trainer-0"]} == pods.blocked
+
+    pods.report_waiting = True
+    [report] = await pods._evict_for([new], held, {"rsv_new"})
+    assert ("rsv_new", "waiting", ("team-a/trainer-0",)) == (report.reservationId, report.status, report.holders)
+    assert report.message == ("Pods of an ended booking still hold the devices; they are bound once the pods are "
+                              "gone. team-a/trainer-0: its disruption budget does not allow an eviction now; "
+                              "retried until it does.")
+    assert [] == await pods._evict_for([new], held, {"rsv_new"})  # the same again: not sent again
+    assert pods._retry_at is not None  # the watch tries it again
+
+    api.blocked.clear()
+    [report] = await pods._evict_for([new], held, {"rsv_new"})  # evicted now; the kubelet still lists it
+    assert report.message.endswith("team-a/trainer-0: evicted, stopping.")
+    assert [] == await pods._evict_for([new], [], {"rsv_new"})  # gone: nothing in the way
+    assert ({}, None) == (pods.blocked, pods._retry_at)

@@ -116,6 +116,18 @@ async def test_still_held_at_the_end_the_booking_is_carried_on_unbilled_and_an_a
     assert [] == (await api.post("/api/admin/nodes/get", ADMIN, {"nodeId": "k1"}))[1]["node"]["conditions"]
     assert res["id"] not in await wanted(api, token)
     assert "binding" == (await get(api, later[1]["reservation"]["id"]))["state"]
+    # the pod stays (no API access, a disruption budget): the new booking says why it waits
+    lid = later[1]["reservation"]["id"]
+    why = "Pods of an ended booking still hold the devices. team-a/trainer-0: its disruption budget says no."
+    assert [lid] == (await report(api, token, lid, "waiting", holders=["team-a/trainer-0"], message=why))["accepted"]
+    waits = condition(await get(api, lid), "DevicesBound")
+    assert ("False", "PodsInTheWay", f"node k1: {why}") == (waits["status"], waits["reason"], waits["message"])
+    assert [(res["id"], "the reservation is released")] == [
+        (i["reservationId"], i["reason"]) for i in (await report(api, token, res["id"], "waiting"))["ignored"]]
+    await report(api, token, lid, "bound")
+    assert ("active", "Bound") == ((got := await get(api, lid))["state"], condition(got, "DevicesBound")["reason"])
+    assert [(lid, "the reservation is bound on this node")] == [
+        (i["reservationId"], i["reason"]) for i in (await report(api, token, lid, "waiting"))["ignored"]]
     # billed: 30 minutes active, 30 held; the carry-on not at all
     assert [(False, 30 * 60), (True, 30 * 60)] == [(line["held"], line["seconds"]) for line in await usage(api, res["id"])]
     # the pods the agent evicted for the new booking are named on the old reservation

@@ -219,7 +219,14 @@ def test_held_past_its_end_the_node_is_tainted_and_a_booking_made_in_advance_evi
                          for t in api.taints()), 15, interval=0.1, what="the stuck taint on the Node")
     assert "carried on past the window" in conditions(cp, res["id"])["DevicesHeld"]["message"]
 
-    # the advance booking's start: the hold is over, the agent evicts the pod, the new booking binds
+    # the advance booking's start: the hold is over, the agent evicts the pod (refused by its disruption budget
+    # at first, which the new booking's condition says), and the new booking binds
+    api.blocked.add(("team-a", "trainer-0"))
+    waits = wait_for(lambda: (c := conditions(cp, later["id"]).get("DevicesBound")) and c["reason"] == "PodsInTheWay"
+                     and c, 20, interval=0.1, what="the new booking waiting for the pod")
+    assert "team-a/trainer-0: its disruption budget does not allow an eviction now" in waits["message"], waits
+    assert [] == api.evicted
+    api.blocked.clear()  # retried within 5 s
     cp.wait_state(later["id"], "active", timeout=15)
     assert [("team-a", "trainer-0")] == api.evicted
     assert "Overtaken" == conditions(cp, res["id"])["DevicesHeld"]["reason"]
@@ -241,6 +248,9 @@ def test_without_api_access_pods_that_leave_by_themselves_are_not_said_to_be_evi
     wait_for(lambda: cp.get(later["id"])["state"] == "binding", 15, interval=0.1, what="the advance booking's start")
     said = a.wait_event("pod holds devices a booking has started on, and stays: the booking waits until it leaves")
     assert ("team-a/trainer-0", True) == (said["pod"], "no Kubernetes API access" in said["why"]), said
+    waits = wait_for(lambda: (c := conditions(cp, later["id"]).get("DevicesBound")) and c["reason"] == "PodsInTheWay"
+                     and c, 10, interval=0.1, what="the new booking saying why it waits")
+    assert "team-a/trainer-0: the agent has no Kubernetes API access to evict it" in waits["message"], waits
     kubelet.kubelet.free("team-a", "trainer-0")  # the pod leaves by itself
     cp.wait_state(later["id"], "active", timeout=15)
     time.sleep(3)  # the agent's report once the pod is gone (which, before, named it as evicted within a second)
