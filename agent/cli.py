@@ -237,6 +237,8 @@ def runtime_main(argv: list[str]) -> int:
     import signal
     from pathlib import Path
 
+    import structlog
+
     from common import logs, tls
     from common.device_classes import DeviceClasses
 
@@ -292,6 +294,8 @@ def runtime_main(argv: list[str]) -> int:
             parser.error(f"--simulate {exc}")
     logs.configure(fmt=args.log_format, level=args.log_level, stream=_Stderr())
     logs.add_secrets([args.bootstrap_token])  # never in a log line, whatever a library prints
+    if args.client_cert:
+        tls.log_validity(structlog.get_logger("berth.agent"), args.client_cert, "--client-cert", "the agent's")
     config = AgentConfig(
         control_plane=args.control_plane, bootstrap_token=args.bootstrap_token, state_dir=Path(args.state_dir),
         cgroup_root=args.cgroup_root, cgroup_enable_from=args.cgroup_enable_from, simulate=args.simulate,

@@ -8,10 +8,18 @@ their own certificate with. Both refuse anything older than TLS 1.2. A file
 that cannot be used is a `TlsError` whose message names the option, the file
 and the reason, found before anything listens or connects. `explain(exc)`
 turns a failed connection into a sentence saying what to change.
+`validity_warning(path, flag)` says, at start, that a certificate has expired,
+is not valid yet or expires within 30 days: the standard library checks a
+peer's dates, not our own, so the first sign would otherwise be every
+client's refusal.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import datetime
 import errno
+import re
 import ssl
 from typing import Iterator, NamedTuple
 
@@ -105,6 +113,87 @@ def _load_ca(ctx: ssl.SSLContext, path: str, flag: str) -> None:
         ctx.load_verify_locations(cafile=path)
     except ssl.SSLError as exc:
         raise TlsError(f"{flag} {path}: cannot load the CA certificates ({exc.reason or exc})") from None
+
+
+# ---- a certificate's dates ------------------------------------------------------------------------------------
+
+EXPIRY_WARNING = datetime.timedelta(days=30)
+_PEM = re.compile(r"-----BEGIN CERTIFICATE-----\s*(.+?)\s*-----END CERTIFICATE-----", re.S)
+
+
+def _element(der: bytes, at: int) -> tuple[int, int, int]:
+    """(tag, where its content starts, where it ends) of the DER element at `at`."""
+    tag, length, start = der[at], der[at + 1], at + 2
+    if length & 0x80:
+        n = length & 0x7F
+        length, start = int.from_bytes(der[start:start + n], "big"), start + n
+    if start + length > len(der):
+        raise ValueError("truncated")
+    return tag, start, start + length
+
+
+def _time(der: bytes, at: int) -> tuple[datetime.datetime, int]:
+    tag, start, end = _element(der, at)
+    text = der[start:end].decode("ascii")
+    if tag == 0x17:  # UTCTime, YYMMDDHHMMSSZ: years 50-99 are 19xx (RFC 5280)
+        text = ("19" if int(text[:2]) >= 50 else "20") + text
+    elif tag != 0x18:  # GeneralizedTime, YYYYMMDDHHMMSSZ
+        raise ValueError("not a time")
+    return datetime.datetime.strptime(text, "%Y%m%d%H%M%SZ").replace(tzinfo=datetime.timezone.utc), end
+
+
+def validity(pem: str) -> tuple[datetime.datetime, datetime.datetime]:
+    """(notBefore, notAfter) of the first certificate in a PEM text; ValueError if it holds none that reads."""
+    m = _PEM.search(pem)
+    if m is None:
+        raise ValueError("no PEM certificate")
+    try:
+        der = base64.b64decode("".join(m.group(1).split()), validate=True)
+        _, cert, _ = _element(der, 0)  # Certificate ::= SEQUENCE { tbsCertificate, ... }
+        _, at, _ = _element(der, cert)  # TBSCertificate ::= SEQUENCE { [0] version?, serial, signature, issuer,
+        if der[at] == 0xA0:  # validity, ... }
+            at = _element(der, at)[2]
+        for _ in range(3):  # serialNumber, signature, issuer
+            at = _element(der, at)[2]
+        tag, at, _ = _element(der, at)  # Validity ::= SEQUENCE { notBefore, notAfter }
+        if tag != 0x30:
+            raise ValueError("no validity")
+        not_before, at = _time(der, at)
+        return not_before, _time(der, at)[0]
+    except (IndexError, ValueError, binascii.Error, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the certificate's dates ({exc})") from None
+
+
+def validity_warning(path: str, flag: str, now: datetime.datetime | None = None) -> tuple[str, str] | None:
+    """(log level, sentence) when the certificate in `path` has expired, is not valid yet, or expires within
+    EXPIRY_WARNING; None when it is good for longer (or its dates cannot be read: loading it decides that)."""
+    try:
+        not_before, not_after = validity(_read(path, flag))
+    except ValueError:
+        return None
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    when = f"{not_after:%Y-%m-%d %H:%M} UTC"
+    if now >= not_after:
+        return "error", (f"{flag} {path}: the certificate expired on {when}; every peer that checks it refuses "
+                         "the connection: renew it and restart")
+    if now < not_before:
+        return "error", (f"{flag} {path}: the certificate is not valid until {not_before:%Y-%m-%d %H:%M} UTC; "
+                         "peers refuse it until then (is this host's clock right?)")
+    if not_after - now < EXPIRY_WARNING:
+        days = (not_after - now) // datetime.timedelta(days=1)
+        within = f"in {days} day{'s' if days > 1 else ''}" if days else "within a day"
+        return "warning", (f"{flag} {path}: the certificate expires on {when}, {within}: renew it before then "
+                           "and restart")
+    return None
+
+
+def log_validity(log, path: str, flag: str, whose: str) -> None:
+    """At start: log validity_warning's sentence, if any, at its level (`whose`: "the server's", "the agent's")."""
+    said = validity_warning(path, flag)
+    if said is not None:
+        level, why = said
+        getattr(log, level)(f"{whose} TLS certificate " + ("needs renewing" if level == "warning" else
+                                                           "is refused by its peers"), why=why)
 
 
 # ---- a failed connection, in words ---------------------------------------------------------------------------

@@ -218,7 +218,8 @@ class CannotListen(Exception):
 
 def tls_context_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ssl.SSLContext | None:
     """The listeners' SSL context from --tls-cert, --tls-key and --tls-client-ca (None: plain HTTP); a missing
-    partner option is a usage error; a file that cannot be used raises tls.TlsError naming its option."""
+    partner option is a usage error; a file that cannot be used raises tls.TlsError naming its option. A
+    certificate expired, not valid yet or expiring within 30 days is logged."""
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key (env BERTH_TLS_CERT, BERTH_TLS_KEY) go together: give both, or "
                      "neither for plain HTTP")
@@ -227,7 +228,9 @@ def tls_context_of(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                      "first")
     if not args.tls_cert:
         return None
-    return tls.server_context(args.tls_cert, args.tls_key, args.tls_client_ca)
+    context = tls.server_context(args.tls_cert, args.tls_key, args.tls_client_ca)
+    tls.log_validity(log, args.tls_cert, "--tls-cert", "the server's")
+    return context
 
 
 async def serve(config: Config, host: str, port: int, limits: guard.Limits = guard.Limits(), cap: int | None = None,

@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 DAY = datetime.timedelta(days=1)
+YEAR = 365 * DAY
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Authority:
         now = datetime.datetime.now(datetime.timezone.utc)
         self.cert = (x509.CertificateBuilder().subject_name(_name(f"{name} CA")).issuer_name(_name(f"{name} CA"))
                      .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
-                     .not_valid_before(now - DAY).not_valid_after(now + DAY)
+                     .not_valid_before(now - DAY).not_valid_after(now + YEAR)
                      .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                      .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
                                                   content_commitment=False, key_encipherment=False,
@@ -52,14 +53,16 @@ class Authority:
         self.ca_file = directory / f"{name}-ca.pem"
         self.ca_file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, common_name: str, *, hosts: tuple[str, ...] = (), client: bool = False) -> Issued:
-        """A leaf certificate and its key: for a server named by hosts (DNS names or IP addresses), or a client."""
+    def issue(self, common_name: str, *, hosts: tuple[str, ...] = (), client: bool = False,
+              valid: tuple[datetime.timedelta, datetime.timedelta] = (-DAY, YEAR)) -> Issued:
+        """A leaf certificate and its key: for a server named by hosts (DNS names or IP addresses), or a client;
+        valid from now + valid[0] to now + valid[1]."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
         builder = (x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(self.cert.subject)
                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - DAY).not_valid_after(now + DAY)
+                   .not_valid_before(now + valid[0]).not_valid_after(now + valid[1])
                    .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                    .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
                    .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),

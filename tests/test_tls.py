@@ -10,7 +10,9 @@ from aiohttp import web
 
 from agent.nodeclient import NodeClient, Unreachable
 from common import tls
-from tests.pki import Authority
+from tests.pki import DAY, Authority
+
+HOUR = DAY / 24
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +85,36 @@ def test_an_untrusted_certificate_says_to_pass_the_ca_file(ca, tmp_path):
     advice = asyncio.run(node_call_against(tls.server_context(str(stranger.cert), str(stranger.key)), "https",
                                            tls.client_context(str(ca.ca_file))))
     assert "not trusted" in advice and "pass --ca-file (env BERTH_CA_FILE) with the CA that signed it" in advice
+
+
+@pytest.mark.parametrize("valid, said", [
+    ((-10 * DAY, -DAY), ("error", "the certificate expired on {after}; every peer that checks it refuses")),
+    ((DAY, 10 * DAY), ("error", "the certificate is not valid until {before}; peers refuse it until then")),
+    ((-DAY, 12 * DAY + HOUR), ("warning", "the certificate expires on {after}, in 12 days: renew it")),
+    ((-DAY, HOUR), ("warning", "the certificate expires on {after}, within a day: renew it")),
+    ((-DAY, 31 * DAY), None),
+    ((-DAY, 30 * 365 * DAY), None),  # notAfter in 2056: a GeneralizedTime (UTCTime stops at 2049)
+])
+def test_a_certificate_expired_not_yet_valid_or_expiring_within_30_days_is_said_at_start(ca, valid, said):
+    from cryptography import x509
+
+    issued = ca.issue("dated", hosts=("localhost",), valid=valid)
+    cert = x509.load_pem_x509_certificate(issued.cert.read_bytes())
+    assert (cert.not_valid_before_utc, cert.not_valid_after_utc) == tls.validity(issued.cert.read_text())
+    got = tls.validity_warning(str(issued.cert), "--tls-cert")
+    if said is None:
+        assert got is None
+        return
+    level, sentence = said
+    dates = {"after": f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC",
+             "before": f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"}
+    assert (level, True) == (got[0], got[1].startswith(f"--tls-cert {issued.cert}: " + sentence.format(**dates))), got
+
+
+def test_a_certificate_whose_dates_cannot_be_read_is_left_to_loading(tmp_path):
+    broken = tmp_path / "broken.pem"
+    broken.write_text("-----BEGIN CERTIFICATE-----\nMIIBkTCB+wIJAK\n-----END CERTIFICATE-----\n")
+    with pytest.raises(ValueError, match="cannot read the certificate's dates"):
+        tls.validity(broken.read_text())
+    assert tls.validity_warning(str(broken), "--tls-cert") is None
+    assert tls.validity_warning(str(tmp_path / "absent.pem"), "--tls-cert") is None

@@ -177,6 +177,25 @@ def test_the_ca_file_comes_from_the_flag_then_the_environment_then_the_file(tmp_
     assert str(caught.value).startswith(named + expected.format(dir=tmp_path) + ": cannot read it")
 
 
+def test_a_server_certificate_that_has_expired_is_said_at_start(pki, server):
+    """The standard library checks a peer's dates, not its own: without this line the first sign would be every
+    client's refusal."""
+    from tests.pki import DAY
+
+    expired = pki["ca"].issue("expired", hosts=HOSTS, valid=(-10 * DAY, -DAY))
+    proc = start(pki, "expired", ["--tls-cert", str(expired.cert), "--tls-key", str(expired.key)], None)
+    try:
+        said = [json.loads(line) for line in proc.lines if "TLS certificate" in line]
+        assert [("error", "the server's TLS certificate is refused by its peers")] == [
+            (line["level"], line["event"]) for line in said], proc.lines
+        assert f"--tls-cert {expired.cert}: the certificate expired on " in said[0]["why"]
+        out = berth("reservations", "list", "--retries", "0", "--url", proc.url, "--ca-file", str(pki["ca"].ca_file))
+        assert (2, True) == (out.returncode, "expired" in out.stderr), out.stderr
+    finally:
+        proc.stop()
+    assert not [line for line in server.lines if "TLS certificate" in line], "a certificate good for a year"
+
+
 # ---- mutual TLS ---------------------------------------------------------------------------------------------------
 
 def test_with_a_client_ca_a_client_without_a_certificate_is_refused(mutual, pki):
