@@ -376,7 +376,11 @@ class ExecGate:
         why = self.policy.refusal(call.uid, gids, target.tenant_id)
         if why:
             self.log.warning("exec refused", reservation_id=rid, pid=call.pid, uid=call.uid, reason=why)
-            raise Refused("ACCESS_DENIED", why)
+            # the operator's line names the tenant; the caller, who may not use the reservation, does not learn it
+            raise Refused("ACCESS_DENIED", f"uid {call.uid} may not run work in reservation {rid} on this node; the "
+                                           "node's operator allows it with the agent's --exec-allow-uid or "
+                                           "--exec-allow-group, or --exec-tenant-user / --exec-tenant-uid for the "
+                                           "reservation's tenant")
         try:
             return target, self.policy.workload_user(target.tenant_id)
         except NoWorkloadUser as exc:
