@@ -383,10 +383,13 @@ class ReservationService:
         return Verdict("deny", decision)
 
     def _delegating_user(self, principal: Principal) -> Principal | None:
+        """The user an agent's refused create may be put to: its delegating user, who must be able to decide it
+        (scope manage: a read-scoped user can neither approve nor deny)."""
         if principal.kind != "agent" or not principal.delegated_by:
             return None
         user = self.catalog.current.principals.get(principal.delegated_by)
-        return user if user is not None and user.kind == "user" and user.tenant_id == principal.tenant_id else None
+        return (user if user is not None and user.kind == "user" and user.tenant_id == principal.tenant_id
+                and user.scope == "manage" else None)
 
     def _admit(self, tx: Tx, res: Reservation, plan: Plan, verdict: Verdict, principal: Principal, tenant: Tenant,
                now: int) -> Answer | None:

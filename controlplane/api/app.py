@@ -24,9 +24,9 @@ from controlplane.api import openapi
 from controlplane.api import pools as pool_api
 from controlplane.api import reservations as reservation_api
 from controlplane.api import ui as ui_api
-from controlplane.api.auth import bearer, known_first, principal_of
+from controlplane.api.auth import bearer, known_first, manage_access, principal_of
 from controlplane.api.errors import answer_errors
-from controlplane.domain.errors import COMPUTE_ACCESS_REQUIRED, UNAUTHENTICATED, DomainError
+from controlplane.domain.errors import UNAUTHENTICATED, DomainError
 from controlplane.wiring import Config, ControlPlane
 
 CONTROL_PLANE = web.AppKey("control_plane", ControlPlane)
@@ -49,10 +49,8 @@ async def api_middleware(request: web.Request, handler):
             await known_first(request, cp.tokens, cp.replicas.caught_up)
         if request.path.startswith(TENANT_PATHS):
             principal = request["principal"] = principal_of(request, cp.tokens, cp.catalog.current.principals)
-            if principal.scope != "manage" and request.path in MUTATIONS:
-                raise DomainError(COMPUTE_ACCESS_REQUIRED, f"{principal.id}'s token has {principal.scope} access: "
-                                  f"{request.path.rsplit('/', 1)[-1]} needs Compute Manage access; use a token with "
-                                  "scope manage", {"scope": principal.scope, "required": "manage"})
+            if request.path in MUTATIONS:
+                manage_access(principal, cp.catalog.current.principals, request.path.rsplit('/', 1)[-1])
         return await handler(request)
 
     conn = guard.begin(request)

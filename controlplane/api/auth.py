@@ -1,12 +1,12 @@
 """Bearer tokens on HTTP: the Authorization header read, and resolved to a tenant's principal or an operator through
-the token table."""
+the token table; whether that principal may call a mutation (its scope, and its delegating user's)."""
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
-from controlplane.domain.errors import UNAUTHENTICATED, DomainError
+from controlplane.domain.errors import COMPUTE_ACCESS_REQUIRED, UNAUTHENTICATED, DomainError
 from controlplane.domain.model import Principal
 from controlplane.tokens import Tokens
 
@@ -63,3 +63,18 @@ def operator_of(request: web.Request, tokens: Tokens, principals) -> Principal |
         raise DomainError(UNAUTHENTICATED, "Authorization: not the admin token (the bootstrap file's adminToken) or "
                           "an operator's token (a principal of kind operator)", {"field": "Authorization"})
     return principal
+
+
+def manage_access(principal: Principal, principals: Mapping[str, Principal], method: str) -> None:
+    """COMPUTE_ACCESS_REQUIRED unless the caller may change things: its token's scope is manage and, for an agent,
+    so is the scope of the user it acts for (an agent has no more access than that user)."""
+    if principal.scope != "manage":
+        raise DomainError(COMPUTE_ACCESS_REQUIRED, f"{principal.id}'s token has {principal.scope} access: {method} "
+                          "needs Compute Manage access; use a token with scope manage",
+                          {"scope": principal.scope, "required": "manage"})
+    user = principals.get(principal.delegated_by) if principal.kind == "agent" and principal.delegated_by else None
+    if user is not None and user.scope != "manage":
+        raise DomainError(COMPUTE_ACCESS_REQUIRED, f"{principal.id} acts for {user.id}, who has {user.scope} access: "
+                          f"{method} needs Compute Manage access, and an agent has no more access than the user it "
+                          f"acts for; give {user.id} scope manage, or let the agent act for a user who has it",
+                          {"scope": user.scope, "required": "manage", "delegatedBy": user.id})

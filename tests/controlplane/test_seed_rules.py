@@ -275,3 +275,34 @@ async def test_a_read_token_reads_and_every_mutation_is_compute_access_required(
         status, doc = await api.call(method, viewer, body)
         assert (403, "COMPUTE_ACCESS_REQUIRED", "manage") == (status, doc["error"]["code"], doc["error"]["details"]["required"])
     assert TOKENS["alice"] != viewer
+
+
+async def test_an_agent_has_no_more_access_than_the_user_it_acts_for(aiohttp_client, tmp_path, bootstrap_file, clock):
+    """An agent with a manage token acting for a read-scoped user: its mutations are COMPUTE_ACCESS_REQUIRED, and
+    nothing is left behind (no draft, no confirmation the user could not decide)."""
+    from controlplane.api.app import create_app
+    from controlplane.wiring import Config
+    from tests.controlplane.conftest import Api
+
+    doc = bootstrap_doc()
+    doc["principals"] += [{"id": "viewer", "tenant": "acme", "token": "token-acme-viewer-00001", "scope": "read"},
+                          {"id": "vagent", "tenant": "acme", "kind": "agent", "delegatedBy": "viewer",
+                           "token": "token-acme-vagent-00001"}]
+    config = Config(db=f"sqlite:///{tmp_path / 'cp.db'}", bootstrap=bootstrap_file(doc), clock=clock,
+                    synchronous="NORMAL", reconcile=False)
+    api = Api(await aiohttp_client(create_app(config)), clock)
+    res = (await api.create("alice", key="a"))[1]["reservation"]
+    vagent = "token-acme-vagent-00001"
+    for gpus in (1, 4):  # within the agent's own policy, and beyond it (which asked the user to confirm)
+        status, doc = await api.create(vagent, key=f"k{gpus}", gpuCount=gpus)
+        assert (403, "COMPUTE_ACCESS_REQUIRED", {"scope": "read", "required": "manage", "delegatedBy": "viewer"}) == (
+            status, doc["error"]["code"], doc["error"]["details"])
+        assert "vagent acts for viewer, who has read access" in doc["error"]["message"]
+    status, doc = await api.call("release", vagent, {"reservationId": res["id"]})
+    assert (403, "COMPUTE_ACCESS_REQUIRED") == (status, doc["error"]["code"])
+    assert 200 == (await api.call("list", vagent, {}))[0]  # reads stay
+    # its quote beyond its own policy promises no confirmation by a user who could not give it
+    status, doc = await quote(api, vagent, gpuCount=4)
+    assert (403, "ACCESS_DENIED") == (status, doc["error"]["code"]), doc
+    assert [] == (await api.post("/api/iam/confirmations/list", "token-acme-viewer-00001", {}))[1]["confirmations"]
+    assert ["reservation.placed"] == [e["type"] for e in await api.events()]  # alice's alone
