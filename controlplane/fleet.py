@@ -27,6 +27,7 @@ from common.share import NO_SHARE, Share
 from controlplane.billing import Billing
 from controlplane.catalog import encode_item
 from controlplane.domain import node_states
+from controlplane.domain.quota import limits_of
 from controlplane.domain.calendar import NodeCalendar, PoolCalendar
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import (COMPUTE_ACCESS_REQUIRED, INVALID_STATE, DomainError, invalid,
@@ -129,6 +130,7 @@ class PoolView:
 @dataclass(frozen=True, slots=True)
 class TenantView:
     tenant: Tenant
+    limits: Mapping[str, int]  # its quota: its own rows and its offers' (domain/quota.py's limits_of)
     used: Mapping[str, int]  # quota held, internal keys and units (domain/quota.py)
     spent_usd: Decimal  # billed so far
     committed_usd: Decimal  # what its live reservations may still bill until their windows end
@@ -456,7 +458,8 @@ class FleetService:
 
     def tenant_view(self, tenant: Tenant) -> TenantView:
         live = Counter(res.state for res in self.state.charged_of(tenant.id))
-        return TenantView(tenant, dict(self.state.ledger.usage(tenant.id)), self.billing.spent_usd(tenant.id),
+        return TenantView(tenant, limits_of(tenant, self.catalog.current.pools),
+                          dict(self.state.ledger.usage(tenant.id)), self.billing.spent_usd(tenant.id),
                           self.billing.exposure_usd(tenant.id), dict(sorted(live.items())))
 
     async def list_tenants(self, actor: Principal | None) -> list[TenantView]:

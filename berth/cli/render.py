@@ -464,7 +464,7 @@ def render_pool(p: AdminPool) -> str:
 
 def _usage(t: AdminTenant) -> list[tuple[str, str, str]]:
     keys = sorted(set(t.quota) | set(t.used))
-    return [(k, f"{t.used.get(k, 0):g}", f"{t.quota[k]:g}" if k in t.quota else "none") for k in keys]
+    return [(k, f"{t.used.get(k, 0):g}", f"{t.quota.get(k, 0):g}") for k in keys]  # no limit: 0 (domain/quota.py)
 
 
 def render_tenants(tenants: Sequence[AdminTenant], width: int | None = None) -> str:

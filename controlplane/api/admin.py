@@ -135,7 +135,7 @@ def _amounts(rows) -> dict:
 
 def tenant_to_wire(v: TenantView) -> dict:
     t = v.tenant
-    return {"id": t.id, "quota": _amounts(t.quota), "used": _amounts(v.used),
+    return {"id": t.id, "quota": _amounts(v.limits), "used": _amounts(v.used),
             "budgetUsd": money(t.budget_usd) if t.budget_usd is not None else None,
             "spentUsd": money(v.spent_usd), "committedUsd": money(v.committed_usd),
             "reservations": dict(v.reservations)}

@@ -53,6 +53,17 @@ def limit_of(tenant: Tenant, pools: Mapping[str, Pool], key: str) -> int:
     return tenant.quota.get(key, 0)
 
 
+def limits_of(tenant: Tenant, pools: Mapping[str, Pool]) -> dict[str, int]:
+    """Every limit the tenant's charges are checked against: its own rows, and each offer's to it (what
+    limit_of reads, all at once); a key not here has the limit 0."""
+    limits = dict(tenant.quota)
+    for pool in pools.values():
+        offer = pool.offer_for(tenant.id)
+        for resource, amount in (offer.quota.items() if offer is not None else ()):
+            limits[f"offer:{pool.id}:{resource}"] = amount
+    return limits
+
+
 def wire_amount(key: str, amount: int) -> float | int:
     """A quota amount in the wire's units (vcpu, GiB, counts)."""
     resource = key.rsplit(":", 1)[-1]

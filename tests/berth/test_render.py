@@ -91,3 +91,14 @@ def test_usage_has_a_held_column_only_where_a_kubernetes_release_was_held():
     assert "HELD" not in plain
     header, first, second = render_usage(usage(False, True), ctx, []).splitlines()[:3]
     assert "HELD" == header.split()[-1] and not first.endswith("yes") and second.endswith("yes")
+
+
+def test_a_tenant_row_without_a_limit_reads_0_not_none():
+    """A missing limit grants 0 (controlplane/domain/quota.py): quota held under a row since removed is over it."""
+    from berth.cli.render import render_tenant, render_tenants
+    from berth.client.answers import AdminTenant
+
+    t = AdminTenant(id="initech", quota={"offer:h100:vcpu": 8.0}, used={"offer:h100:vcpu": 8.0, "gpu:H100_80GB": 2})
+    rows = [line.split() for line in render_tenant(t).splitlines()[-2:]]
+    assert [["gpu:H100_80GB", "2", "0"], ["offer:h100:vcpu", "8", "8"]] == rows
+    assert "gpu:H100_80GB 2/0, offer:h100:vcpu 8/8" in render_tenants([t])

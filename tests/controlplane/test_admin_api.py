@@ -194,6 +194,8 @@ async def test_pools_and_tenants_for_operators(api):
         acme["used"], acme["quota"]["gpu:H100_80GB"], acme["quota"]["vcpu"], acme["budgetUsd"], acme["spentUsd"],
         acme["committedUsd"], acme["reservations"])
     assert {} == (await ok(api, "tenants/get", {"tenantId": "globex"}))["tenant"]["used"]
+    # the pool h100's offer to initech limits its vcpu there: that limit is initech's quota too
+    assert {"gpu:H100_80GB": 16, "offer:h100:vcpu": 8.0} == tenants["initech"]["quota"]
 
 
 async def test_a_tenant_reads_its_pools_with_the_free_devices_over_a_window(api):
