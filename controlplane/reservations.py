@@ -70,9 +70,11 @@ class Verdict:
     approver: str | None = None
 
 
-def iam_unavailable(decision: Decision) -> DomainError:
-    return DomainError(PROVIDER_UNAVAILABLE, "the IAM decision service could not be reached: nothing was decided; "
-                       "retry later with the same idempotency key",
+def iam_unavailable(decision: Decision, keyed: bool = False) -> DomainError:
+    """PROVIDER_UNAVAILABLE: no decision (keyed: a create, whose retry takes the same idempotency key)."""
+    retry = "retry later with the same idempotency key" if keyed else "retry later"
+    return DomainError(PROVIDER_UNAVAILABLE, f"the IAM decision service could not be reached: nothing was decided; "
+                       f"{retry}",
                        {"actor": "platform", "reference": f"iam-{time.time_ns():x}",
                         "errors": list(decision.errors)})
 
@@ -397,9 +399,9 @@ class ReservationService:
         if verdict.decision.unavailable:  # no decision: the draft stays undecided, a retry decides again
             if res.seq == 0:
                 self.moves.save(tx, res)
-                tx.refuse(iam_unavailable(verdict.decision))
+                tx.refuse(iam_unavailable(verdict.decision, keyed=True))
                 return None
-            raise iam_unavailable(verdict.decision)
+            raise iam_unavailable(verdict.decision, keyed=True)
         if verdict.outcome == "deny":
             res.decision = "deny"
             res.updated_at = now

@@ -195,18 +195,22 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
                 "then retry with the same key: " + retry_same]
     if code == "QUOTA_EXCEEDED":
         resource = str(d.get("resource", ""))
+        kind = resource.rsplit(":", 1)[-1]  # offer:POOL:vcpu is the pool's offer to the tenant
         flag = ("--gpu-count or --node-count" if resource.startswith("gpu:") else
-                "--vcpu" if resource == "vcpu" else "--memory-gib or --hugepages" if resource == "memoryGiB" else "the request")
+                "--vcpu" if kind == "vcpu" else "--memory-gib or --hugepages" if kind == "memoryGiB" else "the request")
+        limit = (f"pool {resource.split(':')[1]}'s {kind} quota for your tenant (its offer)"
+                 if resource.startswith("offer:") else f"the tenant's {resource} quota")
         within = d.get("withinShare") or 0
         counted = (f"{d.get('requested')} above the {within} that come with the GPUs count against it"
                    if within else f"this needs {d.get('requested')}")
         return [f"quota {resource}: {counted}; {d.get('used')} of {d.get('limit')} in use",
-                f"next: reduce {flag}, or ask an admin to raise the tenant's {resource} quota",
-                "  after the quota is raised, the same key continues the request: " + retry_same]
+                f"next: reduce {flag}, or ask an admin to raise {limit}",
+                ("  after the quota is raised, the same key continues the request: " if create else
+                 "  after the quota is raised: ") + retry_same]
     if code == "PROVIDER_UNAVAILABLE":
         return [f"the platform's doing (actor {err.actor or 'platform'}): nothing of yours needs to change",
                 f"reference: {err.reference} (quote it to support if this persists)",
-                "next: retry later with the same key: " + retry_same]
+                ("next: retry later with the same key: " if create else "next: retry later: ") + retry_same]
     if isinstance(err, TransportError) and d.get("tls"):
         return [f"url from {ctx.settings.sources.get('url')}; nothing was sent",
                 "next: fix the connection settings, then: " + retry_same]

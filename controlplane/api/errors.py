@@ -105,6 +105,7 @@ async def answer_errors(request: web.Request, call: Callable[[], Awaitable[web.S
         reference = f"ref-{time.time_ns():x}"
         log.exception("request failed", path=request.path, reference=reference)
         return error_response(e.DomainError(
-            e.PROVIDER_UNAVAILABLE, "the control plane failed on this request; retry with the same idempotency key",
+            e.PROVIDER_UNAVAILABLE, "the control plane failed on this request; retry later (a create with the same "
+            "idempotency key)",
             {"actor": "platform", "reference": reference},
         ))

@@ -320,6 +320,10 @@ REFUSALS = [
       "quota vcpu: 56.0 above the 8.0 that come with the GPUs count against it; 0.0 of 32.0 in use",
       "ask an admin to raise the tenant's vcpu quota",
       "--vcpu 64 --idempotency-key cli-"]),
+    ("offer quota", [*ONE, "--vcpu", "20"], "dave", 3,  # initech's vcpu in pool h100 is the offer's 8
+     ["quota offer:h100:vcpu: 12.0 above the 8.0 that come with the GPUs count against it; 0.0 of 8.0 in use",
+      "next: reduce --vcpu, or ask an admin to raise pool h100's vcpu quota for your tenant (its offer)",
+      "after the quota is raised, the same key continues the request: berth reservations create --pool h100"]),
     ("spend limit", ONE, "carol", 3,  # globex has a budget of 0 and its offer of h100 checks budgets
      ["SPEND_LIMIT_REACHED (HTTP 402)", "spent 0.000000 of 0.000000 USD: ask an admin to raise the budget",
       "after the budget is raised, the same key continues the request: berth reservations create --pool h100",
@@ -347,6 +351,13 @@ def test_a_refused_create_says_what_to_do_next_and_exits_by_whose_move_it_is(ber
         assert text in run.err
     assert "" == run.out
     assert "--idempotency-key" in " ".join(said) or "drop --idempotency-key" not in run.err  # no key given: no hint
+
+
+def test_a_refused_quote_says_to_ask_again_not_to_continue_a_key(berth):
+    """A quote leaves no draft behind a key: once the quota is raised, the same quote is asked again."""
+    run = berth("reservations", "quote", *ONE, "--vcpu", "64", env={"BERTH_FORCE_TTY": "1"})
+    assert (3, True) == (run.code, "  after the quota is raised: berth reservations quote --pool h100" in run.err), run.err
+    assert "same key" not in run.err
 
 
 def test_a_refusal_in_json_mode_prints_the_envelope(berth):
@@ -902,3 +913,13 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(server, config_home):
     code = tenant_cli.main(["whoami", "--json"], stdout=ClosedPipe(), stderr=err, environ={
         "BERTH_URL": server.url, "BERTH_TOKEN": TOKENS["alice"], "XDG_CONFIG_HOME": str(config_home)})
     assert (141, "") == (code, err.getvalue())
+
+
+def test_provider_unavailable_advice_for_a_read_has_no_key_to_keep():
+    args = build_parser().parse_args(["reservations", "list"])
+    ctx = tenant_cli.Context(args, c.Settings("http://x", "t", {"url": "env BERTH_URL"}), None, sys.stdout,  # type: ignore[arg-type]
+                             sys.stderr, output="table", progress=False, key=None)
+    err = c.ProviderUnavailable("PROVIDER_UNAVAILABLE", "iam away", {"actor": "platform", "reference": "iam-1"}, 503)
+    said = advice.advice(ctx, err, ["reservations", "list"])
+    assert "next: retry later: berth reservations list" in said, said
+    assert not [line for line in said if "same key" in line]
