@@ -127,6 +127,9 @@ class PoolView:
     pending: int  # reservations waiting for capacity in the pool
 
 
+EVENT_PAGES_READ = 10  # an operator's page of fleet events reads at most this many pages past hidden events
+
+
 @dataclass(frozen=True, slots=True)
 class TenantView:
     tenant: Tenant
@@ -423,18 +426,33 @@ class FleetService:
         return await self.nodes.release_identity(node_id)
 
     async def events(self, actor: Principal | None, after: int | None, limit: int) -> tuple[list[dict], int | None]:
-        """The fleet's events after the cursor, oldest first: those of the nodes the operator may read; and the
-        cursor past every event read (hidden ones included, so that paging always moves on)."""
+        """The fleet's events after the cursor, oldest first: those of the nodes the operator may read, read on
+        past hidden ones until the page holds `limit` or EVENT_PAGES_READ pages were read; and the cursor past
+        every event read (hidden ones included, so that paging always moves on)."""
         rows = self.store.events(FLEET_EVENTS, after, limit)
-        cursor = rows[-1]["seq"] if rows else after
         if actor is None:
-            return rows, cursor
-        catalog = self.catalog.current
-        nodes = [catalog.nodes.get(str(r["data"].get("nodeId", ""))) for r in rows]
-        known = [(r, n) for r, n in zip(rows, nodes) if n is not None]
-        allowed = await self._allowed(actor, NODES_READ, [node_resource(n, catalog.pools.get(n.pool_id))
-                                                          for _, n in known])
-        return [r for (r, _), ok in zip(known, allowed) if ok], cursor
+            return rows, rows[-1]["seq"] if rows else after
+        shown: list[dict] = []
+        cursor = after
+        for _ in range(EVENT_PAGES_READ):
+            if not rows:
+                break
+            catalog = self.catalog.current
+            nodes = [catalog.nodes.get(str(r["data"].get("nodeId", ""))) for r in rows]
+            known = [(r, n) for r, n in zip(rows, nodes) if n is not None]
+            allowed = await self._allowed(actor, NODES_READ, [node_resource(n, catalog.pools.get(n.pool_id))
+                                                              for _, n in known])
+            readable = {r["seq"] for (r, _), ok in zip(known, allowed) if ok}
+            for r in rows:
+                cursor = r["seq"]
+                if r["seq"] in readable:
+                    shown.append(r)
+                    if len(shown) == limit:
+                        return shown, cursor
+            if len(rows) < limit:  # the end of the events
+                break
+            rows = self.store.events(FLEET_EVENTS, cursor, limit)
+        return shown, cursor
 
     # ---- pools and tenants ------------------------------------------------------------------------
     def pool_view(self, pool: Pool) -> PoolView:

@@ -301,10 +301,10 @@ async def cmd_whoami(ctx: Context, argv: Sequence[str]) -> int:
 FOLLOW_WAIT_MS = 25_000  # each long poll of --follow (the server holds at most 30 s)
 
 
-def _events_after(ctx: Context, argv: Sequence[str], page: EventPage) -> str:
+def _events_after(ctx: Context, argv: Sequence[str], page: EventPage, after: int | None) -> str:
     """The command that lists on from a page of events (the tenant's or the fleet's): its next page, or the events
-    committed later."""
-    if not page.events:
+    committed later; also after an empty page whose cursor moved past events this caller may not read."""
+    if not page.events and page.next_cursor in (None, after):
         return ""
     return "\nthe next page, or events committed later: " + same_command(
         ctx, [*without(argv, "--after"), "--after", str(page.next_cursor)])
@@ -322,7 +322,7 @@ async def cmd_events_list(ctx: Context, argv: Sequence[str]) -> int:
         shown = [e for e in page.events if mine(e)]
         text = render_events(shown, width=ctx.width) if shown else (
             f"none of this page's {len(page.events)} events is {a.reservation}'s" if page.events else "no events")
-        text += _events_after(ctx, argv, page)
+        text += _events_after(ctx, argv, page, a.after)
         ctx.emit({"events": wire(shown), "nextCursor": page.next_cursor}, text)
         return EXIT_OK
     cursor, header = a.after, True
@@ -419,8 +419,10 @@ async def cmd_admin_events_list(ctx: Context, argv: Sequence[str]) -> int:
     page = await ctx.client.list_fleet_events(after=ctx.args.after, limit=ctx.args.limit)
     rows = [(e.seq, when(e.at), e.type, e.data.get("nodeId"), f"{e.data.get('from')} -> {e.data.get('state')}",
              e.data.get("by"), e.data.get("reason")) for e in page.events]
-    text = table(("SEQ", "AT", "EVENT", "NODE", "STATE", "BY", "REASON"), rows, width=ctx.width) if rows else "no events"
-    text += _events_after(ctx, argv, page)
+    text = table(("SEQ", "AT", "EVENT", "NODE", "STATE", "BY", "REASON"), rows, width=ctx.width) if rows else (
+        "no events" if page.next_cursor in (None, ctx.args.after) else
+        f"no events of the nodes you may read up to {page.next_cursor}")
+    text += _events_after(ctx, argv, page, ctx.args.after)
     ctx.emit(ctx.client.last_answer, text)
     return EXIT_OK
 

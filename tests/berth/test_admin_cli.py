@@ -109,6 +109,18 @@ def test_cordon_is_idempotent_and_says_how_to_undo_it(berth):
     assert "node.cordoned" in events.out and "ready -> cordoned" in events.out and "fan" in events.out
 
 
+def test_an_empty_page_past_events_the_operator_may_not_read_says_where_to_list_on(berth):
+    """olga reads the eu nodes: after a cordon of the us node m1, her page is empty but its cursor moved past it;
+    the CLI says so and prints the command that lists on (from there, later events), not a bare "no events"."""
+    last = berth("admin", "events", "list", "--json").json["nextCursor"] or 0
+    berth("admin", "nodes", "cordon", "m1")
+    page = berth("admin", "events", "list", "--after", str(last), token=OPERATORS[0]["token"], tty=True)
+    assert 0 == page.code, page.err
+    moved = berth("admin", "events", "list", "--after", str(last), "--json").json["events"][-1]["seq"]  # m1's
+    assert f"no events of the nodes you may read up to {moved}" in page.out, page.out
+    assert f"events committed later: berth admin events list --after {moved}" in page.out, page.out
+
+
 def test_a_refused_action_prints_the_command_that_works_and_it_does(berth):
     berth("admin", "nodes", "cordon", "h2")
     refused = berth("admin", "nodes", "clear", "h2")

@@ -175,6 +175,27 @@ async def test_an_operator_does_what_cedar_permits(api):
     assert [("node.cordoned", "olga")] == [(e["type"], e["data"]["by"]) for e in events]
 
 
+async def test_an_operators_page_of_events_reads_on_past_the_events_it_may_not_read(api, monkeypatch):
+    """olga reads the eu nodes only: a page of one after the us node m1's events still holds h1's (it used to come
+    back empty, its cursor moved); a page that finds none within the pages read says where it stopped."""
+    import controlplane.fleet
+
+    await add_operators(api)
+    for action in ("cordon", "uncordon", "cordon", "uncordon"):
+        await ok(api, f"nodes/{action}", {"nodeId": "m1"})
+    await ok(api, "nodes/cordon", {"nodeId": "h1"})
+    page = await ok(api, "events/list", {"limit": 1}, who=OLGA)
+    assert ([("node.cordoned", "h1")], page["events"][0]["seq"]) == (
+        [(e["type"], e["data"]["nodeId"]) for e in page["events"]], page["nextCursor"])
+    assert {"events": [], "nextCursor": page["nextCursor"]} == await ok(
+        api, "events/list", {"after": page["nextCursor"], "limit": 1}, who=OLGA)  # the end: the cursor stays
+    monkeypatch.setattr(controlplane.fleet, "EVENT_PAGES_READ", 2)  # two pages of one: m1's first two events
+    page = await ok(api, "events/list", {"limit": 1}, who=OLGA)
+    assert [] == page["events"] and page["nextCursor"] > 0  # moved on: more may follow from there
+    seqs = [e["seq"] for e in (await ok(api, "events/list", {}))["events"]]
+    assert seqs[1] == page["nextCursor"]
+
+
 async def test_pools_and_tenants_for_operators(api):
     await api.create(key="a", gpuCount=3)
     await api.post("/api/admin/tenants/budget", ADMIN, {"tenantId": "acme", "budgetUsd": "75.5"})
