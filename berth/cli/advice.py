@@ -159,6 +159,9 @@ def _admin_advice(ctx: Context, err: BerthError) -> list[str] | None:
     if err.code == "UNAUTHENTICATED":
         return [f"the token (from {ctx.settings.sources.get('token')}) is neither the bootstrap file's adminToken nor "
                 "an operator's (a principal of kind operator): check --token, BERTH_TOKEN or the config file"]
+    if err.code == "ACCESS_DENIED" and d.get("field") == "Authorization":  # a valid token of another API
+        return [f"the token (from {ctx.settings.sources.get('token')}) is not one the admin API takes: give "
+                f"{d.get('takes', 'the admin token or an operator')} with --token, BERTH_TOKEN or the config file"]
     if err.code == "ACCESS_DENIED":
         if d.get("policy"):
             return [f"refused by policy {d['policy']}" + (f": {d['reason']}" if d.get("reason") else "")
@@ -254,6 +257,9 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         if create and getattr(ctx.args, "idempotency_key", None):
             lines.append("a refused key stays refused: a new request needs a new key (drop --idempotency-key)")
         return lines
+    if code == "COMPUTE_ACCESS_REQUIRED" and d.get("field") == "Authorization":  # a valid token of another API
+        return [f"the token (from {ctx.settings.sources.get('token')}) is not a tenant's: give {d.get('takes')} "
+                "with --token, BERTH_TOKEN or the config file (operators: berth admin ...)"]
     if code == "COMPUTE_ACCESS_REQUIRED":
         return [f"the token (from {ctx.settings.sources.get('token')}) has {d.get('scope')} access; this needs "
                 f"{d.get('required', 'manage')}: use a token with scope {d.get('required', 'manage')}"]

@@ -17,11 +17,11 @@ from msgspec import Meta, Struct
 
 from common.times import iso
 from controlplane import schemas
-from controlplane.api.auth import bearer, operator_of
+from controlplane.api.auth import admin_of, operator_of
 from controlplane.api.body import read_checked, read_json
 from controlplane.api.errors import json_response
 from controlplane.domain import node_states
-from controlplane.domain.errors import UNAUTHENTICATED, DomainError, invalid
+from controlplane.domain.errors import invalid
 from controlplane.domain.pricing import money, parse_money
 from controlplane.domain.quota import wire_amount, wire_key
 from controlplane.fleet import ActionResult, BookingView, Count, NodeView, PoolView, TenantView, window_of
@@ -152,10 +152,7 @@ def _plane(request: web.Request):
 def _admin(request: web.Request):
     """The admin token only (bootstrap and budgets rewrite who may do what)."""
     cp = _plane(request)
-    found = cp.tokens.resolve(bearer(request))
-    if found is None or found[0] != "admin":
-        raise DomainError(UNAUTHENTICATED, "Authorization: not the admin token (the bootstrap file's adminToken)",
-                          {"field": "Authorization"})
+    admin_of(request, cp.tokens, cp.catalog.current.principals)
     return cp
 
 

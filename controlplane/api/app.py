@@ -24,9 +24,8 @@ from controlplane.api import openapi
 from controlplane.api import pools as pool_api
 from controlplane.api import reservations as reservation_api
 from controlplane.api import ui as ui_api
-from controlplane.api.auth import bearer, known_first, manage_access, principal_of
+from controlplane.api.auth import ADMIN_ONLY, admin_of, known_first, manage_access, principal_of
 from controlplane.api.errors import answer_errors
-from controlplane.domain.errors import UNAUTHENTICATED, DomainError
 from controlplane.wiring import Config, ControlPlane
 
 CONTROL_PLANE = web.AppKey("control_plane", ControlPlane)
@@ -85,11 +84,8 @@ async def healthz_leader(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """/metrics on the API's listener: for the admin token only (it names every node)."""
     cp = request.app[CONTROL_PLANE]
-    found = cp.tokens.resolve(bearer(request))
-    if found is None or found[0] != "admin":
-        raise DomainError(UNAUTHENTICATED, "Authorization: /metrics needs the admin token (the bootstrap file's "
-                          "adminToken); or scrape the address of --metrics-listen, which needs none",
-                          {"field": "Authorization"})
+    admin_of(request, cp.tokens, cp.catalog.current.principals,
+             ADMIN_ONLY + "; or scrape the address of --metrics-listen, which needs none")
     return metrics_response(cp, request)
 
 

@@ -6,7 +6,7 @@ from typing import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
-from controlplane.domain.errors import COMPUTE_ACCESS_REQUIRED, UNAUTHENTICATED, DomainError
+from controlplane.domain.errors import ACCESS_DENIED, COMPUTE_ACCESS_REQUIRED, UNAUTHENTICATED, DomainError
 from controlplane.domain.model import Principal
 from controlplane.tokens import Tokens
 
@@ -39,16 +39,36 @@ async def known_first(request: web.Request, tokens: Tokens, catch_up: Callable[[
         await catch_up()
 
 
+# What each API takes, for the refusal of a token it does not.
+TENANT_TOKENS = "a tenant principal's token (a user's or an agent's: the bootstrap file's principals[].token)"
+ADMIN_OR_OPERATOR = ("the admin token (the bootstrap file's adminToken) or an operator's token (a principal of kind "
+                     "operator)")
+ADMIN_ONLY = "the admin token (the bootstrap file's adminToken)"
+_OTHER_KINDS = {"admin": "the admin token", "node": "a node's token", "node-bootstrap": "a pool's node bootstrap token"}
+
+
+def refused_token(found: tuple[str, str] | None, principals: Mapping[str, Principal], takes: str,
+                  code: str = ACCESS_DENIED) -> DomainError:
+    """401 UNAUTHENTICATED for a token nobody knows (or whose principal is gone); 403 `code` for a known token this
+    API does not take (another API's), saying whose it is and what this one takes."""
+    principal = principals.get(found[1]) if found is not None and found[0] == "principal" else None
+    if found is None or (found[0] == "principal" and principal is None):
+        why = "unknown token" if found is None else "the token's principal no longer exists"
+        return DomainError(UNAUTHENTICATED, f"Authorization: {why}; this API takes {takes}", {"field": "Authorization"})
+    if principal is not None:
+        whose = f"{principal.id}'s token ({'an operator' if principal.kind == 'operator' else 'a tenant principal'})"
+    else:
+        whose = _OTHER_KINDS.get(found[0], "this token")
+    return DomainError(code, f"Authorization: {whose} is valid, but this API takes {takes}",
+                       {"field": "Authorization", "takes": takes})
+
+
 def principal_of(request: web.Request, tokens: Tokens, principals) -> Principal:
+    """The tenant's principal a tenant API call acts as (an operator acts on the fleet, never as a tenant)."""
     found = tokens.resolve(bearer(request))
-    if found is None or found[0] != "principal":
-        raise DomainError(UNAUTHENTICATED, "Authorization: unknown token", {"field": "Authorization"})
-    principal = principals.get(found[1])
-    if principal is None:
-        raise DomainError(UNAUTHENTICATED, "Authorization: the token's principal no longer exists", {"field": "Authorization"})
-    if principal.kind == "operator":  # an operator acts on the fleet, never as a tenant
-        raise DomainError(UNAUTHENTICATED, f"Authorization: {principal.id} is an operator; its token calls the admin "
-                          "API (/api/admin/), not the tenant API", {"field": "Authorization"})
+    principal = principals.get(found[1]) if found is not None and found[0] == "principal" else None
+    if principal is None or principal.kind == "operator":
+        raise refused_token(found, principals, TENANT_TOKENS, COMPUTE_ACCESS_REQUIRED)
     return principal
 
 
@@ -60,9 +80,15 @@ def operator_of(request: web.Request, tokens: Tokens, principals) -> Principal |
         return None
     principal = principals.get(found[1]) if found is not None and found[0] == "principal" else None
     if principal is None or principal.kind != "operator":
-        raise DomainError(UNAUTHENTICATED, "Authorization: not the admin token (the bootstrap file's adminToken) or "
-                          "an operator's token (a principal of kind operator)", {"field": "Authorization"})
+        raise refused_token(found, principals, ADMIN_OR_OPERATOR)
     return principal
+
+
+def admin_of(request: web.Request, tokens: Tokens, principals, takes: str = ADMIN_ONLY) -> None:
+    """The admin token only (bootstraps and budgets rewrite who may do what; /metrics names every node)."""
+    found = tokens.resolve(bearer(request))
+    if found is None or found[0] != "admin":
+        raise refused_token(found, principals, takes)
 
 
 def manage_access(principal: Principal, principals: Mapping[str, Principal], method: str) -> None:

@@ -164,9 +164,15 @@ def test_pools_and_tenants(server, berth):
 
 
 def test_who_may_use_the_admin_commands(berth):
-    tenant = berth("admin", "nodes", "list", token=TOKENS["alice"])
-    assert 3 == tenant.code
-    assert "neither the bootstrap file's adminToken nor an operator's" in tenant.err
+    tenant = berth("admin", "nodes", "list", token=TOKENS["alice"])  # valid, but a tenant's: 403
+    assert (3, True) == (tenant.code, "ACCESS_DENIED (HTTP 403)" in tenant.err), tenant.err
+    assert ("is not one the admin API takes: give the admin token (the bootstrap file's adminToken) or an operator's "
+            "token") in tenant.err
+    unknown = berth("admin", "nodes", "list", token="token-nobody-has-0000001")
+    assert (3, True) == (unknown.code, "neither the bootstrap file's adminToken nor an operator's" in unknown.err)
+    as_tenant = berth("reservations", "list", token=OPERATORS[0]["token"])  # an operator's token on the tenant API
+    assert (3, True) == (as_tenant.code, "is not a tenant's: give a tenant principal's token" in as_tenant.err), \
+        as_tenant.err
     olga = OPERATORS[0]["token"]
     assert 0 == berth("admin", "nodes", "cordon", "h1", token=olga).code
     denied = berth("admin", "nodes", "drain", "h1", token=olga)

@@ -148,14 +148,26 @@ async def test_an_action_the_state_does_not_allow_is_invalid_state_naming_the_co
 
 async def test_tenant_tokens_are_not_operators_and_operators_are_not_tenants(api):
     await add_operators(api)
-    for who in ("alice", "node-token-h100-000001"):
+    # a valid token on an API that does not take it is 403, saying whose it is; an unknown one is 401
+    for who, whose in (("alice", "alice's token (a tenant principal)"),
+                       ("node-token-h100-000001", "a pool's node bootstrap token")):
         status, doc = await admin(api, "nodes/list", who=who)
-        assert (401, "UNAUTHENTICATED", "Authorization") == (status, doc["error"]["code"], doc["error"]["details"]["field"])
-    status, doc = await api.call("list", OLGA, {})
-    assert (401, "Authorization") == (status, doc["error"]["details"]["field"])
-    assert "operator" in doc["error"]["message"]
+        assert (403, "ACCESS_DENIED", "Authorization") == (status, doc["error"]["code"], doc["error"]["details"]["field"])
+        assert doc["error"]["message"].startswith(f"Authorization: {whose} is valid, but this API takes the admin "
+                                                  "token"), doc
+    status, doc = await admin(api, "nodes/list", who="token-nobody-has-0000001")
+    assert (401, "UNAUTHENTICATED", True) == (status, doc["error"]["code"],
+                                              doc["error"]["message"].startswith("Authorization: unknown token; "))
+    for who in (OLGA, ADMIN):
+        status, doc = await api.call("list", who, {})
+        assert (403, "COMPUTE_ACCESS_REQUIRED", "Authorization") == (status, doc["error"]["code"],
+                                                                     doc["error"]["details"]["field"])
+        assert "this API takes a tenant principal's token" in doc["error"]["message"]
+    assert "olga's token (an operator)" in doc["error"]["message"] or who == ADMIN
     status, doc = await admin(api, "tenants/budget", {"tenantId": "acme", "budgetUsd": "1"}, who=OLGA)
-    assert 401 == status  # budgets and bootstraps stay the admin token's
+    assert (403, True) == (status, "olga's token (an operator) is valid, but this API takes the admin token "
+                                   "(the bootstrap file's adminToken)" in doc["error"]["message"])  # budgets and
+    # bootstraps stay the admin token's
 
 
 async def test_an_operator_does_what_cedar_permits(api):

@@ -259,4 +259,4 @@ async def test_whoami_says_who_the_token_speaks_for_and_nothing_for_an_operator(
     status, doc = await api.post("/api/iam/whoami", "alice", {"x": 1})
     assert (400, "x") == (status, doc["error"]["details"]["field"])
     status, doc = await api.post("/api/iam/whoami", "admin-token-for-tests-0001", {})
-    assert (401, "UNAUTHENTICATED") == (status, doc["error"]["code"])
+    assert (403, "COMPUTE_ACCESS_REQUIRED", "Authorization") == (status, doc["error"]["code"], doc["error"]["details"]["field"])

@@ -60,8 +60,9 @@ async def test_tokens_speak_only_for_their_side(api):
     assert status == 401
     status, _ = await node_call(api, "heartbeat", BOOT, {})  # a bootstrap token cannot heartbeat
     assert status == 401
-    status, _ = await api.call("list", doc["nodeToken"], {})  # a node token on the tenant API
-    assert status == 401
+    status, body = await api.call("list", doc["nodeToken"], {})  # a node token on the tenant API: valid, not its
+    assert (403, "COMPUTE_ACCESS_REQUIRED") == (status, body["error"]["code"])  # API's
+    assert body["error"]["message"].startswith("Authorization: a node's token is valid, but this API takes")
     status, _ = await node_call(api, "register", "alice", {"hostname": "x", "inventory": {}})
     assert status == 401
     # registering again while its agent is alive is refused (409 naming the node); once an operator released
@@ -71,7 +72,7 @@ async def test_tokens_speak_only_for_their_side(api):
     assert (409, "CONFLICT", "h1") == (status, refused["error"]["code"], refused["error"]["details"]["nodeId"])
     assert "berth admin nodes release-identity h1" in refused["error"]["message"]
     status, _ = await api.post("/api/admin/nodes/release-identity", "alice", {"nodeId": "h1"})
-    assert status == 401
+    assert status == 403  # a tenant's token on the admin API
     status, released = await api.post("/api/admin/nodes/release-identity", ADMIN, {"nodeId": "h1"})
     assert (200, True) == (status, released["node"]["identityReleased"])
     status, again = await node_call(api, "register", BOOT, body)

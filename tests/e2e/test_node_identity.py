@@ -93,4 +93,4 @@ def test_a_live_node_cannot_be_taken_and_a_lost_one_only_from_its_own_machine_or
 
     # a tenant token cannot release a node
     status, doc = cp.post("/api/admin/nodes/release-identity", {"nodeId": node_id})
-    assert (401, "UNAUTHENTICATED") == (status, doc["error"]["code"])
+    assert (403, "ACCESS_DENIED") == (status, doc["error"]["code"])  # valid, but not the admin API's

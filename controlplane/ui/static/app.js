@@ -415,13 +415,14 @@ async function load() {
   }
 }
 
-// Which view a token opens: the admin API answers the admin token and operators; every other token is a tenant's.
+// Which view a token opens: the admin API answers the admin token and operators, and refuses a tenant's token
+// (403) or an unknown one (401, which the tenant API then refuses too).
 async function detectView() {
   try {
     await post("/api/admin/pools/list", {});
     return "operator";
   } catch (err) {
-    if (!(err instanceof ApiError) || err.status !== 401) throw err;
+    if (!(err instanceof ApiError) || (err.status !== 401 && err.status !== 403)) throw err;
   }
   await post("/api/compute/reservations/list", {limit: 1});
   return "tenant";
