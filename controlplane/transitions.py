@@ -322,7 +322,10 @@ class Transitions:
         if held:
             self._hold(res, now)
         elif old in (states.BINDING, states.ACTIVE) and res.turnaround_ms:
-            self.keep_for_turnaround(tx, res, now + res.turnaround_ms)  # handed over: cleaned before reuse
+            # handed over: cleaned before reuse, within the turnaround booked after the window (an end seen late,
+            # as a timer's always is, must not reach into the node's next booking)
+            ended = min(now, res.end) if res.end is not None else now
+            self.keep_for_turnaround(tx, res, ended + res.turnaround_ms)
         elif old in states.BOOKED:
             self.unbook(tx, res, now)
         if old in states.CHARGED:

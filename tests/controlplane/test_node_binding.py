@@ -167,6 +167,26 @@ async def test_the_next_booking_of_the_node_waits_for_the_turnaround_and_a_quote
     assert "placed" == after["state"]
 
 
+async def test_a_window_end_seen_late_keeps_the_node_only_until_the_next_booking_and_the_reconciler_goes_on(api):
+    """The end timer fires a little after the window's end (always, on a real clock): the node is kept for its
+    cleaning until the end of the turnaround booked after the window, not the turnaround after now, which would
+    overlap the next booking. That overlap used to fail every reconciler pass, for every pool, from then on."""
+    await register(api, "h1.test")
+    await register(api, "h2.test")
+    res = (await create_node(api, "both", nodeCount=2))[1]["reservation"]
+    end = res["end"]
+    after = (await api.create(key="after", start=end + TURNAROUND, durationHours=1))[1]["reservation"]
+    other = (await api.create(key="other", poolId="mig", gpuModel="A100_80GB", migProfile="1g.10gb",
+                              gpuCount=1, durationHours=1))[1]["reservation"]  # another pool, ending with it
+    assert ("placed", other["end"]) == (after["state"], end)
+    await api.settle()
+    await api.settle(HOUR + 250)  # the end timer, 250 ms late
+    state = {r["id"]: r["state"] for r in (await api.ok("list", "alice", {}))["reservations"]}
+    assert ("released", "released", "placed") == (state[res["id"]], state[other["id"]], state[after["id"]])
+    await api.settle(TURNAROUND)  # the next booking's start
+    assert "binding" == (await api.ok("get", "alice", {"reservationId": after["id"]}))["state"]
+
+
 async def test_a_node_binding_fits_only_where_its_own_turnaround_is_free(api):
     later = T0 + HOUR + TURNAROUND // 2
     for key in ("h1", "h2"):  # both nodes booked from half a turnaround after an hour from now
