@@ -129,3 +129,5 @@ class _Snapshot:
                                   value=self.cp.reconciler.passes)
         yield CounterMetricFamily("berth_reconciler_transitions", "Reservations the reconciler moved (a window "
                                   "started or ended, a grace ran out).", value=self.cp.reconciler.transitions)
+        yield CounterMetricFamily("berth_reconciler_timer_failures", "Timers whose handling failed (a defect): each "
+                                  "set aside for a minute, the others going on.", value=self.cp.reconciler.failures)

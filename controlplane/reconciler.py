@@ -13,7 +13,9 @@ its cost follows the number of changes, not the number of live
 reservations; every transition is conditional on the state it leaves, so
 two reconcilers at once never move a reservation twice. The loop wakes on
 the earliest timer, on a tick, and when told (a fake clock moved, a node
-reported).
+reported). A timer whose handling raises (a defect) is set aside for a
+minute and named in the log, and the pass runs again without it, so one
+reservation's fault never stops the others' windows.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from controlplane.transitions import Transitions
 log = structlog.get_logger("berth.reconciler")
 
 BATCH = 5000  # timers handled per pass; a longer backlog continues in the next pass at once
+SET_ASIDE_MS = 60_000  # a timer whose handling failed is tried again after this; the others go on meanwhile
 
 
 class Reconciler:
@@ -49,6 +52,9 @@ class Reconciler:
         self._background: set[asyncio.Future] = set()
         self.passes = 0
         self.transitions = 0
+        self.failures = 0  # timers whose handling failed (each set aside, then tried again)
+        self.set_aside: dict[tuple[str, str], int] = {}  # (kind, id) -> when it is tried again (domain time, ms)
+        self._current: tuple[str, str] | None = None  # the timer the pass is handling (named when it fails)
         self.pass_took: Callable[[float], None] = lambda seconds: None  # each pass's duration, for /metrics
         # a node's cleaning past its time (controlplane/cleaning.py): True when that moved the node
         self.cleaning_overdue: Callable[[Tx, str, int], bool] = lambda tx, node_id, now: False
@@ -79,7 +85,20 @@ class Reconciler:
     async def run_once(self) -> int:
         """One pass over what is due now; the number of reservations it moved."""
         started = time.perf_counter()
-        moved, freed, more = await self.store.call(self._pass, background=True)
+        try:
+            moved, freed, more = await self.store.call(self._pass, background=True)
+        except Exception:
+            failed, self._current = self._current, None
+            if failed is None:
+                raise
+            # One reservation's (or node's) fault must not stop every other window from starting and ending: its
+            # timer waits, the rest go on in the next pass, at once.
+            self.failures += 1
+            self.set_aside[failed] = self.clock.compute_now() + SET_ASIDE_MS
+            log.exception("reconciler: handling a timer failed; it is set aside and tried again, the others go on",
+                          kind=failed[0], id=failed[1], retry_in_s=SET_ASIDE_MS // 1000)
+            self._wake.set()
+            return 0
         self.pass_took(time.perf_counter() - started)
         self.passes += 1
         self.transitions += moved
@@ -93,11 +112,12 @@ class Reconciler:
         """Pass until nothing more is due (tests, after moving a fake clock)."""
         total = 0
         for _ in range(limit):
+            failures = self.failures
             moved = await self.run_once()
             total += moved
             nxt = self.state.timers.next_due()
-            if nxt is None or nxt > self.clock.compute_now():
-                break
+            if self.failures == failures and (nxt is None or nxt > self.clock.compute_now()):
+                break  # (after a timer was set aside, the others are due again once the memory is rebuilt)
         return total
 
     async def run(self) -> None:
@@ -110,9 +130,12 @@ class Reconciler:
                 raise
             except Exception:  # noqa: BLE001 - the loop must outlive one bad pass
                 log.exception("reconciler pass failed")
+                failed = True  # not one timer's fault (a commit): the next try after a tick, not in a hot loop
+            else:
+                failed = False
             nxt = self.state.timers.next_due()
             delay = self.tick_s
-            if nxt is not None:
+            if nxt is not None and not failed:
                 delay = max(0.0, min(delay, (nxt - self.clock.compute_now()) / 1000))
             try:
                 await asyncio.wait_for(self._wake.wait(), delay)
@@ -129,6 +152,13 @@ class Reconciler:
         freed: set[str] = set()
         retry_pools: list[str] = []
         for _, kind, ident in due:
+            again = self.set_aside.get((kind, ident))
+            if again is not None:
+                if again > now:
+                    self.state.timers.add(again, kind, ident)  # its turn comes then
+                    continue
+                del self.set_aside[(kind, ident)]
+            self._current = (kind, ident)
             if kind == RETRY:
                 retry_pools.append(ident)
                 continue
@@ -152,7 +182,9 @@ class Reconciler:
                 if res.state in states.TERMINAL:
                     freed.add(res.pool_id)
         for pool_id in retry_pools:
+            self._current = (RETRY, pool_id)
             moved += len(self.moves.place_pending(tx, pool_id))
+        self._current = None
         nxt = self.state.timers.next_due()
         return moved, freed, nxt is not None and nxt <= now
 

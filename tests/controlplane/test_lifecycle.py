@@ -39,6 +39,33 @@ async def test_placed_becomes_binding_at_start_and_released_at_end(api):
     assert api.cp.state.ledger.usage("acme")["gpu:H100_80GB"] == 0
 
 
+async def test_a_timer_whose_handling_fails_is_set_aside_and_the_other_windows_go_on(api, monkeypatch):
+    """A defect in handling one reservation (here one made to raise) once failed every pass, for every pool, in a
+    hot loop: its timer is now set aside for a minute, named in the log, and the other windows start meanwhile."""
+    from controlplane import reconciler
+
+    bad, good = [(await api.create(key=k, start=T0 + HOUR, end=T0 + 2 * HOUR))[1]["reservation"]
+                 for k in ("bad", "good")]
+    moves = api.cp.reconciler.moves
+    start_binding = moves.start_binding
+
+    def broken(tx, res, now):
+        if res.id == bad["id"]:
+            raise RuntimeError("a defect")
+        return start_binding(tx, res, now)
+
+    monkeypatch.setattr(moves, "start_binding", broken)
+    await api.settle(HOUR)
+    assert ("placed", "binding") == (await states_of(api, bad["id"]), await states_of(api, good["id"]))
+    assert (1, {("start", bad["id"]): T0 + HOUR + reconciler.SET_ASIDE_MS}) == (
+        api.cp.reconciler.failures, api.cp.reconciler.set_aside)
+    monkeypatch.setattr(moves, "start_binding", start_binding)  # the defect gone (a fix, a restart)
+    await api.settle(reconciler.SET_ASIDE_MS - 1)
+    assert "placed" == await states_of(api, bad["id"])  # set aside until then
+    await api.settle(1)
+    assert ("binding", {}) == (await states_of(api, bad["id"]), api.cp.reconciler.set_aside)
+
+
 async def test_a_lapsed_lease_releases_and_renew_moves_the_deadline(api):
     res = (await api.create(key="l", leaseSeconds=60))[1]["reservation"]
     assert res["leaseDeadline"] == T0 + 60_000

@@ -49,6 +49,7 @@ async def test_metrics_show_reservations_nodes_bindings_and_how_fast_creates_and
     assert m["berth_reconciler_passes_total"][()] >= 1
     assert m["berth_reconciler_pass_duration_seconds_count"][()] == m["berth_reconciler_passes_total"][()]
     assert "berth_reconciler_transitions_total" in m
+    assert 0 == m["berth_reconciler_timer_failures_total"][()]
 
 
 async def test_create_latency_counts_the_create_not_the_wait_asked_for_and_refusals_by_their_code(api):
