@@ -399,8 +399,15 @@ class FleetService:
                                f"{' or '.join(s for s in node_states.TABLE[action])}", "state": after.state,
                                "next": nxt})
         now = self.clock.compute_now()
-        changed = after != node.state
-        current = replace(node, state=after, state_reason="") if changed else node
+        current = replace(node, state=after, state_reason="") if after != node.state else node
+        returns_to = None
+        if after == node_states.CLEANING and node.cleaning is not None:
+            # a cordon or a drain while the node is cleaned is what it returns to once clean
+            later = node_states.apply(action, node.cleaning.before)
+            if isinstance(later, str) and later != node.cleaning.before:
+                returns_to = later
+                current = replace(node, cleaning=replace(node.cleaning, before=later))
+        changed = current is not node
         if changed:
             tx.put_catalog("node", node_id, encode_item(current))
             # Before any move, so that placement no longer sees the node as a place for them.
@@ -412,6 +419,8 @@ class FleetService:
             raise
         if changed or moved or pending:
             data = {"nodeId": node_id, "poolId": node.pool_id, "state": after, "from": node.state, "by": who}
+            if returns_to is not None:
+                data["returnsTo"] = returns_to
             if reason:
                 data["reason"] = reason
             if action == node_states.DRAIN:

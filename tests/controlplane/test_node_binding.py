@@ -285,6 +285,24 @@ async def test_an_operators_cordon_outlives_the_cleaning(api):
     assert "cordoned" == (await node_state(api, node["nodeId"]))["state"]
 
 
+async def test_a_cordon_or_drain_given_while_the_node_is_cleaned_is_what_it_returns_to(api):
+    res, node = await bound_node(api)
+    await hand_back(api, res, node)
+    assert "cleaning" == (await node_state(api, node["nodeId"]))["state"]
+    status, doc = await api.post("/api/admin/nodes/cordon", ADMIN, {"nodeId": node["nodeId"], "reason": "PSU"})
+    assert (200, True, "cleaning") == (status, doc["changed"], doc["node"]["state"])
+    status, doc = await api.post("/api/admin/nodes/cordon", ADMIN, {"nodeId": node["nodeId"]})
+    assert (200, False) == (status, doc["changed"])  # asked again: nothing more
+    cordoned = [e for e in await fleet_events(api) if e["type"] == "node.cordoned"]
+    assert [("cleaning", "cordoned", "PSU")] == [(e["data"]["state"], e["data"]["returnsTo"], e["data"]["reason"])
+                                                 for e in cordoned]
+    await node_call(api, "report", node["nodeToken"], {"reports": [
+        {"reservationId": res["id"], "status": "cleaned", "clean": {"ok": True}}]})
+    assert "cordoned" == (await node_state(api, node["nodeId"]))["state"]  # it used to come back ready
+    status, _ = await api.post("/api/admin/nodes/uncordon", ADMIN, {"nodeId": node["nodeId"]})
+    assert 200 == status
+
+
 # ---- the bootstrap file: policy.tenantRoot and bmc -------------------------------------------------------------
 
 def metal_doc(bmc: dict | None, **root) -> dict:
