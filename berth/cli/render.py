@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import textwrap
 import time
 from decimal import ROUND_HALF_UP, Decimal
@@ -194,6 +195,11 @@ def render_reservation(r: Reservation, wide: bool = False) -> str:
     if r.placements:
         pairs.append(("placed on", ", ".join(f"{p.node_id}[{','.join(p.devices)}]" for p in r.placements)))
     for b in r.bound:  # what each node made of it: the cgroup the work runs in, the device nodes it may open
+        if b.ssh is not None:  # a node binding: the whole host, reached over ssh
+            login = shlex.join(["ssh", "-p", str(b.ssh.port), f"{b.ssh.user}@{b.ssh.host}"])
+            keys = ", ".join(b.ssh.host_keys) or "none reported"
+            pairs.append(("bound", f"{b.node_id}: log in with {login} (check its host key is one of: {keys})"))
+            continue
         pairs.append(("bound", f"{b.node_id}: cgroup {b.cgroup or '-'}, devices {', '.join(b.devices) or '-'}"))
     for c in r.conditions:
         pairs.append(("condition", condition_text(c)))

@@ -12,7 +12,7 @@ from berth.client.answers import (TERMINAL, AdminNode, AdminPool, AdminTenant, A
                                   MigProfileCount, NodeAction, NodeBooking, NodeCondition, NodeInventory, NodeSize,
                                   OfferedPool, Operation, OperationWait,
                                   Placement, Quote, Reservation, ReservationPage, ReservationTotal, Resources, Usage,
-                                  TenantRoot, UsageLine, Whoami, decode)
+                                  SshLogin, TenantRoot, UsageLine, Whoami, decode)
 from berth.client.config import ConfigError, Settings, default_config_path, read_config_file, resolve_settings
 from berth.client.errors import (ERRORS, AccessDenied, BadAnswer, BerthError, ComputeAccessRequired, Conflict,
                                  ConfirmationRequired, InsufficientFunds, InvalidInput, InvalidState, NoCapacity,
@@ -27,7 +27,7 @@ __all__ = [
     "MigProfileCount", "MovedReservation", "NodeAction", "NodeBooking", "NodeCondition", "NodeInventory", "NodeSize",
     "OfferedPool", "TenantRoot", "Whoami", "Alternative", "Bound", "Condition", "Confirmation", "Event", "EventPage",
     "ExtendResult", "Failure", "Operation", "OperationWait", "Placement", "Quote", "Reservation", "ReservationPage",
-    "ReservationTotal", "Resources", "Usage", "UsageLine", "decode", "ConfigError", "Settings",
+    "ReservationTotal", "Resources", "SshLogin", "Usage", "UsageLine", "decode", "ConfigError", "Settings",
     "default_config_path", "read_config_file", "resolve_settings", "ERRORS", "AccessDenied", "BadAnswer",
     "BerthError", "ComputeAccessRequired", "Conflict", "ConfirmationRequired", "InsufficientFunds", "InvalidInput",
     "InvalidState", "NoCapacity", "NotFound", "PriceChanged", "ProviderUnavailable", "QuotaExceeded",

@@ -57,13 +57,24 @@ class Operation(Struct, rename="camel", kw_only=True, frozen=True):
         return self.status in TERMINAL
 
 
+class SshLogin(Struct, rename="camel", kw_only=True, frozen=True):
+    """Where a node binding's tenant logs in, and the host keys' fingerprints to check the first connection by."""
+
+    host: str
+    port: int = 22
+    user: str = "root"
+    host_keys: list[str] = []
+
+
 class Bound(Struct, rename="camel", kw_only=True, frozen=True):
-    """What one node reported bound: when, the cgroup it made, the device nodes it opened."""
+    """What one node reported bound: when, the cgroup it made, the device nodes it opened; for a node binding,
+    where to log in."""
 
     node_id: str
     at: int | None = None
     cgroup: str | None = None
     devices: list[str] = []
+    ssh: SshLogin | None = None
 
 
 class Reservation(Struct, rename="camel", kw_only=True, frozen=True):

@@ -210,9 +210,9 @@ def api(server, path: str, body: dict | None = None) -> dict:
     return doc
 
 
-def handed_back(server) -> tuple[dict, str]:
-    """r1's agent registers, a node binding is bound there, released and handed back: r1 is cleaning, its
-    stateReason saying why. (the register answer, the reservation's id)"""
+def handed_back(server, berth) -> tuple[dict, str]:
+    """r1's agent registers, a node binding is bound there (the tenant's get shows where to log in), released and
+    handed back: r1 is cleaning, its stateReason saying why. (the register answer, the reservation's id)"""
     from tests.controlplane.test_nodes import inventory
 
     status, agent = server.post("/api/nodes/register", METAL_BOOT, {"hostname": "r1.test",
@@ -221,10 +221,14 @@ def handed_back(server) -> tuple[dict, str]:
     with c.Client(server.url, TOKENS["alice"]) as alice:
         res = alice.create("metal", "H100_80GB", binding="node", ssh_keys=(ssh_key(1),), duration_hours=1)
         wait_for(lambda: alice.get(res.id).state == "binding", timeout=5)
-        ssh = {"host": "r1.test", "port": 22, "user": "root", "hostKeys": ["SHA256:" + "h" * 43]}
+        ssh = {"host": "r1.test", "port": 2222, "user": "root", "hostKeys": ["SHA256:" + "h" * 43]}
         status, doc = server.post("/api/nodes/report", agent["nodeToken"], {"reports": [
             {"reservationId": res.id, "status": "bound", "ssh": ssh}]})
         assert [res.id] == doc["accepted"], doc
+        shown = berth("reservations", "get", res.id, "--table", token=TOKENS["alice"]).out
+        assert ["bound", "r1:", "log", "in", "with", "ssh", "-p", "2222", "root@r1.test", "(check", "its", "host",
+                "key", "is", "one", "of:", f"SHA256:{'h' * 43})"] == next(
+            line.split() for line in shown.splitlines() if line.startswith("bound")), shown
         alice.release(res.id)
     status, doc = server.post("/api/nodes/report", agent["nodeToken"], {"reports": [
         {"reservationId": res.id, "status": "unbound"}]})
@@ -234,8 +238,9 @@ def handed_back(server) -> tuple[dict, str]:
 
 def test_json_and_yaml_print_the_apis_answer_as_it_came(server, berth):
     """-o json, --json, a pipe and -o yaml print the admin API's answer document itself: every field it sent
-    (stateReason, conditions, now) and none it did not (release-identity answers five fields of a node)."""
-    agent, rid = handed_back(server)
+    (stateReason, conditions, now) and none it did not (release-identity answers five fields of a node); and,
+    on the way, the tenant's get of its node binding says where to log in."""
+    agent, rid = handed_back(server, berth)
     node = same(berth("admin", "nodes", "get", "r1", "-o", "json"), api(server, "nodes/get", {"nodeId": "r1"}))
     reason = f"cleaning (inband) after reservation {rid}: waiting for its agent's clean check"
     assert ("cleaning", reason, []) == (node["node"]["state"], node["node"]["stateReason"], node["node"]["conditions"])
