@@ -211,6 +211,10 @@ def admit(req: CreateRequest, tenant: Tenant, pool: Pool | None, profile: PoolPr
     gpu_count = req.gpu_count
     if whole_node:
         sizes = set(profile.node_gpu_counts)
+        if not sizes:  # no node to size it by: as a hold would be told, the pool cannot hold it
+            raise DomainError(NO_CAPACITY, f"pool {pool.id} can never hold a node binding: none of its 0 nodes has "
+                              f"{pool.gpu_model} to give", {"reason": "no_stock", "poolId": pool.id, "nodesThatFit": 0,
+                                                            "maxGpuCountPerNode": 0, "nodesWithMaxGpuCount": 0})
         if gpu_count is None:
             if len(sizes) != 1:
                 raise invalid("gpuCount", "required for a node binding in a pool whose nodes differ in GPU count")

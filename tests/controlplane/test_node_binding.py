@@ -95,6 +95,20 @@ async def test_access_is_required_for_a_node_binding_and_refused_for_the_others(
     assert {} == api.cp.state.calendar.by_reservation
 
 
+async def test_a_node_binding_in_a_pool_without_nodes_is_no_capacity_as_a_hold_would_be(api):
+    doc = bootstrap_doc()
+    doc["pools"].append({"id": "bare", "owner": "acme", "region": "eu", "gpuModel": "H100_80GB",
+                         "policy": {"tenantRoot": True}})
+    assert 200 == (await api.post("/api/admin/bootstrap", ADMIN, doc))[0]
+    for count in (None, 8):  # its size cannot be told from its nodes, nor checked against them
+        status, refused = await api.create(key=f"bare{count}", binding="node", access=NODE_ACCESS, poolId="bare",
+                                           gpuCount=count)
+        assert (409, "NO_CAPACITY", "no_stock") == (status, refused["error"]["code"],
+                                                    refused["error"]["details"]["reason"]), refused
+        assert refused["error"]["message"].startswith("pool bare can never hold a node binding: none of its 0 "
+                                                      "nodes has H100_80GB to give")
+
+
 async def test_the_keys_are_part_of_the_compared_request(api):
     first = (await create_node(api, "same"))[1]["reservation"]
     assert {"sshKeys": [ssh_key(1)], "user": "root"} == first["access"]
