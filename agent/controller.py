@@ -84,8 +84,12 @@ class BindingController:
             metal = [b for b in bindings if b.kind == "node" and managed["node"]]
             others = [b for b in bindings if not managed.get(b.kind, False)]
             if self.nodes is not None:
-                for report in await asyncio.to_thread(self.nodes.reconcile, metal):
+                node_reports = await asyncio.to_thread(self.nodes.reconcile, metal)
+                for report in node_reports:
                     self.checkpoint.queue_report(report)
+                if self.nodes.handed_back:  # the hand-back's reports kept first, then its records dropped
+                    await asyncio.to_thread(self.checkpoint.save)
+                    await asyncio.to_thread(self.nodes.forget_handed_back)
             actual: dict[str, Have] = await asyncio.to_thread(self.binder.actual)
             if self.kubernetes is not None:
                 await self._reconcile_pods(pods, [b for b in others if b.reservationId not in actual])

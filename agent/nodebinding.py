@@ -103,6 +103,7 @@ class NodeBindings:
     def __post_init__(self) -> None:
         self.keys = KeysDir(self.config.keys_dir, strict=self.config.strict_keys_dir)
         self.records: dict[str, Handed] = self._load()
+        self.handed_back: set[str] = set()  # handed back by the last pass, their records kept until forgotten
 
     # ---- the records ----------------------------------------------------------------------------
     @property
@@ -131,7 +132,7 @@ class NodeBindings:
         worker thread)."""
         reports: list[Report] = []
         by_id = {b.reservationId: b for b in wanted}
-        for rid in [r for r in self.records if r not in by_id]:
+        for rid in [r for r in self.records if r not in by_id and r not in self.handed_back]:
             reports += self._hand_back(rid)
         for b in wanted:
             handed = self.records.get(b.reservationId)
@@ -228,10 +229,21 @@ class NodeBindings:
         reports = [Report(reservationId=rid, status="unbound")]
         if handed.cleaning == "inband":
             reports.append(Report(reservationId=rid, status="cleaned", clean=self._clean(rid, handed)))
-        del self.records[rid]
-        self._save()
-        self.states.pop(rid, None)
+        # The record stays until the caller has kept these reports (forget_handed_back): an agent killed between
+        # the two finds it again and hands the node back again (each step is idempotent), so the hand-back is
+        # never lost, nor, for redfish, the reset it leads to.
+        self.handed_back.add(rid)
         return reports
+
+    def forget_handed_back(self) -> None:
+        """The reports of the hand-backs just made are kept (the checkpoint is saved): their records go."""
+        if not self.handed_back:
+            return
+        for rid in self.handed_back:
+            self.records.pop(rid, None)
+            self.states.pop(rid, None)
+        self.handed_back.clear()
+        self._save()
 
     # ---- cleaning in band -----------------------------------------------------------------------
     def _clean(self, rid: str, handed: Handed) -> CleanCheck:

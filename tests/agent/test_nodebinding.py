@@ -86,7 +86,17 @@ def test_a_node_is_handed_over_used_over_ssh_and_taken_back_clean(handover, sshd
         again = login(sshd_server, tenant_key[0])
         assert (255, True) == (again.returncode, "Permission denied" in again.stderr)
         assert [] == list(handover.scratch_dir.iterdir())
+        # the record stays until the reports are kept (the agent's checkpoint): killed now, an agent hands the
+        # node back again (idempotent steps), so the hand-back, and a redfish reset after it, is never lost
+        assert "rsv-n1" in json.loads((handover.state_path / RECORDS_FILE).read_text())
+        assert [] == handover.reconcile([])  # in this agent: reported once
+        restarted = NodeBindings(handover.state_path, handover.config, inventory=handover.inventory,
+                                 rediscover=handover.rediscover, simulated_hugepages=True)
+        assert ["unbound", "cleaned"] == [r.status for r in restarted.reconcile([])]
+        restarted.forget_handed_back()
         assert {} == json.loads((handover.state_path / RECORDS_FILE).read_text())
+        assert [] == NodeBindings(handover.state_path, handover.config, inventory=handover.inventory,
+                                  rediscover=handover.rediscover, simulated_hugepages=True).reconcile([])
     finally:
         if session.poll() is None:
             session.kill()
