@@ -57,6 +57,7 @@ class Cleaner:
         self.moves = moves
         self.reconciler = reconciler
         reconciler.cleaning_overdue = self.overdue
+        self._asking: set[tuple[str, str]] = set()  # (node, reservation) whose reset is being asked now
 
     # ---- the hand-back --------------------------------------------------------------------------------
     def begin(self, tx: Tx, node_id: str, res: Reservation, now: int) -> None:
@@ -110,13 +111,34 @@ class Cleaner:
         return None
 
     # ---- redfish ------------------------------------------------------------------------------------------
+    def resume(self) -> None:
+        """On taking the lead (a start, a failover): ask again for each redfish reset asked before but not recorded
+        as accepted, since the replica that asked may have died before the BMC's answer was stored (a reset asked
+        twice reboots the node twice; one never asked would leave it cleaning until its time runs out)."""
+        for node in self.catalog.current.nodes.values():
+            cleaning = node.cleaning
+            if (node.state == node_states.CLEANING and cleaning is not None and cleaning.mode == "redfish"
+                    and not cleaning.reset and node.bmc is not None):
+                log.warning("node reset asked again: none was recorded as accepted", node_id=node.id,
+                            reservation_id=cleaning.reservation_id)
+                self.reconciler.background(self._reset(node.id, cleaning.reservation_id))
+
     async def _reset(self, node_id: str, reservation_id: str) -> None:
         """Reset the node through its BMC (in a worker thread), then record what the BMC accepted or refused."""
+        node = self.catalog.current.nodes.get(node_id)
+        if (node is None or node.bmc is None or node.cleaning is None or node.cleaning.reservation_id != reservation_id
+                or node.cleaning.reset or (node_id, reservation_id) in self._asking):
+            return
+        self._asking.add((node_id, reservation_id))
+        try:
+            await self._ask_reset(node, node_id, reservation_id)
+        finally:
+            self._asking.discard((node_id, reservation_id))
+
+    async def _ask_reset(self, node: Node, node_id: str, reservation_id: str) -> None:
         from controlplane.bmc import Bmc, BmcError  # sushy is imported only where a node is reset
 
-        node = self.catalog.current.nodes.get(node_id)
-        if node is None or node.bmc is None or node.cleaning is None or node.cleaning.reservation_id != reservation_id:
-            return
+        assert node.bmc is not None
         pool = self.catalog.current.pools.get(node.pool_id)
         override = (pool.policy.boot_override if pool else "") or None
         try:
@@ -187,7 +209,7 @@ class Cleaner:
             return False
         minutes = (cleaning.deadline - cleaning.since) / 60_000
         awaited = ("no clean check came from its agent" if cleaning.mode == "inband" else
-                   "its BMC reset was not accepted" if not cleaning.reset else
+                   "no BMC reset was recorded as accepted (the BMC did not answer)" if not cleaning.reset else
                    "its agent did not come back from a new boot")
         self.moves.to_maintenance(tx, node_id, "CleaningTimedOut", f"node {node_id} was not clean {minutes:g} min "
                                   f"after the hand-back of reservation {cleaning.reservation_id} ({cleaning.mode}): "

@@ -60,7 +60,7 @@ class Solo:
         return {}
 
     async def start(self, refresh: Callable[[], None], became_leader: Callable[[], None]) -> None:
-        pass
+        became_leader()  # alone on its database, it leads from the start
 
     async def stop(self) -> None:
         pass

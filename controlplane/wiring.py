@@ -183,7 +183,13 @@ class ControlPlane:
     async def start_replica(self) -> None:
         """Join the other replicas on the database (nothing to join on SQLite): lead when nobody does, and hear
         their writes."""
-        await self.replicas.start(self.refresh, self.reconciler.wake)
+        await self.replicas.start(self.refresh, self._took_the_lead)
+
+    def _took_the_lead(self) -> None:
+        """This replica leads now: its reconciler passes at once, and what a leader that died left unasked of a
+        node's BMC is asked again."""
+        self.reconciler.wake()
+        self.cleaner.resume()
 
     async def stop_replica(self) -> None:
         await self.replicas.stop()

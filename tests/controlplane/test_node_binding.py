@@ -443,6 +443,35 @@ async def test_redfish_resets_the_node_and_only_a_new_boot_as_handed_over_return
 
 @needs_bmc
 @pytest.mark.slow
+async def test_a_reset_asked_by_a_control_plane_that_died_before_the_bmc_answered_is_asked_again_at_start(
+        aiohttp_client, tmp_path, bootstrap_file, clock, emulator, credentials, monkeypatch):
+    from controlplane.cleaning import Cleaner
+
+    doc = metal_doc({"redfishUrl": emulator.url, "systemId": bmc_tests.RUNNING, "credentialsFile": str(credentials)})
+    config = Config(db=f"sqlite:///{tmp_path / 'cp.db'}", bootstrap=bootstrap_file(doc), clock=clock,
+                    synchronous="NORMAL", reconcile=False)
+    first = Api(await aiohttp_client(create_app(config)), clock)
+    asking = Cleaner._ask_reset
+
+    async def died_before_asking(self, node, node_id, reservation_id):
+        return None  # the hand-back committed, the process gone before its BMC request
+
+    monkeypatch.setattr(Cleaner, "_ask_reset", died_before_asking)
+    res, _ = await handed_back(first)
+    await first.cp.reconciler.drain()
+    assert [] == [e for e in await fleet_events(first) if e["type"] == "node.reset"]
+    await first.client.close()
+
+    monkeypatch.setattr(Cleaner, "_ask_reset", asking)
+    again = Api(await aiohttp_client(create_app(config)), clock)  # the restart, on the same database
+    await again.cp.reconciler.drain()
+    [reset] = [e for e in await fleet_events(again) if e["type"] == "node.reset"]
+    assert ("ForceRestart", res["id"]) == (reset["data"]["reset"], reset["data"]["reservationId"])
+    assert "Pxe" == emulator.system(bmc_tests.RUNNING)["Boot"]["BootSourceOverrideTarget"]
+
+
+@needs_bmc
+@pytest.mark.slow
 async def test_redfish_over_https_trusts_the_private_ca_named_by_ca_file_beside_the_bootstrap_file(
         aiohttp_client, tmp_path, bootstrap_file, clock, tls_emulator, credentials):
     emulator, authority = tls_emulator
