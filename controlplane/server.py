@@ -195,7 +195,7 @@ def migrate_main(args: argparse.Namespace) -> int:
     """`berth controlplane migrate`: the URLs checked, the copy run (controlplane/store/move.py), the summary
     printed."""
     from controlplane.store import move
-    from controlplane.wiring import is_postgresql, sqlite_path
+    from controlplane.wiring import is_postgresql, postgresql_url_problem, sqlite_path
 
     if not args.source.startswith("sqlite:///"):
         return refused("migrate", f"--from {logs.redact_url(args.source)!r}: give the SQLite database as "
@@ -204,6 +204,9 @@ def migrate_main(args: argparse.Namespace) -> int:
         return refused("migrate", f"--to {logs.redact_url(args.target)!r}: give the PostgreSQL database as "
                        "postgresql://USER@HOST[:PORT]/DB, its password in PGPASSWORD or a passfile (or "
                        "postgresql://USER@/DB?host=/run/postgresql)")
+    problem = postgresql_url_problem(args.target)
+    if problem is not None:
+        return refused("migrate", f"--to {logs.redact_url(args.target)}: {problem}")
 
     def work() -> str:
         path = sqlite_path(args.source, "--from")

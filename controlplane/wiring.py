@@ -79,6 +79,20 @@ def is_postgresql(url: str) -> bool:
     return url.startswith(("postgresql://", "postgres://"))
 
 
+def postgresql_url_problem(url: str) -> str | None:
+    """What is wrong with the hosts and ports of a postgresql:// URL (each `host[:port]`, comma-separated), said
+    before the driver reads it (it raises a bare ValueError or OverflowError); None when they read."""
+    netloc = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0].rpartition("@")[2]
+    for part in filter(None, netloc.split(",")):
+        port = part.rpartition("]")[2] if part.startswith("[") else part  # [IPv6]:port
+        if ":" not in port:
+            continue
+        port = port.rpartition(":")[2]
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            return f"the port {port!r} of host {part!r} is not a number from 1 to 65535"
+    return None
+
+
 def sqlite_path(url: str, option: str = "--db") -> str:
     """The file of a `sqlite:///PATH` URL (PATH as written: `sqlite:////abs` and `sqlite:///rel` both work);
     `option` names where the URL was given, in the errors."""
@@ -114,6 +128,9 @@ def open_store(config: Config) -> Store:
     if is_postgresql(config.db):
         from controlplane.store.postgres import PgStore
 
+        problem = postgresql_url_problem(config.db)
+        if problem is not None:
+            raise ConfigError(f"{config.db_source} {logs.redact_url(config.db)}: {problem}")
         try:
             return PgStore(config.db, commit_wait_s=config.commit_wait_s)
         except StoreError as exc:

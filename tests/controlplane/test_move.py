@@ -214,6 +214,9 @@ def test_replace_empties_the_target_first_in_the_same_transaction(source, target
     ("SOURCE", "postgresql://nobody:secret@/no_such_db?host=SOCKET",
      "cannot connect: InvalidCatalogNameError: database \"no_such_db\" does not exist; create the database first"),
     ("SOURCE", "postgresql://nobody@/x?host=SOCKET&password=secret&sslmode=bogus", "sslmode"),
+    ("SOURCE", "postgresql://nobody:secret@127.0.0.1:notaport/x",
+     "the port 'notaport' of host '127.0.0.1:notaport' is not a number from 1 to 65535"),
+    ("SOURCE", "postgresql://nobody@127.0.0.1:99999/x", "the port '99999' of host '127.0.0.1:99999' is not a number"),
 ])
 def test_a_wrong_url_exits_2_saying_what_to_give(source, target, pg_cluster, tmp_path,  # noqa: F811
                                                        source_url, target_url, says):

@@ -82,6 +82,10 @@ def test_an_unsupported_database_url_says_what_to_use(tmp_path):
     assert (2, True) == (out.returncode, "BERTH_DB: 'mysql://x' is not sqlite:///PATH" in out.stderr), out.stderr
     out = serve_once("--db", "", cwd=tmp_path)  # not the default database by surprise
     assert (2, True) == (out.returncode, "--db: empty" in out.stderr), out.stderr
+    for port in ("notaport", "99999"):  # one line, not the driver's traceback
+        out = serve_once("--db", f"postgresql://berth@127.0.0.1:{port}/berth")
+        assert (2, True, False) == (out.returncode, f"the port '{port}' of host" in out.stderr,
+                                    "Traceback" in out.stderr), out.stderr
 
 
 async def test_admin_sets_a_budget_and_applies_a_bootstrap_at_run_time(api):
