@@ -32,6 +32,7 @@ exclusion constraint exactly as a replica would write it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import sys
 from dataclasses import dataclass
@@ -143,14 +144,19 @@ def open_source(path: str) -> sqlite3.Connection:
                       "--db sqlite:///PATH")
     conn = None
     try:
-        conn = sqlite.connect(path)
-        if conn.execute("PRAGMA user_version").fetchone()[0] == 0:  # every Berth file has a version (migrate)
+        # Read-only first: a file that is not Berth's is refused as it was found (opening it the engine's way
+        # would switch it to WAL, or give an empty file a header).
+        with contextlib.closing(sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)) as peek:
+            version = peek.execute("PRAGMA user_version").fetchone()[0]
+        if version == 0:  # every Berth file has a version (migrate)
             raise Refused(f"--from sqlite:///{path}: not a Berth control-plane database (no Berth schema in it); "
                           "give the file a control plane served with --db sqlite:///PATH")
+        conn = sqlite.connect(path)
         sqlite.migrate(conn, path)
         conn.execute("BEGIN IMMEDIATE")
     except StoreError as exc:
-        conn.close()
+        if conn is not None:
+            conn.close()
         raise Refused(f"--from: {exc}") from None
     except sqlite3.Error as exc:
         if conn is not None:
@@ -161,7 +167,8 @@ def open_source(path: str) -> sqlite3.Connection:
         raise Refused(f"--from sqlite:///{path}: cannot read it as a SQLite database ({exc}); give the file a "
                       "control plane served with --db sqlite:///PATH") from None
     except Refused:
-        conn.close()
+        if conn is not None:
+            conn.close()
         raise
     return conn
 

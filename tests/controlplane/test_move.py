@@ -232,6 +232,23 @@ def test_a_wrong_url_exits_2_saying_what_to_give(source, target, pg_cluster, tmp
     assert [(0,)] == dbrows.rows(target, "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")  # untouched
 
 
+def test_a_file_that_is_not_berths_is_refused_as_it_was_found(tmp_path, target):
+    """Refused, nothing changed, the --from file included: it used to be switched to WAL (and an empty one given
+    a header) before the check."""
+    other = tmp_path / "other-app.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    for path in (other, empty):
+        before = path.read_bytes()
+        out = migrate("--from", f"sqlite:///{path}", "--to", target)
+        assert (2, True) == (out.returncode, "not a Berth control-plane database" in out.stderr), out.stderr
+        assert (before, False) == (path.read_bytes(), Path(f"{path}-wal").exists())
+
+
 def test_a_file_of_a_newer_berth_is_refused_with_the_engines_message(source, target):
     conn = sqlite3.connect(source.path)
     conn.execute("PRAGMA user_version = 99")
