@@ -26,7 +26,13 @@ READS, READ_POOL = "reads", 4
 MIGRATE = "migrate"
 STATEMENT_TIMEOUT_S = 30.0
 UNREACHABLE = (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.CannotConnectNowError,
-               asyncpg.AdminShutdownError, asyncio.TimeoutError, concurrent.futures.TimeoutError)
+               asyncpg.AdminShutdownError, asyncio.TimeoutError, concurrent.futures.TimeoutError,
+               asyncpg.InternalClientError)  # (the last: a connection the server ended, met mid-operation)
+# The database refuses to write now, whatever is asked: read-only (a standby, or a demoted primary during a
+# failover), out of disk or connections, an operator's shutdown or cancel, an I/O error. Met in a job's statement,
+# the group is given up as for an unreachable database, not taken for a fault of the job.
+REFUSING = (asyncpg.ReadOnlySQLTransactionError, asyncpg.InsufficientResourcesError,
+            asyncpg.OperatorInterventionError, asyncpg.PostgresSystemError)
 
 
 def cannot_connect(exc: BaseException, dsn: str = "") -> str:

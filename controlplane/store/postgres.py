@@ -47,7 +47,7 @@ import asyncpg
 
 from controlplane.store import pg_schema
 from controlplane.store.groups import COMMIT_WAIT_S, WriterFront, unavailable
-from controlplane.store.pg_connect import (MIGRATE, READ_POOL, READS, SERVER_SETTINGS, UNREACHABLE, Connector,
+from controlplane.store.pg_connect import (MIGRATE, READ_POOL, READS, SERVER_SETTINGS, REFUSING, UNREACHABLE, Connector,
                                            cannot_connect)
 from controlplane.store.pg_tx import PgTx
 from controlplane.store.pg_writer import Writer
@@ -131,14 +131,14 @@ class PgStore(WriterFront, CommittedReads):
         """fn(conn) on a pooled connection; the database unreachable -> PROVIDER_UNAVAILABLE (actor platform)."""
         try:
             return self.connector.run(self._on_pool(fn))
-        except UNREACHABLE as exc:
+        except (*UNREACHABLE, *REFUSING) as exc:
             raise unavailable(f"the database is unavailable ({type(exc).__name__}); retry shortly") from None
 
     async def read_async(self, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
         """As read(), awaited: the API's loop goes on meanwhile."""
         try:
             return await asyncio.wrap_future(self.connector.submit(self._on_pool(fn)))
-        except UNREACHABLE as exc:
+        except (*UNREACHABLE, *REFUSING) as exc:
             raise unavailable(f"the database is unavailable ({type(exc).__name__}); retry shortly") from None
 
     def _fetchrow(self, sql: str, *args) -> Any:

@@ -133,3 +133,45 @@ def test_a_commit_the_database_holds_is_answered_provider_unavailable_and_replay
     assert len(acked) == 3
     tracebacks = [line for line in lines if "Traceback" in line]
     assert not tracebacks, tracebacks
+
+
+def test_a_database_that_turned_read_only_is_unavailable_not_a_fault(cluster, tmp_path):
+    """A demoted primary (or a standby) takes no writes: a release, whose job writes as it runs, is answered as the
+    database's state (PROVIDER_UNAVAILABLE naming it), not as a fault of the job (an error-level traceback and a
+    whole rebuild of the memory), and goes through once the database takes writes again."""
+    name = f"berth_{uuid.uuid4().hex[:12]}"
+    db = cluster.createdb(name)
+    boot = tmp_path / "b.json"
+    boot.write_text(json.dumps(bootstrap_doc()))
+    release = "/api/compute/reservations/release"
+
+    def sessions_again() -> None:
+        cluster.psql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}' "
+                     "AND pid <> pg_backend_pid()")
+
+    with ServerProcess(db, boot) as a:
+        status, created = a.post(CREATE, ALICE, create_body("ro"))
+        assert status == 202, created
+        rid = created["reservation"]["id"]
+        cluster.psql(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+        sessions_again()
+        said = []
+
+        def refused_read_only():  # (the first try may meet the pooled connection that was ended: unavailable too)
+            status, doc = a.post(release, ALICE, {"reservationId": rid}, timeout=40)
+            said.append((status, doc))
+            return "(ReadOnlySQLTransactionError)" in doc.get("error", {}).get("message", "")
+
+        wait_for(refused_read_only, timeout=30, interval=0.2, what="a release refused as the database's state")
+        assert all(unavailable(*answer) for answer in said), said
+        assert said[-1][1]["error"]["message"].startswith("the database is unavailable (ReadOnlySQLTransactionError)")
+        cluster.psql(f"ALTER DATABASE {name} RESET default_transaction_read_only")
+        sessions_again()
+        def released():
+            got = a.post(release, ALICE, {"reservationId": rid}, timeout=40)
+            return got[0] == 202 and got
+
+        status, done = wait_for(released, timeout=30, interval=0.2)
+        assert "released" == done["reservation"]["state"]
+    faults = [line for line in a.lines if "store job failed" in line or "Traceback" in line]
+    assert not faults, faults
