@@ -124,6 +124,11 @@ async def _nothing_to_catch_up() -> None:
     """A lone control plane: nobody else writes."""
 
 
+async def _heard_nothing_elsewhere() -> dict[str, int]:
+    """A lone control plane: no other replica hears heartbeats."""
+    return {}
+
+
 # A node's resource version is a digest of its set of bindings: the XOR of each binding's own digest (52 bits, so
 # that JSON carries it exactly) with EMPTY_SET. Equal sets have equal versions on every replica and across restarts,
 # whatever order or batches the changes came in, so an agent whose watch moves to another replica, or comes back
@@ -167,7 +172,7 @@ class NodeService:
         # is shared with it, and heartbeats heard by the others are merged in before each check.
         self.leads: Callable[[], bool] = lambda: True
         self.heard: Callable[[str, int], None] = lambda node_id, at_ms: None
-        self.heard_elsewhere: Callable[[], dict[str, int]] = dict
+        self.heard_elsewhere: Callable[[], Awaitable[dict[str, int]]] = _heard_nothing_elsewhere
         self.caught_up: Callable[[], Awaitable[None]] = _nothing_to_catch_up  # that memory brought up to now
         moves.listeners.append(self._reservation_changed)
 
@@ -386,9 +391,10 @@ class NodeService:
         node = self.catalog.current.nodes.get(node_id)
         return self._node(node_id).lost or (node is not None and not node.schedulable)
 
-    def _merge_heard_elsewhere(self) -> None:
-        """Heartbeats other replicas heard (epoch ms), as this replica's monotonic seconds."""
-        seen = self.heard_elsewhere()
+    async def _merge_heard_elsewhere(self) -> None:
+        """Heartbeats other replicas heard (epoch ms), as this replica's monotonic seconds (read off the loop: a
+        database that stopped answering must not hold every request of the leader)."""
+        seen = await self.heard_elsewhere()
         if not seen:
             return
         wall, mono = self.clock.compute_now(), self.clock.monotonic()
@@ -405,7 +411,7 @@ class NodeService:
         leads: the others hear heartbeats and share them)."""
         if not self.leads():
             return []
-        self._merge_heard_elsewhere()
+        await self._merge_heard_elsewhere()
         now = self.clock.monotonic()
         nodes = self.catalog.current.nodes
         for nid, live in self.live.items():  # lost or found by another replica meanwhile

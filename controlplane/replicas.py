@@ -56,7 +56,7 @@ class Solo:
     def heard(self, node_id: str, at_ms: int) -> None:
         pass
 
-    def heard_elsewhere(self) -> dict[str, int]:
+    async def heard_elsewhere(self) -> dict[str, int]:
         return {}
 
     async def start(self, refresh: Callable[[], None], became_leader: Callable[[], None]) -> None:
@@ -99,9 +99,9 @@ class Shared:
         if at_ms > self._seen.get(node_id, 0):
             self._seen[node_id] = at_ms
 
-    def heard_elsewhere(self) -> dict[str, int]:
+    async def heard_elsewhere(self) -> dict[str, int]:
         try:
-            return self.store.last_seen()
+            return await self.store.last_seen()
         except Exception:  # noqa: BLE001 - the database away: judge on what this replica heard itself
             return {}
 

@@ -46,6 +46,19 @@ class Cluster:
         if out.returncode != 0:
             raise ClusterError(f"pg_ctl start failed: {out.stderr}{out.stdout}")
 
+    def processes(self) -> list[int]:
+        """The postmaster's pid and its children's (the backends, the WAL writer...): to stop them all at once
+        (SIGSTOP: a primary that stops answering, as a host frozen or a link dropping packets looks)."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = []
+        for status in Path("/proc").glob("[0-9]*/status"):
+            try:
+                if f"\nPPid:\t{postmaster}\n" in status.read_text():
+                    children.append(int(status.parent.name))
+            except OSError:
+                continue  # gone meanwhile
+        return [postmaster, *children]
+
     def dsn(self, database: str = "postgres") -> str:
         """A unix-socket DSN, as `--db postgresql://...` takes it."""
         return f"postgresql://{self.user}@/{database}?host={self.socket_dir}" + \

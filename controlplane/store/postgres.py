@@ -32,7 +32,11 @@ the writer's memory), so asyncpg runs on its own thread and event loop
 (`Connector`); a statement waits there, while the lock wait and the COMMIT are
 awaited without blocking the API's loop. A lost connection (a replica's
 database failing over) answers PROVIDER_UNAVAILABLE with `actor: platform`
-and is reconnected with backoff.
+and is reconnected with backoff. A committed read a request makes on the
+API's loop waits at most READ_ON_LOOP_S; one that gets no answer in that time
+(a primary that stopped answering, a link dropping packets) marks the
+database stalled, and until a probe off the loop hears it again, such reads
+are answered PROVIDER_UNAVAILABLE at once instead of holding the loop.
 
 This module is the store itself: committed reads on a small pool, and the
 writer started on them. The writer is pg_writer.py, a job's transaction
@@ -41,6 +45,7 @@ pg_tx.py, the writer's statements pg_sql.py, the connections pg_connect.py.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import Any, Awaitable, Callable, Iterable
 
 import asyncpg
@@ -55,6 +60,9 @@ from controlplane.store.port import OnChanged, StoreError
 from controlplane.store.reads import CommittedReads, numbered
 
 
+READ_ON_LOOP_S = 5.0  # the longest a committed read on the API's loop may hold it (a healthy one takes ms)
+
+
 class PgStore(WriterFront, CommittedReads):
     """The store port on a PostgreSQL database: committed reads on a small pool, and this replica's writer."""
 
@@ -66,6 +74,8 @@ class PgStore(WriterFront, CommittedReads):
         self.dsn = dsn
         self.commit_wait_s = commit_wait_s
         self.connector = Connector(dsn, application)
+        self.stalled = False  # a read on the loop got no answer: the database may have stopped answering
+        self._probe: concurrent.futures.Future | None = None
         try:
             self.connector.run(self._open(), timeout=60)
         except pg_schema.SchemaTooNew as exc:
@@ -128,11 +138,31 @@ class PgStore(WriterFront, CommittedReads):
             return await fn(conn)
 
     def read(self, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
-        """fn(conn) on a pooled connection; the database unreachable -> PROVIDER_UNAVAILABLE (actor platform)."""
+        """fn(conn) on a pooled connection, waited for on the caller's thread (the API's loop) at most
+        READ_ON_LOOP_S; the database unreachable, refusing or stalled -> PROVIDER_UNAVAILABLE (actor platform)."""
+        if self.stalled:
+            self._hear_again()
+            raise unavailable("the database is not answering; retry shortly")
         try:
-            return self.connector.run(self._on_pool(fn))
+            return self.connector.run(self._on_pool(fn), timeout=READ_ON_LOOP_S)
+        except concurrent.futures.TimeoutError:
+            self.stalled = True
+            self._hear_again()
+            raise unavailable(f"the database did not answer within {READ_ON_LOOP_S:g} s; retry shortly") from None
         except (*UNREACHABLE, *REFUSING) as exc:
             raise unavailable(f"the database is unavailable ({type(exc).__name__}); retry shortly") from None
+
+    def _hear_again(self) -> None:
+        """While stalled: one probe at a time, off the API's loop; its answer ends the stall."""
+        if self._probe is not None and not self._probe.done():
+            return
+
+        def heard(probe: concurrent.futures.Future) -> None:
+            if not probe.cancelled() and probe.exception() is None:
+                self.stalled = False
+
+        self._probe = self.connector.submit(self._on_pool(lambda c: c.fetchval("SELECT 1")))
+        self._probe.add_done_callback(heard)
 
     async def read_async(self, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
         """As read(), awaited: the API's loop goes on meanwhile."""
@@ -158,5 +188,7 @@ class PgStore(WriterFront, CommittedReads):
             "INSERT INTO node_seen (node_id, seen_at) VALUES ($1, $2) ON CONFLICT (node_id)"
             " DO UPDATE SET seen_at = GREATEST(node_seen.seen_at, excluded.seen_at)", list(seen.items())))
 
-    def last_seen(self) -> dict[str, int]:
-        return {r[0]: r[1] for r in self._fetch("SELECT node_id, seen_at FROM node_seen")}
+    async def last_seen(self) -> dict[str, int]:
+        """The agents' last heartbeats every replica heard (epoch ms), read off the API's loop."""
+        rows = await self.read_async(lambda c: c.fetch("SELECT node_id, seen_at FROM node_seen"))
+        return {r[0]: r[1] for r in rows}

@@ -175,3 +175,50 @@ def test_a_database_that_turned_read_only_is_unavailable_not_a_fault(cluster, tm
         assert "released" == done["reservation"]["state"]
     faults = [line for line in a.lines if "store job failed" in line or "Traceback" in line]
     assert not faults, faults
+
+
+def test_a_database_that_stops_answering_holds_no_request_longer_than_the_read_bound(cluster, tmp_path):
+    """Every process of the cluster stopped (SIGSTOP: a frozen primary, a link dropping packets), so nothing is
+    refused, nothing answers: the leader's loop used to wait on the database for 30 s at a time, its health check
+    and every request with it. Now a read waits at most READ_ON_LOOP_S, later ones are answered at once until a
+    probe hears the database again, a create at most --commit-wait, and /healthz at once throughout."""
+    import os
+    import signal
+
+    from controlplane.store.postgres import READ_ON_LOOP_S
+
+    db = cluster.createdb(f"berth_{uuid.uuid4().hex[:12]}")
+    boot = tmp_path / "b.json"
+    boot.write_text(json.dumps(bootstrap_doc()))
+    get = "/api/compute/reservations/get"
+
+    def timed(call):
+        started = time.monotonic()
+        return call(), time.monotonic() - started
+
+    with ServerProcess(db, boot, ["--commit-wait", "2"]) as a:
+        status, created = a.post(CREATE, ALICE, create_body("before"))
+        assert status == 202, created
+        rid = created["reservation"]["id"]
+        wait_for(lambda: leads(a))
+        frozen = cluster.processes()
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            (status, doc), took = timed(lambda: a.post(get, ALICE, {"reservationId": rid}, timeout=40))
+            assert (True, True) == (unavailable(status, doc), took < READ_ON_LOOP_S + 2), (took, doc)
+            with urllib.request.urlopen(a.url + "/healthz", timeout=2) as answer:
+                assert 200 == answer.status
+            (status, doc), took = timed(lambda: a.post(get, ALICE, {"reservationId": rid}, timeout=40))
+            assert (True, "the database is not answering; retry shortly", True) == (
+                unavailable(status, doc), doc["error"]["message"], took < 1), (took, doc)
+            (status, doc), took = timed(lambda: a.post(CREATE, ALICE, create_body("frozen"), timeout=40))
+            assert (True, True) == (unavailable(status, doc), took < 2 + 2), (took, doc)
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        status, doc = wait_for(lambda: (got := a.post(get, ALICE, {"reservationId": rid}, timeout=40))[0] == 200
+                               and got, timeout=20, interval=0.2)
+        assert "before" == doc["reservation"]["idempotencyKey"]
+    tracebacks = [line for line in a.lines if "Traceback" in line]
+    assert not tracebacks, tracebacks
