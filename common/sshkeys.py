@@ -69,6 +69,9 @@ class SshKeyError(ValueError):
     """A public key line breaks one rule; `rule` names it (type, base64, inner-type, material, ...)."""
 
     def __init__(self, rule: str, message: str) -> None:
+        if rule == "material":  # the blob decodes but is not a key: the line was cut or altered on its way
+            message += ("; the key was cut or altered: copy the whole line of your .pub file again (or print it "
+                        "afresh: ssh-keygen -y -f PRIVATE_KEY)")
         super().__init__(f"{rule}: {message}")
         self.rule = rule
         self.detail = message

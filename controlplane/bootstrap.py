@@ -298,7 +298,7 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
     try:
         doc = msgspec.json.decode(raw, type=BootstrapDoc)
     except msgspec.ValidationError as exc:  # the field's path first, and the rule in words, as the API says them
-        field, rule = field_of(str(exc))
+        field, rule = field_of(str(exc), BootstrapDoc)
         raise BootstrapError(f"{'the document' if field == 'body' else field}: "
                              f"{rule.replace('of this request', 'of a bootstrap document')}") from None
     except msgspec.DecodeError as exc:

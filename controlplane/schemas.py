@@ -146,9 +146,9 @@ def _rule(text: str) -> str:
     return out
 
 
-def field_of(message: str) -> tuple[str, str]:
+def field_of(message: str, schema: type | None = None) -> tuple[str, str]:
     """(field path, rule) out of a msgspec message such as "Expected `int` >= 1 - at `$.gpuCount`" ("body" where
-    the document as a whole is wrong)."""
+    the document as a whole is wrong); given the schema, a value that is none of a field's choices names them."""
     path = ""
     rule = message
     m = _AT.search(message)
@@ -159,7 +159,37 @@ def field_of(message: str) -> tuple[str, str]:
     if named and ("unknown field" in rule or "missing required field" in rule):
         path = f"{path}.{named.group('name')}" if path else named.group("name")
         rule = "is not a field of this request" if "unknown field" in rule else "is required"
-    return path or "body", _rule(rule)
+    rule = _rule(rule)
+    choices = _choices_at(schema, path) if schema is not None and rule.startswith("invalid enum value") else ()
+    if choices:
+        rule += f": give one of {', '.join(map(repr, choices))}"
+    return path or "body", rule
+
+
+def _choices_at(schema: type, path: str) -> tuple:
+    """The values a Literal field at `path` (as field_of writes it: `pools[7].policy.cleaning`) allows; () when
+    the path does not lead to one."""
+    import msgspec.inspect as mi
+
+    node: Any = mi.type_info(schema)
+    for step in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        for _ in range(2):  # through an optional (X | None, bool | Struct) to the struct or list inside
+            if isinstance(node, mi.UnionType):
+                node = next((t for t in node.types if isinstance(t, (mi.StructType, mi.ListType, mi.DictType,
+                                                                     mi.LiteralType))), None)
+        if step.startswith("["):
+            node = node.item_type if isinstance(node, mi.ListType) else None
+        elif isinstance(node, mi.StructType):
+            node = next((f.type for f in node.fields if f.encode_name == step), None)
+        elif isinstance(node, mi.DictType):
+            node = node.value_type
+        else:
+            node = None
+        if node is None:
+            return ()
+    if isinstance(node, mi.UnionType):
+        node = next((t for t in node.types if isinstance(t, mi.LiteralType)), None)
+    return node.values if isinstance(node, mi.LiteralType) else ()
 
 
 def decode(body: bytes, schema: type[Struct]) -> Any:
@@ -171,7 +201,7 @@ def decode(body: bytes, schema: type[Struct]) -> Any:
         except msgspec.DecodeError as syntax:
             raise DomainError(INVALID_INPUT, f"body: not valid JSON ({syntax})",
                               {"field": "body", "rule": "must be a JSON object"}) from None
-        field, rule = field_of(str(exc))
+        field, rule = field_of(str(exc), schema)
         raise DomainError(INVALID_INPUT, f"{field}: {rule}", {"field": field, "rule": rule}) from None
     except msgspec.DecodeError as exc:
         raise DomainError(INVALID_INPUT, f"body: not valid JSON ({exc})", {"field": "body", "rule": "must be a JSON object"}) from None

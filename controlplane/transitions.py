@@ -542,27 +542,27 @@ class Transitions:
 
 
 def ending_failure(reason: str, actor: str) -> Failure:
+    again = ("Create again with a new idempotency key (the old one replays this failed reservation), or contact "
+             "support with the operation id.")
     messages = {
         "release": ("released", "The reservation was released before its devices were ready. Nothing was billed.",
-                    "Create a new reservation, with a new key, when you need the devices."),
+                    "Create a new reservation, with a new idempotency key, when you need the devices."),
         "cancel": ("cancelled", "The reservation was cancelled before it started. Nothing was billed.",
-                   "Create a new reservation, with a new key, when you need the devices."),
+                   "Create a new reservation, with a new idempotency key, when you need the devices."),
         "expired": ("provider_rejected:no_capacity", "The window passed before the devices could be placed: no "
                     "capacity for this shape in it. Nothing was billed.",
                     "Request a fresh quote, perhaps for another window, region or shape."),
         "preempted": ("provider_rejected:preempted", "Spot capacity was taken back for a reservation that is not spot.",
-                      "Retry later with a new key, or book without spot."),
+                      "Retry later with a new idempotency key, or book without spot."),
         "lease-lapsed": ("lease_lapsed", "The lease was not renewed within leaseSeconds.",
-                         "Renew within leaseSeconds, or create again (a new key) without a lease."),
-        "node-lost": ("node_lost", "The node was lost before the devices were ready. Nothing was billed.",
-                      "Create again with a new key (the old one replays this failed reservation), or contact "
-                      "support with the operation id."),
+                         "Renew within leaseSeconds, or create again (a new idempotency key) without a lease."),
+        "node-lost": ("node_lost", "The node was lost before the devices were ready. Nothing was billed.", again),
+        # the keys were checked at the create: what failed is the node's (no such user, an unsafe keys directory)
         "handover-failed": ("handover_failed", "The node could not be handed over (the tenant's keys could not be "
-                            "installed). Nothing was billed.", "Create again with a new key (the old one replays this "
-                            "failed reservation), or contact support with the operation id."),
+                            "installed). Nothing was billed.", "Nothing in your request needs to change: the "
+                            "node's message says what its operator must fix. " + again),
         "ended": ("devices_not_bound", "The window ended before the node reported the devices bound. Nothing was "
-                  "billed.", "Create again with a new key (the old one replays this failed reservation), or "
-                  "contact support with the operation id."),
+                  "billed.", again),
     }
     code, message, nxt = messages.get(reason, (reason, f"The reservation ended: {reason}.", "Create a new reservation."))
     return Failure(code, actor, message, nxt)

@@ -210,6 +210,9 @@ def test_a_key_breaking_one_rule_is_refused_naming_that_rule(parts, build, rule)
     with pytest.raises(SshKeyError) as err:
         parse_public_key(build(parts))
     assert (rule, True) == (err.value.rule, str(err.value).startswith(f"{rule}: "))
+    if rule == "material":  # a key that decodes but is not one: says what to send instead
+        assert err.value.detail.endswith("copy the whole line of your .pub file again (or print it afresh: "
+                                         "ssh-keygen -y -f PRIVATE_KEY)"), err.value.detail
 
 
 def test_the_rsa_size_refusal_says_what_to_generate_instead(keys):

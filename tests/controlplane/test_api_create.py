@@ -259,6 +259,14 @@ async def test_refusals_name_the_field_and_change_nothing(api, who, fields, stat
     assert await api.events(who) == []
 
 
+async def test_a_value_that_is_none_of_a_fields_choices_names_them(api):
+    status, doc = await api.call("list", "alice", {"scope": "everyone"})
+    assert (400, "scope: invalid enum value 'everyone': give one of 'all', 'mine'") == (status, doc["error"]["message"])
+    status, doc = await api.post("/api/iam/confirmations/list", "alice", {"status": "open"})
+    assert (400, "status") == (status, doc["error"]["details"]["field"])
+    assert doc["error"]["message"].endswith("give one of 'approved', 'denied', 'expired', 'pending'"), doc
+
+
 async def test_a_lease_out_of_bounds_is_refused_with_the_bounds_that_hold(api):
     for seconds, rule in ((0, "must be an integer >= 30"), (29, "must be an integer >= 30"),
                           (604801, "must be an integer <= 604800")):

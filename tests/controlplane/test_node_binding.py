@@ -161,6 +161,8 @@ async def test_a_failed_hand_over_fails_the_create_as_the_platforms_doing_and_bi
     assert ("released", "failed", "platform", "handover_failed") == (
         got["state"], op["status"], op["failure"]["actor"], op["failure"]["code"])
     assert "no such account" in op["failure"]["message"]
+    assert op["failure"]["next"].startswith("Nothing in your request needs to change: the node's message says what "
+                                            "its operator must fix. Create again with a new idempotency key")
     assert [] == api.cp.store.billing("acme")
 
 
@@ -350,7 +352,8 @@ def test_policy_tenant_root_defaults_and_its_rules(tmp_path):
         parse(json.dumps(metal_doc({"redfishUrl": "http://127.0.0.1:9", "systemId": "s",
                                     "credentialsFile": str(loose)})).encode())
     for root, where in (({"user": "Root!"}, "tenantRoot.user"), ({"turnaroundMinutes": 0}, "turnaroundMinutes"),
-                        ({"cleaning": "wipe"}, "tenantRoot.cleaning"),
+                        ({"cleaning": "wipe"}, "tenantRoot.cleaning: invalid enum value 'wipe': give one of "
+                                               "'inband', 'redfish'"),
                         ({"cleaning": "inband"}, "tenantRoot.bootOverride")):
         doc = metal_doc(None, **root)
         doc["nodes"].pop()
