@@ -84,12 +84,7 @@ class BindingController:
             metal = [b for b in bindings if b.kind == "node" and managed["node"]]
             others = [b for b in bindings if not managed.get(b.kind, False)]
             if self.nodes is not None:
-                node_reports = await asyncio.to_thread(self.nodes.reconcile, metal)
-                for report in node_reports:
-                    self.checkpoint.queue_report(report)
-                if self.nodes.handed_back:  # the hand-back's reports kept first, then its records dropped
-                    await asyncio.to_thread(self.checkpoint.save)
-                    await asyncio.to_thread(self.nodes.forget_handed_back)
+                await self._reconcile_nodes(metal)
             actual: dict[str, Have] = await asyncio.to_thread(self.binder.actual)
             if self.kubernetes is not None:
                 await self._reconcile_pods(pods, [b for b in others if b.reservationId not in actual])
@@ -128,6 +123,22 @@ class BindingController:
             if self.checkpoint.data.pendingReports:
                 self.on_reports()
             return outcomes
+
+    async def _reconcile_nodes(self, metal: list[Binding]) -> None:
+        """The node bindings: hand over, extend, take back. A hand-back's `unbound` is kept and sent before the
+        node is cleaned in band (the control plane shows it `cleaning` meanwhile), and a record is dropped only
+        once its reports are kept."""
+        assert self.nodes is not None
+        for report in await asyncio.to_thread(self.nodes.reconcile, metal):
+            self.checkpoint.queue_report(report)
+        if self.nodes.to_clean:
+            await asyncio.to_thread(self.checkpoint.save)
+            self.on_reports()
+            for report in await asyncio.to_thread(self.nodes.clean_handed_back):
+                self.checkpoint.queue_report(report)
+        if self.nodes.handed_back:
+            await asyncio.to_thread(self.checkpoint.save)
+            await asyncio.to_thread(self.nodes.forget_handed_back)
 
     async def _reconcile_pods(self, pods: list[Binding], fresh: list[Binding]) -> None:
         """The kubernetes bindings: advertise, report, and keep the bound ones in the checkpoint; `fresh` (other

@@ -104,6 +104,7 @@ class NodeBindings:
         self.keys = KeysDir(self.config.keys_dir, strict=self.config.strict_keys_dir)
         self.records: dict[str, Handed] = self._load()
         self.handed_back: set[str] = set()  # handed back by the last pass, their records kept until forgotten
+        self.to_clean: set[str] = set()  # of those, the ones whose in-band cleaning is still to run
 
     # ---- the records ----------------------------------------------------------------------------
     @property
@@ -132,7 +133,7 @@ class NodeBindings:
         worker thread)."""
         reports: list[Report] = []
         by_id = {b.reservationId: b for b in wanted}
-        for rid in [r for r in self.records if r not in by_id and r not in self.handed_back]:
+        for rid in [r for r in self.records if r not in by_id and r not in self.handed_back and r not in self.to_clean]:
             reports += self._hand_back(rid)
         for b in wanted:
             handed = self.records.get(b.reservationId)
@@ -226,13 +227,23 @@ class NodeBindings:
             return []
         log.info("node taken back", reservation_id=rid, user=handed.user, keys_removed=removed,
                  ended=[f"{e.pid} {e.comm} ({e.rule})" for e in ended][:50])
-        reports = [Report(reservationId=rid, status="unbound")]
-        if handed.cleaning == "inband":
-            reports.append(Report(reservationId=rid, status="cleaned", clean=self._clean(rid, handed)))
-        # The record stays until the caller has kept these reports (forget_handed_back): an agent killed between
-        # the two finds it again and hands the node back again (each step is idempotent), so the hand-back is
-        # never lost, nor, for redfish, the reset it leads to.
-        self.handed_back.add(rid)
+        # The record stays until the caller has kept the reports (forget_handed_back): an agent killed before
+        # finds it again and hands the node back again (each step is idempotent), so the hand-back is never lost,
+        # nor the cleaning, nor, for redfish, the reset it leads to. An in-band cleaning comes after the `unbound`
+        # report is sent (clean_handed_back), so the node shows `cleaning` while it is emptied.
+        (self.to_clean if handed.cleaning == "inband" else self.handed_back).add(rid)
+        return [Report(reservationId=rid, status="unbound")]
+
+    def clean_handed_back(self) -> list[Report]:
+        """The in-band cleanings of the nodes just handed back (blocking: run it in a worker thread, once their
+        `unbound` reports are on their way): each one's clean check, as `cleaned`."""
+        reports = []
+        for rid in sorted(self.to_clean):
+            handed = self.records.get(rid)
+            if handed is not None:
+                reports.append(Report(reservationId=rid, status="cleaned", clean=self._clean(rid, handed)))
+            self.handed_back.add(rid)
+        self.to_clean.clear()
         return reports
 
     def forget_handed_back(self) -> None:

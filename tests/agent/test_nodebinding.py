@@ -79,12 +79,14 @@ def test_a_node_is_handed_over_used_over_ssh_and_taken_back_clean(handover, sshd
         shell = int(read_line(session))
         mark = starttime_of(shell)
         reports = handover.reconcile([])  # released: no longer wanted here
-        assert ["unbound", "cleaned"] == [r.status for r in reports]
-        assert (True, ()) == (reports[1].clean.ok, reports[1].clean.differences)
+        assert ["unbound"] == [r.status for r in reports]  # sent first: the node shows `cleaning` while emptied
         session.wait(10)  # the tenant's session was closed
         assert gone(shell, mark)
         again = login(sshd_server, tenant_key[0])
         assert (255, True) == (again.returncode, "Permission denied" in again.stderr)
+        assert ["dataset"] == [p.name for p in handover.scratch_dir.iterdir()]  # not emptied yet
+        [cleaned] = handover.clean_handed_back()
+        assert ("cleaned", True, ()) == (cleaned.status, cleaned.clean.ok, cleaned.clean.differences)
         assert [] == list(handover.scratch_dir.iterdir())
         # the record stays until the reports are kept (the agent's checkpoint): killed now, an agent hands the
         # node back again (idempotent steps), so the hand-back, and a redfish reset after it, is never lost
@@ -92,7 +94,8 @@ def test_a_node_is_handed_over_used_over_ssh_and_taken_back_clean(handover, sshd
         assert [] == handover.reconcile([])  # in this agent: reported once
         restarted = NodeBindings(handover.state_path, handover.config, inventory=handover.inventory,
                                  rediscover=handover.rediscover, simulated_hugepages=True)
-        assert ["unbound", "cleaned"] == [r.status for r in restarted.reconcile([])]
+        assert ["unbound"] == [r.status for r in restarted.reconcile([])]
+        assert ["cleaned"] == [r.status for r in restarted.clean_handed_back()]
         restarted.forget_handed_back()
         assert {} == json.loads((handover.state_path / RECORDS_FILE).read_text())
         assert [] == NodeBindings(handover.state_path, handover.config, inventory=handover.inventory,
@@ -123,9 +126,10 @@ def test_a_node_left_changed_is_not_clean_and_says_how(handover, sshd_server, te
     assert gpus[1].migMode is not None and not gpus[1].migMode.current
     left = msgspec.structs.replace(gpus[1], migMode=MigMode(current=True, pending=True))
     handover.box["after"] = msgspec.structs.replace(before, gpus=(left, *gpus[2:]))
-    reports = handover.reconcile([])
-    clean = reports[-1].clean
-    assert ("cleaned", False) == (reports[-1].status, clean.ok)
+    handover.reconcile([])
+    [report] = handover.clean_handed_back()
+    clean = report.clean
+    assert ("cleaned", False) == (report.status, clean.ok)
     assert any(f"gpus[{gpus[0].uuid}] removed" in d for d in clean.differences), clean.differences
     assert "GPU 3: power limit not reset: no permission" in clean.differences  # what the reset hook said
     assert f"gpus[{gpus[1].uuid}].migMode.current: False -> True" in clean.differences
