@@ -30,6 +30,7 @@ TOLERANCE_PX = 2.5
 def browser(profile: Path):
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, for errors the page caused
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1500,1000",
                 f"--user-data-dir={profile}", "--no-first-run", "--no-default-browser-check", "--disable-extensions",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -169,7 +170,10 @@ async def test_the_calendar_shows_the_known_bookings_where_they_are_for_operator
 
             driver.find_element(By.ID, "logout").click()
             driver.get(url)
+            driver.get_log("browser")  # (read: what follows is the tenant's)
             page.sign_in(TOKENS["alice"], "tenant")
+            failed = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+            assert [] == failed  # a tenant's sign-in asks nothing that is refused (it used to probe the admin API)
             assert TOKENS["alice"] not in driver.current_url
             rows = page.rows()
             assert "free:h100" in rows and f"{node}/{running['placements'][0]['devices'][0]}" in rows

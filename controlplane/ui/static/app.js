@@ -415,17 +415,18 @@ async function load() {
   }
 }
 
-// Which view a token opens: the admin API answers the admin token and operators, and refuses a tenant's token
-// (403) or an unknown one (401, which the tenant API then refuses too).
+// Which view a token opens: whoami answers a tenant's token (so a tenant's sign-in asks nothing that fails, and
+// its console stays clean); it refuses the admin token and an operator's with 403, which the admin API answers;
+// an unknown token is 401 there, and shown.
 async function detectView() {
   try {
-    await post("/api/admin/pools/list", {});
-    return "operator";
+    await post("/api/iam/whoami", {});
+    return "tenant";
   } catch (err) {
-    if (!(err instanceof ApiError) || (err.status !== 401 && err.status !== 403)) throw err;
+    if (!(err instanceof ApiError) || err.status !== 403) throw err;
   }
-  await post("/api/compute/reservations/list", {limit: 1});
-  return "tenant";
+  await post("/api/admin/pools/list", {});
+  return "operator";
 }
 
 function showSignedIn(on) {
