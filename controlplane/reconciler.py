@@ -13,8 +13,9 @@ its cost follows the number of changes, not the number of live
 reservations; every transition is conditional on the state it leaves, so
 two reconcilers at once never move a reservation twice. The loop wakes on
 the earliest timer, on a tick, and when told (a fake clock moved, a node
-reported). A timer whose handling raises (a defect) is set aside for a
-minute and named in the log, and the pass runs again without it, so one
+reported). A timer whose handling raises a fault of its own (a defect; not
+the database's, which fails the pass for a tick) is set aside for a minute
+and named in the log, and the pass runs again without it, so one
 reservation's fault never stops the others' windows.
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Reconciler:
         self.transitions = 0
         self.failures = 0  # timers whose handling failed (each set aside, then tried again)
         self.set_aside: dict[tuple[str, str], int] = {}  # (kind, id) -> when it is tried again (domain time, ms)
-        self._current: tuple[str, str] | None = None  # the timer the pass is handling (named when it fails)
+        self._fault: tuple[str, str] | None = None  # the timer whose handling raised a fault of its own
         self.pass_took: Callable[[float], None] = lambda seconds: None  # each pass's duration, for /metrics
         # a node's cleaning past its time (controlplane/cleaning.py): True when that moved the node
         self.cleaning_overdue: Callable[[Tx, str, int], bool] = lambda tx, node_id, now: False
@@ -88,7 +89,7 @@ class Reconciler:
         try:
             moved, freed, more = await self.store.call(self._pass, background=True)
         except Exception:
-            failed, self._current = self._current, None
+            failed, self._fault = self._fault, None
             if failed is None:
                 raise
             # One reservation's (or node's) fault must not stop every other window from starting and ending: its
@@ -158,35 +159,44 @@ class Reconciler:
                     self.state.timers.add(again, kind, ident)  # its turn comes then
                     continue
                 del self.set_aside[(kind, ident)]
-            self._current = (kind, ident)
             if kind == RETRY:
                 retry_pools.append(ident)
                 continue
-            if kind == CLEANING:
-                moved += self.cleaning_overdue(tx, ident, now)
-                continue
-            res = tx.reservation(ident)
-            if res is None or (res.state in states.TERMINAL and res.hold is None):
-                continue
-            if kind == HOLD:
-                if res.hold is not None and res.hold.until <= now:
-                    moved += 1
-                    pool_id = self.moves.carry_on(tx, res, now)
-                    if pool_id is not None:
-                        freed.add(pool_id)
-                continue
-            if res.state in states.TERMINAL:
-                continue
-            if self._handle(tx, kind, res, now):
-                moved += 1
-                if res.state in states.TERMINAL:
-                    freed.add(res.pool_id)
+            moved += self._blamed(kind, ident, lambda: self._timer(tx, kind, ident, now, freed))
         for pool_id in retry_pools:
-            self._current = (RETRY, pool_id)
-            moved += len(self.moves.place_pending(tx, pool_id))
-        self._current = None
+            moved += self._blamed(RETRY, pool_id, lambda: len(self.moves.place_pending(tx, pool_id)))
         nxt = self.state.timers.next_due()
         return moved, freed, nxt is not None and nxt <= now
+
+    def _blamed(self, kind: str, ident: str, handle: Callable[[], int]) -> int:
+        """handle(); when it raises a fault of its own (not the database's: that is no one timer's), the timer is
+        named for run_once to set aside."""
+        try:
+            return handle()
+        except Exception as exc:
+            if not self.store.database_error(exc):
+                self._fault = (kind, ident)
+            raise
+
+    def _timer(self, tx: Tx, kind: str, ident: str, now: int, freed: set[str]) -> int:
+        """One due timer of a reservation (or, CLEANING, of a node): the reservations it moved (0 or 1)."""
+        if kind == CLEANING:
+            return int(self.cleaning_overdue(tx, ident, now))
+        res = tx.reservation(ident)
+        if res is None or (res.state in states.TERMINAL and res.hold is None):
+            return 0
+        if kind == HOLD:
+            if res.hold is None or res.hold.until > now:
+                return 0
+            pool_id = self.moves.carry_on(tx, res, now)
+            if pool_id is not None:
+                freed.add(pool_id)
+            return 1
+        if res.state in states.TERMINAL or not self._handle(tx, kind, res, now):
+            return 0
+        if res.state in states.TERMINAL:
+            freed.add(res.pool_id)
+        return 1
 
     def _handle(self, tx: Tx, kind: str, res: Reservation, now: int) -> bool:
         if kind == LEASE:

@@ -156,6 +156,9 @@ class Store(Reads, Protocol):
         """Bring the writer's memory up to what other writers committed (on_changed, or on_reset), after the jobs
         queued before; an engine with a write lock reads without it. With one writer there is nothing to read."""
 
+    def database_error(self, exc: BaseException) -> bool:
+        """Whether exc, raised inside a job, is the database's (unreachable, refusing, full), not the job's fault."""
+
     def close(self) -> None: ...
 
     # reads of committed data

@@ -123,6 +123,10 @@ class PgStore(WriterFront, CommittedReads):
         not another replica's)."""
         return self.writer.sent if self.writer else 0
 
+    @staticmethod
+    def database_error(exc: BaseException) -> bool:
+        return isinstance(exc, (*UNREACHABLE, *REFUSING, asyncpg.PostgresError))
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

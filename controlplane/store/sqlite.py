@@ -586,6 +586,10 @@ class SqliteStore(WriterFront, SqliteReads, CommittedReads):
     def events_numbered(self) -> int:
         return events_numbered(self.conn)
 
+    @staticmethod
+    def database_error(exc: BaseException) -> bool:
+        return isinstance(exc, sqlite3.Error)  # a full disk, an I/O error, a lock held too long
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

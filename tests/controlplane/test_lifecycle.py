@@ -5,6 +5,8 @@ import asyncio
 import dataclasses
 from decimal import Decimal
 
+import pytest
+
 from controlplane.reconciler import Reconciler
 from tests.controlplane.conftest import HOUR, T0
 
@@ -64,6 +66,34 @@ async def test_a_timer_whose_handling_fails_is_set_aside_and_the_other_windows_g
     assert "placed" == await states_of(api, bad["id"])  # set aside until then
     await api.settle(1)
     assert ("binding", {}) == (await states_of(api, bad["id"]), api.cp.reconciler.set_aside)
+
+
+async def test_a_database_error_met_handling_a_timer_is_no_fault_of_that_timer(api, monkeypatch):
+    """A full disk (or a database that went away) met while a window starts fails the pass, which the loop tries
+    again after a tick: the timer is not set aside for a minute nor counted as a defect."""
+    import sqlite3
+
+    import asyncpg
+
+    from controlplane.domain.errors import DomainError
+
+    res = (await api.create(key="w", start=T0 + HOUR, end=T0 + 2 * HOUR))[1]["reservation"]
+    moves = api.cp.reconciler.moves
+    start_binding = moves.start_binding
+    full = sqlite3.OperationalError("database or disk is full") if api.engine == "sqlite" else \
+        asyncpg.DiskFullError("could not extend file: No space left on device")
+
+    def once(tx, r, now):
+        monkeypatch.setattr(moves, "start_binding", start_binding)
+        raise full
+
+    monkeypatch.setattr(moves, "start_binding", once)
+    api.clock.advance(HOUR)
+    with pytest.raises(DomainError):
+        await api.cp.reconciler.run_once()
+    assert (0, {}) == (api.cp.reconciler.failures, api.cp.reconciler.set_aside)
+    await api.settle()  # the next pass
+    assert "binding" == await states_of(api, res["id"])
 
 
 async def test_a_lapsed_lease_releases_and_renew_moves_the_deadline(api):
