@@ -24,10 +24,19 @@ from agent.controller import BindingController
 from agent.metrics import AgentMetrics
 from agent.nodeclient import NodeApiError, NodeClient, Unauthorized, Unreachable
 from common.inventory import Inventory
+from common.nodewire import Report
 
 log = structlog.get_logger("berth.agent")
 
 REPORT_BATCH = 500  # the node API takes at most 1000 reports per call
+
+
+def next_batch(pending: list[Report]) -> list[Report]:
+    """The reports of the next call, in queue order: `waiting` reports go in calls of their own, after the others,
+    since a replica of an earlier release (behind the same balancer as one that takes them, in a rolling upgrade)
+    refuses a whole call for a status it does not know, and a refused call is dropped."""
+    others = [r for r in pending if r.status != "waiting"]
+    return (others or pending)[:REPORT_BATCH]
 
 
 def heartbeat_interval(heartbeat_s: float | None, grace_s: float | None) -> float:
@@ -213,7 +222,8 @@ class ControlPlaneLink:
             if not pending or self.client.token is None:
                 continue
             token = self.client.token
-            pending = pending[:REPORT_BATCH]
+            pending = next_batch(pending)
+            others = pending[0].status != "waiting"
             try:
                 ans = await self.client.report(pending)
             except Unauthorized:
@@ -223,8 +233,12 @@ class ControlPlaneLink:
             except (Unreachable, NodeApiError) as exc:
                 if isinstance(exc, NodeApiError) and exc.status in (400, 404, 413, 422):
                     # the control plane will never take these as they are: say so once, do not loop on them
-                    self.log.error("reports refused by the control plane; dropped", error=str(exc),
-                                   reservations=[r.reservationId for r in pending])
+                    if not others:  # only `waiting` reports: a replica of an earlier release
+                        self.log.warning("waiting reports refused by the control plane (an earlier release?); "
+                                         "dropped", reservations=[r.reservationId for r in pending])
+                    else:
+                        self.log.error("reports refused by the control plane; dropped", error=str(exc),
+                                       reservations=[r.reservationId for r in pending])
                     ans = None
                 else:
                     delay = backoff.next()

@@ -429,3 +429,16 @@ def test_metrics_render_in_the_prometheus_text_format():
             'berth_agent_binding_operation_seconds_count{operation="unbind"}': 2} == ops
     assert 0.06 == pytest.approx(s['berth_agent_binding_operation_seconds_sum{operation="unbind"}'])
     assert not any(k.endswith("_created") for k in s)
+
+
+def test_waiting_reports_go_in_calls_of_their_own_after_the_others():
+    """A replica of an earlier release refuses a whole report call for a status it does not know (and a refused
+    call is dropped): `waiting` never rides with a bound, unbound or held report, and waits for them to go first."""
+    from agent.link import REPORT_BATCH, next_batch
+    from common.nodewire import Report
+
+    queue = [Report("r1", "waiting", holders=("ns/p",)), Report("r2", "bound"), Report("r3", "waiting"),
+             Report("r4", "unbound")]
+    assert ["r2", "r4"] == [r.reservationId for r in next_batch(queue)]
+    assert ["r1", "r3"] == [r.reservationId for r in next_batch([queue[0], queue[2]])]
+    assert REPORT_BATCH == len(next_batch([Report(f"r{i}", "bound") for i in range(REPORT_BATCH + 5)]))
