@@ -391,7 +391,7 @@ class FleetService:
         node = catalog.nodes.get(node_id)
         if node is None:
             raise not_found("node", node_id, field="nodeId")
-        after = node_states.apply(action, node.state)
+        after = node_states.apply(action, node.state, node.cleaning.before if node.cleaning else node_states.READY)
         if isinstance(after, node_states.Refusal):
             nxt = f"berth admin nodes {after.next} {node_id}" if after.next not in ("", "wait") else after.next or None
             raise DomainError(INVALID_STATE, f"{action} {node_id}: {after.message}",

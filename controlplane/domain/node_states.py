@@ -46,21 +46,24 @@ TABLE: dict[str, dict[str, str]] = {
 }
 
 REFUSED: dict[tuple[str, str], tuple[str, str]] = {
-    (UNCORDON, CLEANING): ("wait", "the node is being cleaned: it returns to ready (or maintenance) when cleaning ends"),
+    (UNCORDON, CLEANING): ("wait", "the node is being cleaned: when clean it returns to {returns_to} (to "
+                                   "maintenance if the cleaning fails)"),
     (UNCORDON, MAINTENANCE): ("clear", "the node is in maintenance: clear it to make it ready"),
     (CLEAR, CORDONED): ("uncordon", "the node is cordoned, not in maintenance: uncordon it"),
     (CLEAR, DRAINING): ("uncordon", "the node is draining, not in maintenance: uncordon it"),
-    (CLEAR, CLEANING): ("wait", "the node is being cleaned: it returns to ready (or maintenance) when cleaning ends"),
+    (CLEAR, CLEANING): ("wait", "the node is being cleaned: when clean it returns to {returns_to} (to maintenance "
+                                "if the cleaning fails)"),
 }
 
 
-def apply(action: str, state: str) -> str | Refusal:
-    """The state after `action` on a node in `state`, or the refusal saying what to do instead."""
+def apply(action: str, state: str, returns_to: str = READY) -> str | Refusal:
+    """The state after `action` on a node in `state`, or the refusal saying what to do instead (`returns_to`: the
+    state a node being cleaned returns to when clean)."""
     after = TABLE[action].get(state)
     if after is not None:
         return after
     nxt, message = REFUSED.get((action, state), ("", f"{action} does not apply to a {state} node"))
-    return Refusal(state, nxt, message)
+    return Refusal(state, nxt, message.format(returns_to=returns_to))
 
 
 def shown(stored: str, lost: bool) -> str:

@@ -312,6 +312,10 @@ async def test_a_cordon_or_drain_given_while_the_node_is_cleaned_is_what_it_retu
     cordoned = [e for e in await fleet_events(api) if e["type"] == "node.cordoned"]
     assert [("cleaning", "cordoned", "PSU")] == [(e["data"]["state"], e["data"]["returnsTo"], e["data"]["reason"])
                                                  for e in cordoned]
+    status, refused = await api.post("/api/admin/nodes/uncordon", ADMIN, {"nodeId": node["nodeId"]})
+    assert (409, "wait") == (status, refused["error"]["details"]["next"])
+    assert refused["error"]["message"].endswith("the node is being cleaned: when clean it returns to cordoned (to "
+                                                "maintenance if the cleaning fails)"), refused
     await node_call(api, "report", node["nodeToken"], {"reports": [
         {"reservationId": res["id"], "status": "cleaned", "clean": {"ok": True}}]})
     assert "cordoned" == (await node_state(api, node["nodeId"]))["state"]  # it used to come back ready
