@@ -49,7 +49,7 @@ async def api_middleware(request: web.Request, handler):
         if request.path.startswith(TENANT_PATHS):
             principal = request["principal"] = principal_of(request, cp.tokens, cp.catalog.current.principals)
             if request.path in MUTATIONS:
-                manage_access(principal, cp.catalog.current.principals, request.path.rsplit('/', 1)[-1])
+                manage_access(principal, cp.catalog.current.principals, request.path)
         return await handler(request)
 
     conn = guard.begin(request)

@@ -91,9 +91,13 @@ def admin_of(request: web.Request, tokens: Tokens, principals, takes: str = ADMI
         raise refused_token(found, principals, takes)
 
 
-def manage_access(principal: Principal, principals: Mapping[str, Principal], method: str) -> None:
-    """COMPUTE_ACCESS_REQUIRED unless the caller may change things: its token's scope is manage and, for an agent,
-    so is the scope of the user it acts for (an agent has no more access than that user)."""
+def manage_access(principal: Principal, principals: Mapping[str, Principal], path: str) -> None:
+    """COMPUTE_ACCESS_REQUIRED unless the caller may change things (`path`: the mutation's): its token's scope is
+    manage and, for an agent, so is the scope of the user it acts for (an agent has no more access than that
+    user). Every create passes here: the method's name is made only for a refusal."""
+    if principal.scope == "manage" and (principal.kind != "agent" or not principal.delegated_by):
+        return
+    method = path.rsplit("/", 1)[-1]
     if principal.scope != "manage":
         raise DomainError(COMPUTE_ACCESS_REQUIRED, f"{principal.id}'s token has {principal.scope} access: {method} "
                           "needs Compute Manage access; use a token with scope manage",
