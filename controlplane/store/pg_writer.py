@@ -21,7 +21,8 @@ import structlog
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import DomainError
 from controlplane.store.groups import COMMIT_WAIT_S, Appends, resolve, run_hooks, unavailable
-from controlplane.store.pg_connect import REFUSING, UNREACHABLE, WRITER, WRITER_COMMITS, WRITER_READS, Connector, Session
+from controlplane.store.pg_connect import (REFUSING, UNREACHABLE, WRITER, WRITER_COMMITS, WRITER_READS, Connector,
+                                           Session)
 from controlplane.store.pg_sql import (BEGUN, CATALOG_CHANGED_SINCE, CHANGED_SINCE, CHANGES, COMMIT_GROUP,
                                        LIVE_BOOKINGS_OF, LOCKED, SPECULATED, TOKENS, WHOLE_READS, WRITER_SETTINGS,
                                        PgAppends)
