@@ -28,7 +28,7 @@ from berth.cli.render import (LISTED_STATES, column_widths, condition_text, list
                               render_quote, render_reservation, render_tenant, render_tenants, render_usage,
                               render_whoami, table, when)
 from berth.client import (WAIT_STEP_MS, AccessDenied, BerthError, Condition, EventPage, NotFound, Operation,
-                          Reservation, ReservationPage, now_ms)
+                          ProviderUnavailable, Reservation, ReservationPage, TransportError, now_ms)
 
 
 def wire(answer: Any) -> Any:
@@ -85,18 +85,30 @@ async def cmd_list(ctx: Context, argv: Sequence[str]) -> int:
     return await _watch(ctx, page, cursor)
 
 
+FOLLOW_RETRY_MAX_S = 10.0  # a follow or a watch outlives a control plane that is away: tries again this often
+
+
 async def _next_events(ctx: Context, cursor: int | None, limit: int) -> EventPage:
-    """One long poll of a follow or a watch. A cursor past the control plane's events goes on from where they now
-    end: the events up to there are the copy's, seen already; those after it are new."""
-    try:
-        return await ctx.client.list_events(after=cursor, limit=limit, wait_ms=FOLLOW_WAIT_MS)
-    except BerthError as err:
-        newest = events_end(err)
-        if newest is None:
-            raise
-        ctx.say(f"the control plane's events now end at {newest} (its database was restored or failed over): "
-                "going on from there")
-        return await ctx.client.list_events(after=newest, limit=limit, wait_ms=FOLLOW_WAIT_MS)
+    """One long poll of a follow or a watch. A control plane that does not answer (restarting, upgraded, its
+    database away) is tried again until it does, however long, as a follow runs until Ctrl-C. A cursor past the
+    control plane's events goes on from where they now end: the events up to there are the copy's, seen already;
+    those after it are new."""
+    delay = 0.5
+    while True:
+        try:
+            return await ctx.client.list_events(after=cursor, limit=limit, wait_ms=FOLLOW_WAIT_MS)
+        except (TransportError, ProviderUnavailable) as err:
+            ctx.say(f"berth: {err.code}: {err.message}; trying again in {delay:g} s, from after "
+                    f"{cursor if cursor is not None else 'the start'} (Ctrl-C to stop)")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, FOLLOW_RETRY_MAX_S)
+        except BerthError as err:
+            newest = events_end(err)
+            if newest is None:
+                raise
+            ctx.say(f"the control plane's events now end at {newest} (its database was restored or failed over): "
+                    "going on from there")
+            cursor = newest
 
 
 async def _end_of_events(ctx: Context) -> int | None:

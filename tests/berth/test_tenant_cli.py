@@ -753,6 +753,47 @@ def test_events_follow_goes_on_from_where_the_events_now_end(server, config_home
     assert "events now end at" in follow.stderr.read().decode()
 
 
+def test_events_follow_outlives_a_control_plane_that_is_away_and_skips_nothing(tmp_path, config_home):
+    """A follow runs until Ctrl-C: a control plane killed and back seconds later (its retries spent, even with
+    --retries 0) is tried again until it answers, from the last event printed, so nothing is skipped or repeated.
+    It used to exit 5 after some 4 seconds, with a retry line that dropped its cursor."""
+    import socket
+
+    from tests.controlplane.conftest import bootstrap_doc
+    from tests.serverproc import ServerProcess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    boot = tmp_path / "b.json"
+    boot.write_text(json.dumps(bootstrap_doc()))
+    served = lambda: ServerProcess(tmp_path / "cp.db", boot, ["--listen", f"127.0.0.1:{port}"]).start()  # noqa: E731
+    server = served()
+    with c.Client(server.url, TOKENS["alice"]) as alice:
+        alice.create("h100", "H100_80GB", gpu_count=1, duration_hours=1)
+    follow = start_berth(server, config_home, "events", "list", "--follow", "--json", "--retries", "0")
+    lines = Lines(follow)
+    try:
+        seqs = [lines.next_json()["seq"]]
+        server.kill()
+        time.sleep(3)  # away: the follow keeps trying
+        assert follow.poll() is None, follow.stderr.read()
+        server = served()
+        with c.Client(server.url, TOKENS["alice"]) as alice:
+            second = alice.create("h100", "H100_80GB", gpu_count=1, duration_hours=1)
+        while True:  # (the first one's window started: its binding may come before)
+            got = lines.next_json(within=20)
+            seqs.append(got["seq"])
+            if (got["reservationId"], got["type"]) == (second.id, "reservation.placed"):
+                break
+        assert list(range(1, len(seqs) + 1)) == seqs  # none skipped, none repeated
+    finally:
+        code = interrupt(follow)
+        server.stop()
+    assert advice.EXIT_INTERRUPTED == code
+    assert "trying again in" in follow.stderr.read().decode()
+
+
 # ---- discover: pools and whoami ------------------------------------------------------------------------
 
 def test_pools_list_and_get_show_what_can_be_booked_and_what_is_free(berth):
