@@ -38,15 +38,18 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
         return EXIT_USAGE
     forced = forced_tty(env)
     output = args.output or ("table" if forced or out.isatty() else "json")
+    progress = forced or err.isatty()
+
     def retrying(attempt: int, error: BerthError, delay: float) -> None:
         cause = error.details.get("cause") or error.code
         same = "the same idempotency key" if args.group == "reservations" and args.command == "create" else "the same request"
-        print(f"berth: {cause}; retrying in {delay:.1f}s with {same} (attempt {attempt + 1} of {args.retries + 1})",
-              file=err)
+        clear = "\r\033[K" if progress else ""  # a spinner's line (operations wait) is cleared first, not appended to
+        print(f"{clear}berth: {cause}; retrying in {delay:.1f}s with {same} (attempt {attempt + 1} of "
+              f"{args.retries + 1})", file=err)
 
     client = AsyncClient.from_settings(settings, retries=max(0, args.retries), timeout=args.request_timeout,
                                        user_agent=f"berth-cli/{VERSION}", on_retry=retrying, ssl_context=ssl_context)
-    ctx = Context(args, settings, client, out, err, output, progress=forced or err.isatty(),
+    ctx = Context(args, settings, client, out, err, output, progress=progress,
                   width=terminal_width(out, env))
     if args.group == "reservations" and args.command == "create":
         # an empty --idempotency-key (an unset shell variable) is sent, and refused: never a fresh key silently

@@ -300,7 +300,10 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
 def report_refusal(ctx: Context, err: BerthError, argv: Sequence[str]) -> int:
     code = exit_code_of(err)
     if ctx.structured:
-        ctx.emit({"error": {"code": err.code, "message": err.message, "details": err.details}}, "")
+        envelope = {"error": {"code": err.code, "message": err.message, "details": err.details}}
+        streaming = getattr(ctx.args, "follow", False) or getattr(ctx.args, "watch", False)
+        # a stream's records are one line each (--follow --json): its last one, the refusal, too
+        (ctx.emit_record if streaming else ctx.emit)(envelope, "")
     status = f" (HTTP {err.status})" if err.status else ""
     ctx.say(f"berth: {err.code}{status}: {humane(err.message)}")
     for line in advice(ctx, err, argv):

@@ -417,6 +417,16 @@ def test_an_unreachable_server_is_retried_then_exits_5_with_the_key_to_retry(ber
     assert "--idempotency-key cli-" in run.line("next: retry with the same key:")
 
 
+def test_on_a_terminal_a_retry_notice_clears_the_line_a_spinner_may_be_drawing(berth, unused_tcp_port):
+    """operations wait draws its spinner on one line without a newline: a retry notice printed after it must not
+    run on from it (the line grew past the terminal's width)."""
+    run = berth("reservations", "list", "--retries", "1", url=f"http://127.0.0.1:{unused_tcp_port}",
+                env={"BERTH_FORCE_TTY": "1"})
+    assert "\x1b[Kberth: " in run.err and "retrying in" in run.err, repr(run.err)  # (\r read as a newline)
+    plain = berth("reservations", "list", "--retries", "1", url=f"http://127.0.0.1:{unused_tcp_port}")
+    assert "\x1b[" not in plain.err  # not on a terminal: no control characters
+
+
 def test_provider_unavailable_advice_keeps_the_key_and_the_reference():
     args = build_parser().parse_args(["reservations", "create", *ONE, "--idempotency-key", "k-1"])
     ctx = tenant_cli.Context(args, c.Settings("http://x", "t", {"url": "env BERTH_URL"}), None, sys.stdout,  # type: ignore[arg-type]
@@ -751,6 +761,14 @@ def test_events_follow_goes_on_from_where_the_events_now_end(server, config_home
         code = interrupt(follow)
     assert advice.EXIT_INTERRUPTED == code
     assert "events now end at" in follow.stderr.read().decode()
+
+
+def test_a_follow_in_json_ends_its_stream_with_the_refusal_on_one_line(berth):
+    """--follow --json prints one JSON document per line: a refusal that ends it is one line too, so a reader
+    of the stream line by line reads it (it used to be indented over a dozen lines)."""
+    run = berth("events", "list", "--follow", "--json", "--reservation", "rsv_nope")
+    assert (3, 1) == (run.code, len(run.out.splitlines())), run.out
+    assert "NOT_FOUND" == json.loads(run.out)["error"]["code"]
 
 
 def test_events_follow_outlives_a_control_plane_that_is_away_and_skips_nothing(tmp_path, config_home):
