@@ -287,10 +287,11 @@ class KubernetesBindings:
         try:
             outcome = await api[1].evict_async(namespace, name)
         except KubeletError as exc:
-            if self._why.get(pod) != f"its eviction failed ({exc}); retried":
+            why = f"its eviction failed ({exc}); retried"
+            if self._why.get(pod) != why:
                 self.log.error("eviction failed", pod=pod, error=str(exc))
-            self._why[pod] = f"its eviction failed ({exc}); retried"
-            self._retry_at = self._retry_at or time.monotonic() + EVICTION_RETRY_S
+            self._why[pod] = why
+            self._retry_later()
             return False
         if outcome == "evicted":
             if pod not in self._evicted:
@@ -298,8 +299,12 @@ class KubernetesBindings:
             self._why[pod] = "evicted, stopping"
         elif outcome == "blocked":
             self._in_the_way(pod, "its disruption budget does not allow an eviction now; retried until it does")
-            self._retry_at = self._retry_at or time.monotonic() + EVICTION_RETRY_S
+            self._retry_later()
         return outcome == "evicted"
+
+    def _retry_later(self) -> None:
+        """The refused evictions are tried again EVICTION_RETRY_S after the first refusal (watch_holds)."""
+        self._retry_at = self._retry_at or time.monotonic() + EVICTION_RETRY_S
 
     def _in_the_way(self, pod: str, why: str) -> None:
         """Say once, for the operator, why a pod still holds devices a booking has started on."""

@@ -131,14 +131,15 @@ class Cleaner:
             return
         self._asking.add((node_id, reservation_id))
         try:
-            await self._ask_reset(node, node_id, reservation_id)
+            await self._ask_reset(node, reservation_id)
         finally:
             self._asking.discard((node_id, reservation_id))
 
-    async def _ask_reset(self, node: Node, node_id: str, reservation_id: str) -> None:
+    async def _ask_reset(self, node: Node, reservation_id: str) -> None:
         from controlplane.bmc import Bmc, BmcError  # sushy is imported only where a node is reset
 
         assert node.bmc is not None
+        node_id = node.id
         pool = self.catalog.current.pools.get(node.pool_id)
         override = (pool.policy.boot_override if pool else "") or None
         try:

@@ -173,10 +173,8 @@ def _choices_at(schema: type, path: str) -> tuple:
 
     node: Any = mi.type_info(schema)
     for step in re.findall(r"[^.\[\]]+|\[\d+\]", path):
-        for _ in range(2):  # through an optional (X | None, bool | Struct) to the struct or list inside
-            if isinstance(node, mi.UnionType):
-                node = next((t for t in node.types if isinstance(t, (mi.StructType, mi.ListType, mi.DictType,
-                                                                     mi.LiteralType))), None)
+        if isinstance(node, mi.UnionType):  # an optional (X | None, bool | Struct): the struct or list inside
+            node = next((t for t in node.types if isinstance(t, (mi.StructType, mi.ListType, mi.DictType))), None)
         if step.startswith("["):
             node = node.item_type if isinstance(node, mi.ListType) else None
         elif isinstance(node, mi.StructType):

@@ -33,6 +33,7 @@ UNREACHABLE = (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
 # the group is given up as for an unreachable database, not taken for a fault of the job.
 REFUSING = (asyncpg.ReadOnlySQLTransactionError, asyncpg.InsufficientResourcesError,
             asyncpg.OperatorInterventionError, asyncpg.PostgresSystemError)
+AWAY = (*UNREACHABLE, *REFUSING)  # either: PROVIDER_UNAVAILABLE naming the error, never a fault of Berth's
 
 
 def cannot_connect(exc: BaseException, dsn: str = "") -> str:

@@ -21,8 +21,7 @@ import structlog
 from controlplane.domain.clock import Clock
 from controlplane.domain.errors import DomainError
 from controlplane.store.groups import COMMIT_WAIT_S, Appends, resolve, run_hooks, unavailable
-from controlplane.store.pg_connect import (REFUSING, UNREACHABLE, WRITER, WRITER_COMMITS, WRITER_READS, Connector,
-                                           Session)
+from controlplane.store.pg_connect import AWAY, WRITER, WRITER_COMMITS, WRITER_READS, Connector, Session
 from controlplane.store.pg_sql import (BEGUN, CATALOG_CHANGED_SINCE, CHANGED_SINCE, CHANGES, COMMIT_GROUP,
                                        LIVE_BOOKINGS_OF, LOCKED, SPECULATED, TOKENS, WHOLE_READS, WRITER_SETTINGS,
                                        PgAppends)
@@ -821,7 +820,7 @@ class Writer:
             try:
                 value = fn(tx)
             except BaseException as exc:  # noqa: BLE001 - every job gets an answer
-                if isinstance(exc, (*UNREACHABLE, *REFUSING)):
+                if isinstance(exc, AWAY):
                     raise  # the database's state, not the job's fault: the group is given up (_give_up)
                 if tx.dirty:  # the memory holds what the job did before it failed: the group is undone
                     raise Midway(job, _as_answer(fn, exc)) from exc

@@ -52,7 +52,7 @@ import asyncpg
 
 from controlplane.store import pg_schema
 from controlplane.store.groups import COMMIT_WAIT_S, WriterFront, unavailable
-from controlplane.store.pg_connect import (MIGRATE, READ_POOL, READS, SERVER_SETTINGS, REFUSING, UNREACHABLE, Connector,
+from controlplane.store.pg_connect import (MIGRATE, READ_POOL, READS, SERVER_SETTINGS, AWAY, UNREACHABLE, Connector,
                                            cannot_connect)
 from controlplane.store.pg_tx import PgTx
 from controlplane.store.pg_writer import Writer
@@ -125,7 +125,7 @@ class PgStore(WriterFront, CommittedReads):
 
     @staticmethod
     def database_error(exc: BaseException) -> bool:
-        return isinstance(exc, (*UNREACHABLE, *REFUSING, asyncpg.PostgresError))
+        return isinstance(exc, (*UNREACHABLE, asyncpg.PostgresError))  # (REFUSING's are PostgresErrors too)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -153,7 +153,7 @@ class PgStore(WriterFront, CommittedReads):
             self.stalled = True
             self._hear_again()
             raise unavailable(f"the database did not answer within {READ_ON_LOOP_S:g} s; retry shortly") from None
-        except (*UNREACHABLE, *REFUSING) as exc:
+        except AWAY as exc:
             raise unavailable(f"the database is unavailable ({type(exc).__name__}); retry shortly") from None
 
     def _hear_again(self) -> None:
@@ -172,7 +172,7 @@ class PgStore(WriterFront, CommittedReads):
         """As read(), awaited: the API's loop goes on meanwhile."""
         try:
             return await asyncio.wrap_future(self.connector.submit(self._on_pool(fn)))
-        except (*UNREACHABLE, *REFUSING) as exc:
+        except AWAY as exc:
             raise unavailable(f"the database is unavailable ({type(exc).__name__}); retry shortly") from None
 
     def _fetchrow(self, sql: str, *args) -> Any:
