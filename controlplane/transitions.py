@@ -314,10 +314,13 @@ class Transitions:
         old = res.state
         target = states.CANCELLED if old == states.PENDING or reason in ("cancel", "expired") else states.RELEASED
         held = res.binding == "kubernetes" and bool(res.bound) and reason != "node-lost" and res.end is not None
-        if old == states.ACTIVE and held and now < res.end:
-            res.held_from = now  # the devices stay booked and billed, as held time, until the pods let go
+        # billing stops where the tenant's time did: a lease at its deadline, even when its lapse is seen late (a
+        # control plane that was down), as a window at its end
+        stop = min(now, res.lease_deadline) if reason == "lease-lapsed" and res.lease_deadline is not None else now
+        if old == states.ACTIVE and held and stop < res.end:
+            res.held_from = stop  # the devices stay booked and billed, as held time, until the pods let go
         elif old == states.ACTIVE:  # confirmed release: billing stops, at the window's end at the latest
-            res.billing_end = min(now, res.end) if res.end is not None else now
+            res.billing_end = min(stop, res.end) if res.end is not None else stop
             tx.bill_until(res.id, res.billing_end)
         if held:
             self._hold(res, now)
@@ -345,6 +348,10 @@ class Transitions:
             create_op.status = "cancelled" if actor == "customer" else "failed"
             create_op.updated_at = now
             create_op.failure = ending_failure(reason, actor)
+        for ext in res.operations:  # an extension the nodes had not applied yet: the end overtook it
+            if ext.kind == "extend" and ext.status == "running":
+                ext.status, ext.updated_at = ("cancelled" if actor == "customer" else "failed"), now
+                ext.failure = overtaken_extension(reason, actor)
         op = None
         if kind is not None:
             op = res.add_operation(kind, "running" if res.bound else "succeeded", now)
@@ -539,6 +546,14 @@ class Transitions:
                 op.status, op.updated_at = "succeeded", now
         if not res.bound and res.state in states.TERMINAL:  # an end with no operation (the window's, a lapse)
             res.clear_condition("DevicesBound")  # Unbinding is over: no node holds the devices
+
+
+def overtaken_extension(reason: str, actor: str) -> Failure:
+    """An extend still running (a node had not applied the new end) when the reservation ended."""
+    return Failure(f"reservation_ended:{reason}", actor,
+                   f"The reservation ended ({reason}) before every node applied the new end. Billing stopped when it "
+                   "ended.", "Nothing to undo. Create a new reservation, with a new idempotency key, if you still "
+                   "need the devices.")
 
 
 def ending_failure(reason: str, actor: str) -> Failure:

@@ -61,6 +61,21 @@ async def test_a_refused_create_has_no_operation_and_a_cancelled_one_says_who(ap
     assert doc["operation"]["status"] == "cancelled" and doc["operation"]["failure"]["actor"] == "customer"
 
 
+async def test_an_extension_a_release_overtook_before_the_nodes_applied_it_is_cancelled_not_succeeded(api):
+    res = await make_active(api, key="x", gpuCount=1, durationHours=1)
+    ext = (await api.ok("extend", "alice", {"reservationId": res["id"], "by": HOUR}))["operation"]
+    assert (ext["kind"], ext["status"]) == ("extend", "running")  # the node has not applied the new end
+    await api.ok("release", "alice", {"reservationId": res["id"]})
+    nodes = {n["nodeId"]: n for n in [await register(api, "h1.test"), await register(api, "h2.test")]}
+    node = nodes[res["placements"][0]["nodeId"]]  # its agent reports the devices unbound
+    await node_call(api, "report", node["nodeToken"], {"reports": [{"reservationId": res["id"], "status": "unbound"}]})
+    assert (await api.ok("get", "alice", {"reservationId": res["id"]}))["operation"]["status"] == "succeeded"
+    status, doc = await api.post("/api/compute/operations/get", "alice", {"operationId": ext["id"]})
+    op = doc["operation"]
+    assert (op["status"], op["errorMessage"], op["failure"]["actor"]) == (
+        "cancelled", "reservation_ended:release", "customer"), op
+
+
 # ---- quotes and prices ------------------------------------------------------------------
 
 async def quote(api, who="alice", **fields):
@@ -185,6 +200,19 @@ async def test_billing_runs_from_active_to_release_prorated_to_the_second(api):
     doc = await usage(api)
     [line] = doc["lines"]
     assert line["seconds"] == 5401 and line["amountUsd"] == "7.501389" and doc["totalUsd"] == "7.501389"
+
+
+async def test_a_lease_that_lapsed_while_nobody_looked_bills_until_its_deadline(api):
+    """A control plane that was down when a lease lapsed sees the lapse at its restart: billing stops at the
+    deadline, as it stops at a window's end seen late, not at the moment the lapse was seen."""
+    res = await make_active(api, key="lease", gpuCount=1, durationHours=2, leaseSeconds=60)
+    bound_at = api.clock.now_ms
+    api.clock.advance(45 * 60_000)  # nobody ran the timers meanwhile
+    await api.settle()
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert (got["state"], got["reason"]) == ("released", "lease-lapsed")
+    [line] = (await usage(api))["lines"]
+    assert (line["from"], line["to"]) == (bound_at, res["leaseDeadline"]) and line["seconds"] == 60
 
 
 async def test_a_create_that_never_became_active_bills_nothing(api):
