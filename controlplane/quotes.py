@@ -26,7 +26,7 @@ from controlplane.domain.errors import NO_CAPACITY, PRICE_CHANGED, QUOTE_EXPIRED
 from controlplane.domain.model import Principal, Tenant
 from controlplane.domain.placement import earliest_start, place
 from controlplane.domain.preemption import would_preempt
-from controlplane.domain.pricing import exposure, money
+from controlplane.domain.pricing import money, prorated
 from controlplane.state import WriterState
 from controlplane.store.port import Reads, Store
 from controlplane.transitions import CatalogRef
@@ -192,7 +192,7 @@ class Quotes:
             "gpuCount": plan.gpu_count, "nodeCount": plan.node_count, "resources": plan.resources.to_wire(),
             "totalRunningUsdPerHour": doc.hourly_usd,
             "windowHours": window_ms(plan) / 3_600_000,
-            "totalUsd": money(exposure(plan.hourly_usd, window_ms(plan))),
+            "totalUsd": money(prorated(plan.hourly_usd, window_ms(plan))),
             "earliestStart": start, "fitsNow": start is not None and start <= now, "preemptsSpot": preempts,
             "confirmation": confirmation,
             "alternatives": self.alternatives(tenant, req, now),

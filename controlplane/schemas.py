@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from common.money import parse_money
 from common.sshkeys import SshKeyError, parse_public_key
 from controlplane.commands import Create, Extend, ListQuery
 from controlplane.domain.admission import CreateRequest, ResourcesAsk
@@ -18,7 +19,7 @@ from controlplane.domain.clock import HOUR_MS
 from controlplane.domain.errors import DomainError, INVALID_INPUT
 from controlplane.domain.ids import fingerprint
 from controlplane.domain.model import Bound, Operation, Reservation
-from controlplane.domain.pricing import money, parse_money
+from controlplane.domain.pricing import money
 from controlplane.domain.states import PUBLIC_STATES, TERMINAL
 
 Id = Annotated[str, Meta(min_length=1, max_length=128)]

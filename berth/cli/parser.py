@@ -4,11 +4,11 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import Field, fields
-from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Sequence
 
 from berth.client import ReservationRequest, now_ms, parse_duration_ms, parse_time
-from common import argtypes
+from common import argtypes, money
+from common.money import parse_money
 
 DEFAULT_WAIT_S = 600
 OUTPUTS = ("table", "wide", "json", "yaml")  # -o: table and wide for people, json and yaml for programs
@@ -29,12 +29,9 @@ def _time_of(now: int) -> Callable[[str], int]:
 
 
 def _price_text(text: str) -> str:
-    try:
-        amount = Decimal(text)
-    except InvalidOperation:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a decimal price in USD per hour, e.g. 3.420000") from None
-    if not amount.is_finite() or amount < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a non-negative decimal price, e.g. 3.420000")
+    """Sent as written, so it must be the wire's money: a typo such as 1e3 is not quietly a $1000/hr ceiling."""
+    if parse_money(text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a price in USD per hour in {money.RULE}")
     return text
 
 

@@ -15,6 +15,8 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from common import money
+from common.money import parse_money
 from common.times import iso
 
 
@@ -87,16 +89,14 @@ def iso_ms(ms: int) -> str:
 
 
 def price_text(value: Decimal | str | int) -> str:
-    """A price for the wire: a decimal string (the server allows at most six decimals)."""
+    """A price for the wire: a string is sent as written, so it must already be the wire's money (common.money);
+    a Decimal or int is written out in plain digits."""
     if isinstance(value, float):
         raise TypeError("prices are Decimal or str, never float")
-    try:
-        amount = Decimal(str(value))
-    except InvalidOperation:
-        raise ValueError(f"{value!r} is not a decimal price, e.g. 3.420000") from None
-    if not amount.is_finite():
-        raise ValueError(f"{value!r} is not a decimal price, e.g. 3.420000")
-    return format(amount, "f")
+    text = value if isinstance(value, str) else format(Decimal(value), "f") if isinstance(value, (Decimal, int)) else None
+    if text is None or parse_money(text) is None:
+        raise ValueError(f"{value!r} is not a price: give {money.RULE}")
+    return text
 
 
 def _f(wire: str, help: str, *, flag: str | None = None, metavar: str | None = None, kind: str = "plain",

@@ -22,7 +22,8 @@ from controlplane.api.body import read_checked, read_json
 from controlplane.api.errors import json_response
 from controlplane.domain import node_states
 from controlplane.domain.errors import invalid
-from controlplane.domain.pricing import money, parse_money
+from common.money import parse_money
+from controlplane.domain.pricing import money
 from controlplane.domain.quota import wire_amount, wire_key
 from controlplane.fleet import ActionResult, BookingView, Count, NodeView, PoolView, TenantView, window_of
 

@@ -8,13 +8,12 @@ six decimals of the wire; totals are sums of lines, so they add up exactly.
 """
 from __future__ import annotations
 
-import re
-from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+from decimal import ROUND_CEILING, ROUND_HALF_EVEN, Decimal
 
 from controlplane.domain.model import Pool
+from common.money import MICRO
 from common.share import Share
 
-MICRO = Decimal("0.000001")
 SECONDS_PER_HOUR = Decimal(3600)
 DAY_MS = 86_400_000
 
@@ -22,27 +21,6 @@ DAY_MS = 86_400_000
 def money(amount: Decimal) -> str:
     """The wire form: a decimal string with six decimals."""
     return str(amount.quantize(MICRO, rounding=ROUND_HALF_EVEN))
-
-
-MAX_MONEY = Decimal(10) ** 12  # a trillion dollars: beyond any price or budget, within Decimal's exact range
-
-
-_PLAIN = re.compile(r"[0-9]{1,13}(?:\.[0-9]{1,6})?")  # below 10^12 is checked on the value; six decimals at most
-
-
-def parse_money(text: str) -> Decimal | None:
-    """A decimal string with at most six decimals, non-negative, below MAX_MONEY; None if it is not one. Plain
-    digits only ("12", "2.5", "0.000001"): not Python's wider Decimal grammar ("1e3", "1_000", " 3", "+3", "-0"),
-    which other clients would read otherwise."""
-    if not isinstance(text, str) or not _PLAIN.fullmatch(text):
-        return None
-    try:
-        amount = Decimal(text)
-        if not amount.is_finite() or amount < 0 or amount >= MAX_MONEY or amount != amount.quantize(MICRO):
-            return None
-    except InvalidOperation:
-        return None
-    return amount
 
 
 def hourly(pool: Pool, units_per_node: int, node_count: int, excess_per_node: Share) -> Decimal:
@@ -64,8 +42,15 @@ def charge(hourly_usd: Decimal, start_ms: int, end_ms: int) -> tuple[int, Decima
 
 
 def exposure(hourly_usd: Decimal, ms: int) -> Decimal:
-    """What a window of ms may bill at most."""
-    return charge(hourly_usd, 0, ms)[1]
+    """What a window of ms may bill at most: every whole-second tick it can touch wherever it starts (5.9 s from
+    x.100 touches six), rounded up, so a budget check never lets through what billing then counts."""
+    seconds = -(-max(0, ms) // 1000)
+    return (hourly_usd * seconds / SECONDS_PER_HOUR).quantize(MICRO, rounding=ROUND_CEILING)
+
+
+def prorated(hourly_usd: Decimal, ms: int) -> Decimal:
+    """A window's price prorated exactly, to the millisecond (a quote's total)."""
+    return (hourly_usd * max(0, ms) / (SECONDS_PER_HOUR * 1000)).quantize(MICRO, rounding=ROUND_HALF_EVEN)
 
 
 def day_spans(start_ms: int, end_ms: int) -> list[tuple[int, int, int]]:

@@ -125,6 +125,10 @@ async def test_quote_is_typed_with_decimal_money_and_a_create_holds_to_it(alice)
     assert "placed" == res.state
     with pytest.raises(TypeError):
         await alice.create("h100", "H100_80GB", **H100, max_hourly_price=5.0)  # money is never float
+    for typo in ("1e3", "1_000", "+3", " 3"):  # a string is sent as written: the wire's grammar or nothing
+        with pytest.raises(ValueError, match="plain decimal digits"):
+            await alice.create("h100", "H100_80GB", **H100, max_hourly_price=typo)
+    assert "1000" == c.price_text(Decimal("1E+3"))  # a Decimal is a number: written out in plain digits
 
 
 async def test_operations_get_and_wait_until_the_create_succeeds(served, alice):

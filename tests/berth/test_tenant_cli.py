@@ -444,7 +444,10 @@ def test_provider_unavailable_advice_keeps_the_key_and_the_reference():
     (["reservations", "create", *ONE, "--start", "yesterday"], "give now, a relative time (+30m, +1h, +2d), ISO 8601"),
     (["reservations", "create", *ONE, "--start", "+1y"], "give a relative time with a unit, e.g. +30m"),
     (["reservations", "extend", "rsv_x", "--by", "10"], "give a duration with a unit"),
-    (["reservations", "create", *ONE, "--max-hourly-price", "cheap"], "give a decimal price"),
+    (["reservations", "create", *ONE, "--max-hourly-price", "cheap"], "give a price in USD per hour in plain decimal"),
+    # sent as written, so what the API refuses is refused here: a typo is not quietly a $1000/hr ceiling
+    *[(["reservations", "create", *ONE, f"--max-hourly-price={typo}"], f"'{typo}': give a price in USD per hour")
+      for typo in ("1e3", "1_000", "+3", " 3", "1E-2", "0.0000001")],
     (["reservations", "create", *ONE[:-2], "--hours", "nan"], "argument --hours: 'nan': give a number"),
     (["whoami", "--retries", "-1"], "argument --retries: '-1': give a whole number of at least 0"),
     (["whoami", "--request-timeout", "0"], "argument --request-timeout: '0': give seconds above 0"),

@@ -270,3 +270,24 @@ async def test_spent_budget_is_spend_limit_reached_and_an_uncoverable_exposure_i
     cp.billing.spent_usd = lambda tenant: Decimal("100")
     status, doc = await api.create(key="any", poolId="budget", gpuCount=1, durationHours=1)
     assert (status, doc["error"]["code"]) == (402, "SPEND_LIMIT_REACHED")
+
+
+async def test_a_window_of_a_fraction_of_a_second_is_quoted_exactly_and_its_exposure_counts_every_tick_it_touches(
+        api):
+    """Billing counts the clock's whole-second ticks, so 5.9 s from x.100 bills six: the budget check counts six (it
+    counted five, and the tenant was billed past its budget), while the quote prorates the 5.9 s exactly."""
+    import dataclasses
+    cp = api.cp
+    pool = cp.catalog.current.pools["budget"]
+    cp.catalog.current = cp.catalog.current.with_changes(  # 0.001 USD a second
+        pools={**cp.catalog.current.pools, "budget": dataclasses.replace(pool, price_per_gpu_hour=Decimal("3.6"))})
+    window = {"poolId": "budget", "gpuCount": 1, "start": T0 + HOUR + 100, "end": T0 + HOUR + 6_000}
+    status, doc = await api.call("quote", "alice", {"gpuModel": "H100_80GB", **window})
+    assert (status, doc["quote"]["totalUsd"]) == (200, "0.005900"), doc
+    cp.billing.spent_usd = lambda tenant: Decimal("100") - Decimal("0.0059")  # 0.0059 left
+    status, doc = await api.create(key="frac", **window)
+    assert (status, doc["error"]["code"], doc["error"]["details"]["exposureUsd"]) == (
+        402, "INSUFFICIENT_FUNDS", "0.006000"), doc
+    cp.billing.spent_usd = lambda tenant: Decimal("100") - Decimal("0.006")  # what the six ticks bill
+    status, doc = await api.create(key="frac", **window)
+    assert status == 202, doc
