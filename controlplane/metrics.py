@@ -38,6 +38,7 @@ class ControlPlaneMetrics:
             "berth_reconciler_pass_duration_seconds", "One reconciler pass over the timers due.",
             buckets=LATENCY_BUCKETS, registry=self.registry)
         self._create_by_outcome: dict[str, Histogram] = {}  # (labels() takes a lock and checks its values per call)
+        self._snapshot: _Snapshot | None = None
 
     def created(self, outcome: str, seconds: float) -> None:
         child = self._create_by_outcome.get(outcome)
@@ -53,7 +54,13 @@ class ControlPlaneMetrics:
 
     def watch(self, cp: "ControlPlane") -> None:
         """Read `cp`'s gauges at every scrape from now on."""
-        self.registry.register(_Snapshot(cp))
+        self._snapshot = _Snapshot(cp)
+        self.registry.register(self._snapshot)
+
+    async def read_store(self, cp: "ControlPlane") -> None:
+        """Before a scrape: what it shows from the database, read off the API's loop."""
+        if self._snapshot is not None:
+            self._snapshot.state_counts = await cp.store.state_counts()
 
 
 class _Snapshot:
@@ -61,6 +68,7 @@ class _Snapshot:
 
     def __init__(self, cp: "ControlPlane") -> None:
         self.cp = cp
+        self.state_counts: list[tuple[str, str, int]] = []  # read_store's, before each scrape
 
     def describe(self) -> list[Metric]:
         return []
@@ -70,7 +78,7 @@ class _Snapshot:
                                          "cancelled ones included: they stay listed; drafts, the refused and "
                                          "undecided creates a key keeps, are not reservations).",
                                          labels=["pool", "state"])
-        for pool, state, n in self.cp.store.state_counts():
+        for pool, state, n in self.state_counts:
             if state != DRAFT:
                 reservations.add_metric([pool, state], n)
         yield reservations

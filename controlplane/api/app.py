@@ -86,11 +86,12 @@ async def metrics(request: web.Request) -> web.Response:
     cp = request.app[CONTROL_PLANE]
     admin_of(request, cp.tokens, cp.catalog.current.principals,
              ADMIN_ONLY + "; or scrape the address of --metrics-listen, which needs none")
-    return metrics_response(cp, request)
+    return await metrics_response(cp, request)
 
 
-def metrics_response(cp: ControlPlane, request: web.Request) -> web.Response:
+async def metrics_response(cp: ControlPlane, request: web.Request) -> web.Response:
     """One scrape of the control plane's registry (controlplane/metrics.py; every metric in docs/operations.md)."""
+    await cp.metrics.read_store(cp)
     return common_metrics.scrape(cp.metrics.registry, request)
 
 
@@ -152,7 +153,7 @@ def create_metrics_app(api: web.Application) -> web.Application:
     app = web.Application(middlewares=[guard.track])
 
     async def scrape(request: web.Request) -> web.Response:
-        return metrics_response(api[CONTROL_PLANE], request)
+        return await metrics_response(api[CONTROL_PLANE], request)
 
     app.router.add_get("/metrics", scrape)
     return app

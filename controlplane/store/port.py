@@ -127,6 +127,10 @@ class Store(Reads, Protocol):
     engine: str  # "sqlite" or "postgresql" (metrics)
     schema_version: int  # the database's schema once opened: the migrations brought it there (metrics)
 
+    async def state_counts(self) -> list[tuple[str, str, int]]:
+        """(pool, state, reservations) of every pool and state that has any, read off the API's loop: a count over
+        every reservation, ended ones included, takes seconds on a long history."""
+
     def start(self, on_reset: Callable[[Tx], Callable[[], None]], on_group: Callable[[int], None] | None = None,
               on_changed: OnChanged | None = None, clock: Callable[[], int] | None = None) -> None:
         """Start the writer; on_reset(tx) reads the writer's memory whole from the database, apart from the memory
@@ -180,7 +184,4 @@ class Store(Reads, Protocol):
 
     def billing(self, tenant_id: str, reservation_id: str | None = None) -> list[tuple[str, str, str, int, int | None]]:
         """(reservation, pool, hourly USD, start, end or None) of the tenant's billed reservations."""
-
-    def state_counts(self) -> list[tuple[str, str, int]]:
-        """(pool, state, reservations) of every pool and state that has any."""
 

@@ -57,7 +57,7 @@ from controlplane.store.pg_connect import (MIGRATE, READ_POOL, READS, SERVER_SET
 from controlplane.store.pg_tx import PgTx
 from controlplane.store.pg_writer import Writer
 from controlplane.store.port import OnChanged, StoreError
-from controlplane.store.reads import CommittedReads, numbered
+from controlplane.store.reads import STATE_COUNTS, CommittedReads, numbered
 
 
 READ_ON_LOOP_S = 5.0  # the longest a committed read on the API's loop may hold it (a healthy one takes ms)
@@ -180,6 +180,9 @@ class PgStore(WriterFront, CommittedReads):
 
     def _fetch(self, sql: str, *args) -> list:
         return self.read(lambda c: c.fetch(sql, *args))
+
+    async def state_counts(self) -> list[tuple[str, str, int]]:
+        return [tuple(r) for r in await self.read_async(lambda c: c.fetch(STATE_COUNTS))]
 
     def events_numbered(self) -> int:
         # a sequence is not transactional: this is every number taken, by any replica, committed or not yet

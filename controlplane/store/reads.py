@@ -24,6 +24,9 @@ def as_is(sql: str) -> str:
     return sql
 
 
+STATE_COUNTS = "SELECT pool_id, state, COUNT(*) FROM reservations GROUP BY pool_id, state ORDER BY pool_id, state"
+
+
 def reservation_of(doc: bytes, seq: int) -> Reservation:
     res = codec.decode_reservation(doc)
     res.seq = seq
@@ -145,7 +148,3 @@ class CommittedReads(Reads):
             args.append(reservation_id)
         rows = self._rows(sql + " ORDER BY start_ms, reservation_id", *args)
         return [(r[0], r[1], str(r[2]), r[3], r[4]) for r in rows]  # the price: TEXT, or NUMERIC
-
-    def state_counts(self) -> list[tuple[str, str, int]]:
-        return [tuple(r) for r in self._rows(
-            "SELECT pool_id, state, COUNT(*) FROM reservations GROUP BY pool_id, state ORDER BY pool_id, state")]

@@ -31,7 +31,7 @@ from controlplane.domain.states import TERMINAL
 from controlplane.store import codec
 from controlplane.store.groups import Appends, JobOutcome, WriterFront, resolve, run_hooks, unavailable
 from controlplane.store.port import StoreError
-from controlplane.store.reads import CommittedReads, Reads, reservation_of
+from controlplane.store.reads import STATE_COUNTS, CommittedReads, Reads, reservation_of
 
 log = structlog.get_logger("berth.store")
 
@@ -585,6 +585,22 @@ class SqliteStore(WriterFront, SqliteReads, CommittedReads):
 
     def events_numbered(self) -> int:
         return events_numbered(self.conn)
+
+    async def state_counts(self) -> list[tuple[str, str, int]]:
+        if self.path == ":memory:":  # no other connection sees it (tests): a small one, read here
+            return [tuple(r) for r in self.conn.execute(STATE_COUNTS)]
+        return await asyncio.to_thread(self._state_counts_apart)
+
+    def _state_counts_apart(self) -> list[tuple[str, str, int]]:
+        """On a connection of its own, on a thread: sqlite3 lets the loop run while the scan does."""
+        conn = sqlite3.connect(self.path, timeout=30)
+        try:
+            conn.execute("PRAGMA query_only=ON")
+            return [tuple(r) for r in conn.execute(STATE_COUNTS)]
+        except sqlite3.Error as exc:
+            raise unavailable(f"the database could not be read ({exc}); retry shortly") from None
+        finally:
+            conn.close()
 
     @staticmethod
     def database_error(exc: BaseException) -> bool:
