@@ -25,3 +25,19 @@ def test_unknown_command_exits_2_and_says_so():
     out = subprocess.run([sys.executable, "-m", "berth", "frobnicate"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "unknown command 'frobnicate'" in out.stderr
+
+
+def test_the_manual_page_names_every_command_the_usage_lists():
+    """berth(1), which the berth package installs, had fallen behind the usage (admin, pools, whoami, events and
+    completion were missing): each command of `berth --help` has its line in the page's synopsis."""
+    import re
+    from pathlib import Path
+
+    from berth.main import USAGE
+
+    page = (Path(__file__).resolve().parents[2] / "packaging" / "deb" / "debian" / "berth.1").read_text()
+    synopsis = page[page.index(".SH SYNOPSIS"):page.index(".SH DESCRIPTION")]
+    named = set(re.findall(r"^\.B berth (\w+)", synopsis, re.M))
+    listed = {line.split()[0] for line in USAGE.split("commands:")[1].splitlines()
+              if line.startswith("  ") and not line.startswith("   ")}
+    assert listed and listed <= named, sorted(listed - named)

@@ -205,13 +205,17 @@ def test_the_installed_control_plane_started_as_its_unit_answers_healthz(install
 
 def test_purge_removes_everything_and_leaves_nothing_outside(installed):
     """Last of this module: `dpkg --purge` of the three, after an operator's files were added as the guide says
-    (the agent's token file, the bootstrap file, agent state); nothing is left in /etc, /opt, /usr, /lib or /var
+    (the agent's token file, the bootstrap file, agent state, the tenants' keys of node bindings in the
+    directory the guide names, with the lock the agent leaves there); nothing is left in /etc, /opt, /usr, /lib or /var
     that was not there before (the state directory /var/lib/berth goes too), and no account is left."""
     token = Path("/etc/berth/agent.token")
     token.write_text("node-bootstrap-token-0001\n")
     token.chmod(0o600)
     Path("/etc/berth/bootstrap.json").write_text("{}\n")
     Path("/var/lib/berth/agent/node.json").write_text("{}\n")
+    keys = Path("/var/lib/berth/ssh-keys")  # --ssh-keys-dir of docs/node-binding.md and examples/sshd-berth.conf
+    (keys / "tenant-1").mkdir(parents=True)
+    (keys / ".berth.lock").touch()
     installed.purge()
     assert [dpkg_status(p) for p in PACKAGES] == ["", "", ""]
     assert installed.leftovers() == []
