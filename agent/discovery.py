@@ -5,7 +5,10 @@ Host policy is applied here and nowhere else: the device class of each
 GPU (`DeviceClasses`), health verdicts over what NVML reports, which GPUs
 are bookable (healthy, not in MIG mode: MIG GPUs are booked by their
 instances), the system reserve of CPUs and memory, and the per-GPU share
-through the control plane's own `host_share_per_gpu`.
+through the control plane's own `host_share_per_gpu`. The result is checked
+as the control plane would check it (the Inventory type and
+common.inventory.check): a document it would refuse is an InventoryInvalid
+naming the field, never an inventory the agent registers and retries for ever.
 """
 from __future__ import annotations
 
@@ -18,19 +21,30 @@ from typing import Callable, Protocol
 import msgspec
 import structlog
 
+from agent.errors import AgentError
 from agent.health import HealthPolicy
 from agent.host import HostFacts, HostSource, KernelHost
 from agent.hugepages import HugepagePool as PoolFacts
+from common.argtypes import AMOUNT_MOST
 from common.inventory import (
     HEALTHY, Cpus, Gpu, GpuInventory, HugepageNode, HugepagePool, Hugepages, Inventory, InventoryDiff,
-    Memory, NumaCpus, NumaMemory, PerGpuShare, ShareDoc, diff,
+    InventoryError, Memory, NumaCpus, NumaMemory, PerGpuShare, ShareDoc, check, diff,
 )
 from common.hostfacts import format_cpulist
 from common.device_classes import DEFAULT as DEFAULT_CLASSES
-from common.device_classes import DeviceClasses
+from common.device_classes import DeviceClassError, DeviceClasses
 from common.share import host_share_per_gpu
 
 log = structlog.get_logger(__name__)
+
+
+class InventoryInvalid(AgentError):
+    """The inventory this host would report breaks the document's rules, so the control plane would refuse it at
+    every try: discovery fails instead, naming the field (as a kernel file it cannot read fails it)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"inventory {field}: {reason}")
+        self.field = field
 
 
 class GpuSource(Protocol):
@@ -50,6 +64,8 @@ class Reserve:
     def of(cls, vcpu: float, memory_gib: float) -> "Reserve":
         if vcpu < 0 or memory_gib < 0:
             raise ValueError("a reserve cannot be negative")
+        if not (vcpu <= AMOUNT_MOST and memory_gib <= AMOUNT_MOST):  # also nan and inf
+            raise ValueError(f"a reserve is at most {AMOUNT_MOST} vcpu or GiB")
         return cls(vcpu_milli=round(vcpu * 1000), memory_mib=round(memory_gib * 1024))
 
 
@@ -76,10 +92,28 @@ def _apply_policy(gpu: Gpu, classes: DeviceClasses, health: HealthPolicy | None)
         for m in gpu.migDevices
     ) if health else gpu.migDevices
     in_mig = bool(gpu.migMode and gpu.migMode.current)
+    try:
+        device_class = classes.classify(gpu.name, gpu.memoryMiB)
+    except DeviceClassError as exc:
+        raise InventoryInvalid(f"gpus[{gpu.index}].deviceClass", str(exc)) from None
     return msgspec.structs.replace(
-        gpu, deviceClass=classes.classify(gpu.name, gpu.memoryMiB), health=verdict,
-        bookable=verdict.healthy and not in_mig, migDevices=migs,
+        gpu, deviceClass=device_class, health=verdict, bookable=verdict.healthy and not in_mig, migDevices=migs,
     )
+
+
+def _checked(inv: Inventory) -> Inventory:
+    """The inventory, if the control plane would take it: the rules the types cannot state (common.inventory.check)
+    and, as a last net for any value a source let through, the types themselves (msgspec checks bounds only when it
+    decodes, never when a Struct is built). InventoryInvalid names the first field that breaks one."""
+    try:
+        check(inv)
+        msgspec.json.decode(msgspec.json.encode(inv), type=Inventory)
+    except InventoryError as exc:
+        raise InventoryInvalid(exc.field, exc.reason) from None
+    except msgspec.ValidationError as exc:  # "Expected `str` of length <= 64 - at `$.gpus[0].deviceClass`"
+        reason, _, where = str(exc).rpartition(" - at `$")
+        raise InventoryInvalid(where.rstrip("`").lstrip(".") or "(the document)", reason or str(exc)) from None
+    return inv
 
 
 def _pool(p: PoolFacts) -> HugepagePool:
@@ -118,7 +152,8 @@ def _memory(facts: HostFacts, reserve: Reserve) -> Memory:
 def assemble(gpus: GpuInventory, facts: HostFacts, *, reserve: Reserve = Reserve(),
              device_classes: DeviceClasses = DEFAULT_CLASSES, health: HealthPolicy | None = None,
              discovered_at_ms: int = 0) -> Inventory:
-    """The inventory from what the sources said, with the host's policy applied."""
+    """The inventory from what the sources said, with the host's policy applied; InventoryInvalid (naming the field)
+    rather than a document the control plane would refuse."""
     placed = tuple(_apply_policy(g, device_classes, health) for g in gpus.gpus)
     cpus = _cpus(facts, reserve)
     memory = _memory(facts, reserve)
@@ -128,12 +163,12 @@ def assemble(gpus: GpuInventory, facts: HostFacts, *, reserve: Reserve = Reserve
         vcpuMilli=share.vcpu_milli, vcpu=share.vcpu_milli / 1000,
         memoryMiB=share.memory_mib, memoryGiB=share.memory_mib / 1024,
     )
-    return Inventory(
+    return _checked(Inventory(
         hostname=facts.hostname or socket.gethostname(), discoveredAtMs=discovered_at_ms, source=gpus.source,
         driver=gpus.driver, gpus=placed, lostGpus=gpus.lostGpus, cpus=cpus, memory=memory,
         hugepages=Hugepages(pages1G=_pool(facts.pages_1g), pages2M=_pool(facts.pages_2m)),
         share=ShareDoc(bookableGpus=bookable, perGpu=per_gpu), bootId=facts.boot_id,
-    )
+    ))
 
 
 class Rediscovery:

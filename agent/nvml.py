@@ -109,6 +109,11 @@ def mig_profile_of(mig_name: str) -> str | None:
     return m.group(1) if m else None
 
 
+def _sentence(text: str, most: int = 256) -> str:
+    """A driver message that fits the inventory's (a loader's error can name a long path and say much more)."""
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
 def _cuda_text(version: int) -> str:
     return f"{version // 1000}.{version % 1000 // 10}"
 
@@ -129,13 +134,15 @@ class NvmlGpus:
                 return self._read()
         except LibraryNotFound as exc:
             return GpuInventory(source=self.name, driver=Driver(
-                status="not-found", message=f"no GPU driver found: the NVML library could not be loaded ({exc})"))
+                status="not-found", message=_sentence(f"no GPU driver found: the NVML library could not be loaded "
+                                                      f"({exc})")))
         except DriverNotLoaded:
             return GpuInventory(source=self.name, driver=Driver(
                 status="not-loaded",
                 message="no GPU driver found: NVML is installed but the NVIDIA kernel driver is not loaded"))
         except NvmlError as exc:
-            return GpuInventory(source=self.name, driver=Driver(status="error", message=f"NVML failed: {exc}"))
+            return GpuInventory(source=self.name,
+                                driver=Driver(status="error", message=_sentence(f"NVML failed: {exc}")))
 
     def _read(self) -> GpuInventory:
         version = _text(_nvml(pynvml.nvmlSystemGetDriverVersion))

@@ -26,7 +26,10 @@ from agent.cpus import CpuTopology
 from agent.errors import TopologyError
 from agent.host import HostFacts, HostSource, KernelHost
 from agent.hugepages import HugepagePool, NodePool
-from common.inventory import CapMinors, Driver, Gpu, GpuInventory, LostGpu, MigDevice, MigMode, MigPlacement
+from common.inventory import (
+    HOSTNAME_RULE, MAX_GPUS, CapMinors, Driver, Gpu, GpuInventory, LostGpu, MigDevice, MigMode, MigPlacement,
+    first_duplicate, is_hostname,
+)
 from common.hostfacts import SIZE_1G_KIB, SIZE_2M_KIB, Meminfo, NodeMemory, parse_cpulist
 
 MAX_MIG_SLOTS = 7
@@ -150,7 +153,9 @@ def _placements(spec: GpuSpec) -> list[tuple[int, int]]:
 
 def validate(top: Topology) -> None:
     """Cross-field rules msgspec cannot state; TopologyError names the field."""
-    nodes = top.host.numaNodes if top.host else None
+    if top.hostname is not None and not is_hostname(top.hostname):
+        raise TopologyError(f"hostname: {top.hostname!r} is not {HOSTNAME_RULE}")
+    nodes = top.host.numaNodes if top.host else None  # without a host section the real host's (unknown here)
     total = 0
     for i, spec in enumerate(top.gpus):
         where = f"gpus[{i}]"
@@ -160,8 +165,8 @@ def validate(top: Topology) -> None:
             if nodes is not None and any(n >= nodes for n in spec.numaNodes):
                 raise TopologyError(f"{where}.numaNodes: node ids must be below host.numaNodes ({nodes})")
         migs = _mig_specs(spec)
-        capable = spec.migCapable if spec.migCapable is not None else bool(_MIG_MODELS.search(spec.name.upper()))
-        if migs and not capable:
+        capable = _mig_capable(spec)
+        if spec.mig is not None and not capable:
             raise TopologyError(f"{where}.mig: {spec.name!r} does not support MIG (set migCapable to say otherwise)")
         if spec.migPending is not None and not capable:
             raise TopologyError(f"{where}.migPending: {spec.name!r} does not support MIG")
@@ -191,6 +196,8 @@ def validate(top: Topology) -> None:
                                         f"the GPU's {MAX_MIG_SLOTS} or over another instance")
                 taken |= span
         total += spec.count
+    if total > MAX_GPUS:
+        raise TopologyError(f"gpus: {total} GPUs in all; an inventory holds at most {MAX_GPUS}")
     for i, lost in enumerate(top.lostGpus):
         if lost >= total:
             raise TopologyError(f"lostGpus[{i}]: no GPU {lost} (the topology has {total})")
@@ -215,6 +222,38 @@ def validate(top: Topology) -> None:
             for node in getattr(h, key) or {}:
                 if not node.isdigit() or int(node) >= h.numaNodes:
                     raise TopologyError(f"host.{key}.{node}: keys are NUMA node ids below host.numaNodes ({h.numaNodes})")
+        _check_hugepages_fit(h)
+
+
+def _check_hugepages_fit(h: HostSpec) -> None:
+    """Hugepages are carved out of memory, node by node: a node's pools may not hold more than the node has (the
+    simulated memory split evenly). Memory that is not simulated is the real host's, unknown until discovery."""
+    if h.memoryGiB is None:
+        return
+    per_node = h.memoryGiB / h.numaNodes
+    pages_1g, pages_2m = h.hugepages1G or {}, h.hugepages2M or {}
+    for node in sorted(set(pages_1g) | set(pages_2m), key=int):
+        need = pages_1g.get(node, 0) + pages_2m.get(node, 0) * SIZE_2M_KIB / SIZE_1G_KIB
+        if need > per_node:
+            key = "hugepages1G" if node in pages_1g else "hugepages2M"
+            raise TopologyError(f"host.{key}.{node}: {need:.4g} GiB of hugepages on node {node}, which has "
+                                f"{per_node:.4g} GiB (host.memoryGiB {h.memoryGiB:g} over {h.numaNodes} "
+                                f"node{'s' if h.numaNodes > 1 else ''}); hugepages come out of memory: give fewer "
+                                "pages or more memory")
+
+
+def _mig_capable(spec: GpuSpec) -> bool:
+    return spec.migCapable if spec.migCapable is not None else bool(_MIG_MODELS.search(spec.name.upper()))
+
+
+def _check_distinct(gpus: list[SimGpu]) -> None:
+    """No two GPUs of a topology may share a uuid or a PCI bus id (the agent finds a booked unit's device by its
+    uuid); the expansion makes them distinct, and this keeps it so."""
+    for key, of in (("uuid", lambda g: g.uuid), ("pciBusId", lambda g: g.pci_bus_id)):
+        clash = first_duplicate([of(g) for g in gpus])
+        if clash is not None:
+            i, j = clash
+            raise TopologyError(f"gpus: GPU {j} would have GPU {i}'s {key} {of(gpus[i])}")
 
 
 def parse(data: bytes | str, source: str = "topology") -> Topology:
@@ -226,6 +265,7 @@ def parse(data: bytes | str, source: str = "topology") -> Topology:
         raise TopologyError(f"{source}: not JSON: {exc}") from None
     try:
         validate(top)
+        _check_distinct(expand(top))
     except TopologyError as exc:
         raise TopologyError(f"{source}: {exc}") from None
     return top
@@ -243,6 +283,12 @@ def hostname_of(top: Topology) -> str:
     return top.hostname or "simulated-host"
 
 
+def pci_bus_id(index: int) -> str:
+    """The simulated GPU's PCI address in NVML's form. The first sixteen sit on buses 0x18, 0x28, ... 0xF8, 0x08 as
+    device 0 (the ids they always had); later ones take the next device number on the same buses, so every count
+    a topology allows (MAX_GPUS) gets distinct ids."""
+    return f"00000000:{(0x18 + 0x10 * (index % 16)) % 0x100:02X}:{index // 16:02X}.0"
+
 
 def expand(top: Topology) -> list[SimGpu]:
     """The topology's GPUs one by one, with stable UUIDs, PCI bus ids, minors and MIG slots."""
@@ -250,7 +296,8 @@ def expand(top: Topology) -> list[SimGpu]:
     gpus: list[SimGpu] = []
     for spec in top.gpus:
         migs = _mig_specs(spec)
-        capable = spec.migCapable if spec.migCapable is not None else bool(_MIG_MODELS.search(spec.name.upper()))
+        capable = _mig_capable(spec)
+        mig_on = spec.mig is not None  # "mig": [] is MIG mode with no instance yet: not bookable whole
         for k in range(spec.count):
             index = len(gpus)
             devices: list[SimMig] = []
@@ -270,10 +317,10 @@ def expand(top: Topology) -> list[SimGpu]:
             devices.sort(key=lambda d: d.slot)
             gpus.append(SimGpu(
                 index=index, minor=index, uuid=_uuid("GPU", host, index), name=spec.name,
-                pci_bus_id=f"00000000:{(0x18 + 0x10 * index) % 0x100:02X}:00.0", memory_mib=spec.memoryMiB,
+                pci_bus_id=pci_bus_id(index), memory_mib=spec.memoryMiB,
                 numa_node=spec.numaNodes[k] if spec.numaNodes is not None else None,
-                mig_capable=capable, mig_current=bool(migs),
-                mig_pending=spec.migPending if spec.migPending is not None else bool(migs),
+                mig_capable=capable, mig_current=mig_on,
+                mig_pending=spec.migPending if spec.migPending is not None else mig_on,
                 lost=index in top.lostGpus, mig=tuple(devices),
             ))
     return gpus
@@ -358,18 +405,7 @@ class SimulatedHost:
         if h is None:
             return dataclasses.replace(real, hostname=self.gpus.hostname())
         nodes = tuple(range(h.numaNodes))
-        cpus = real.cpus
-        if h.cpus is not None:
-            offline = parse_cpulist(h.offlineCpus or "")
-            online = tuple(c for c in range(h.cpus) if c not in offline)
-            tpc = h.threadsPerCore or (2 if h.cpus % 2 == 0 and h.cpus >= 4 else 1)
-            ncores = h.cpus // tpc
-            # Linux numbering: thread t of core c is CPU c + t * ncores; cores split evenly across nodes.
-            per_node = -(-ncores // h.numaNodes)
-            node_of = {c + t * ncores: min(c // per_node, h.numaNodes - 1) for c in range(ncores) for t in range(tpc)}
-            cores = {cpu % ncores for cpu in online}
-            cpus = CpuTopology(online=online, offline=offline, cores=len(cores),
-                               nodes=tuple((n, tuple(c for c in online if node_of[c] == n)) for n in nodes))
+        cpus = _sim_cpus(h, nodes) if h.cpus is not None else real.cpus
         pages_1g, pages_2m = real.pages_1g, real.pages_2m
         hugetlb_kib = real.meminfo.hugetlb_kib
         if h.hugepages1G is not None or h.hugepages2M is not None:  # one given: both simulated, the other empty
@@ -381,8 +417,42 @@ class SimulatedHost:
         if h.memoryGiB is not None:
             meminfo = Meminfo(total_kib=int(h.memoryGiB * 1024 * 1024), hugetlb_kib=hugetlb_kib)
             node_memory = tuple(NodeMemory(n, meminfo.total_kib // len(nodes)) for n in nodes)
-        return HostFacts(cpus=cpus, meminfo=meminfo, node_memory=node_memory, pages_1g=pages_1g, pages_2m=pages_2m,
+        # Every section lists the same nodes: the simulated ones and any real one a section kept, with nothing (0,
+        # no CPUs) where that section has nothing, so that a GPU's node is found in each.
+        every = tuple(sorted({*nodes, *(n for n, _ in cpus.nodes), *(m.node for m in node_memory),
+                              *(p.node for p in pages_1g.nodes), *(p.node for p in pages_2m.nodes)}))
+        return HostFacts(cpus=_cpus_on(cpus, every), meminfo=meminfo, node_memory=_memory_on(node_memory, every),
+                         pages_1g=_pool_on(pages_1g, every), pages_2m=_pool_on(pages_2m, every),
                          boot_id=real.boot_id, hostname=self.gpus.hostname())
+
+
+def _sim_cpus(h: HostSpec, nodes: tuple[int, ...]) -> CpuTopology:
+    """host.cpus CPUs (host.offlineCpus of them offline) in cores of host.threadsPerCore, on `nodes`."""
+    offline = parse_cpulist(h.offlineCpus or "")
+    online = tuple(c for c in range(h.cpus) if c not in offline)
+    tpc = h.threadsPerCore or (2 if h.cpus % 2 == 0 and h.cpus >= 4 else 1)
+    ncores = h.cpus // tpc
+    # Linux numbering: thread t of core c is CPU c + t * ncores; cores split evenly across nodes.
+    per_node = -(-ncores // h.numaNodes)
+    node_of = {c + t * ncores: min(c // per_node, h.numaNodes - 1) for c in range(ncores) for t in range(tpc)}
+    cores = {cpu % ncores for cpu in online}
+    return CpuTopology(online=online, offline=offline, cores=len(cores),
+                       nodes=tuple((n, tuple(c for c in online if node_of[c] == n)) for n in nodes))
+
+
+def _cpus_on(cpus: CpuTopology, nodes: tuple[int, ...]) -> CpuTopology:
+    have = dict(cpus.nodes)
+    return dataclasses.replace(cpus, nodes=tuple((n, have.get(n, ())) for n in nodes))
+
+
+def _memory_on(memory: tuple[NodeMemory, ...], nodes: tuple[int, ...]) -> tuple[NodeMemory, ...]:
+    have = {m.node: m for m in memory}
+    return tuple(have.get(n, NodeMemory(n, 0)) for n in nodes)
+
+
+def _pool_on(pool: HugepagePool, nodes: tuple[int, ...]) -> HugepagePool:
+    have = {p.node: p for p in pool.nodes}
+    return dataclasses.replace(pool, nodes=tuple(have.get(n, NodePool(n, 0, 0)) for n in nodes))
 
 
 def _sim_pool(size_kib: int, counts: dict[str, int], nodes: tuple[int, ...]) -> HugepagePool:

@@ -25,11 +25,18 @@ def finite(text: str) -> float:
     return value
 
 
+# The most an amount may be: 2^20 CPUs or GiB is past any host (the inventory counts at most 100,000 CPUs), and far
+# enough from a float's range that amount * 1000 or * 1024 stays exact when rounded to an int (1e308 overflowed).
+AMOUNT_MOST = 1 << 20
+
+
 def amount(text: str) -> float:
-    """A number of at least 0 (a reserve, a share)."""
+    """A number from 0 to AMOUNT_MOST (a reserve of CPUs or GiB, a share)."""
     value = _float(text)
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"{text!r}: give a number of at least 0, e.g. 2")
+    if value > AMOUNT_MOST:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number from 0 to {AMOUNT_MOST}, e.g. 2")
     return value
 
 

@@ -65,20 +65,11 @@ class DeviceClasses:
     def from_rules(cls, raw: list, source: str = "rules") -> "DeviceClasses":
         if not isinstance(raw, list):
             raise ValueError(f"{source}: must be a JSON list of rules, [{{\"match\": REGEX, \"class\": NAME}}, ...]")
-        rules = []
-        for i, item in enumerate(raw):
-            try:
-                name = item["class"]
-                pattern = re.compile(item["match"], re.IGNORECASE)
-            except (KeyError, TypeError, re.error) as exc:
-                raise ValueError(f"{source}[{i}]: needs 'match' (a regex) and 'class': {exc}") from exc
-            if not CLASS_NAME.match(name):
-                raise ValueError(f"{source}[{i}].class: {name!r} is not an UPPER_SNAKE device class")
-            rules.append(Rule(pattern, name))
-        return cls(rules)
+        return cls([_rule(item, f"{source}[{i}]") for i, item in enumerate(raw)])
 
     def classify(self, nvml_name: str, memory_mib: int) -> str:
-        """The device class of a GPU; unknown models get a class made from their name."""
+        """The device class of a GPU; unknown models get a class made from their name. DeviceClassError when that
+        made class cannot be one (too long): only the operator can say what to call such a GPU."""
         for rule in self.rules:
             if rule.match.search(nvml_name):
                 return rule.device_class
@@ -86,7 +77,40 @@ class DeviceClasses:
         if known:
             return known
         base = re.sub(r"[^A-Z0-9]+", "_", nvml_name.upper().replace("NVIDIA", "")).strip("_") or "GPU"
-        return f"{base}_{_label_gb(memory_mib)}GB"
+        made = f"{base}_{_label_gb(memory_mib)}GB"
+        if not CLASS_NAME.match(made):
+            # Cutting it short could give two models one class, and a booking of one the other: refuse instead.
+            raise DeviceClassError(f"{nvml_name!r} ({memory_mib} MiB) makes the class {made[:20]}..., which is "
+                                   "longer than 64 characters: name its class with --device-classes (a JSON list of "
+                                   "rules, [{\"match\": REGEX, \"class\": NAME}])")
+        return made
+
+
+class DeviceClassError(ValueError):
+    """A GPU whose class cannot be made from its name; the message says how to name it."""
+
+
+def _rule(item: object, where: str) -> Rule:
+    """One operator rule, each field checked for its type (a JSON file may hold anything); ValueError names it."""
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: a rule is an object, {{\"match\": REGEX, \"class\": NAME}}, not {item!r}")
+    for key in ("match", "class"):
+        if key not in item:
+            raise ValueError(f"{where}.{key}: missing; a rule is {{\"match\": REGEX, \"class\": NAME}}")
+    name, match = item["class"], item["match"]
+    if not isinstance(match, str):
+        raise ValueError(f"{where}.match: {match!r} is not a regex: give a string, e.g. \"H100.*HBM3\"")
+    try:
+        pattern = re.compile(match, re.IGNORECASE)
+    except re.error as exc:
+        raise ValueError(f"{where}.match: {match!r} is not a regex: {exc}") from None
+    if not isinstance(name, str):
+        raise ValueError(f"{where}.class: {name!r} is not a string: give an UPPER_SNAKE device class, e.g. "
+                         "\"H100_SXM\"")
+    if not CLASS_NAME.match(name):
+        raise ValueError(f"{where}.class: {name!r} is not an UPPER_SNAKE device class (A-Z, 0-9 and _, 2 to 64 "
+                         "characters)")
+    return Rule(pattern, name)
 
 
 DEFAULT = DeviceClasses()

@@ -9,7 +9,8 @@ between two discoveries. docs/inventory.md describes every field and bound.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Literal
+import re
+from typing import Annotated, Any, Callable, Literal, Sequence
 
 import msgspec
 from msgspec import Meta, Struct, field
@@ -29,6 +30,7 @@ Name = Annotated[str, Meta(max_length=128)]
 CpuList = Annotated[str, Meta(max_length=16384, pattern=r"^[0-9,\-]*$")]
 Hostname = Annotated[str, Meta(min_length=1, max_length=253)]
 Ms = Annotated[int, Meta(ge=0, le=32503680000000)]  # epoch ms, up to year 3000
+MAX_GPUS = 256  # GPUs (and lost GPUs) in one inventory; a --simulate topology is held to it too
 
 
 class _Doc(Struct, frozen=True, forbid_unknown_fields=True):
@@ -185,8 +187,8 @@ class Inventory(_Doc):
     discoveredAtMs: Ms
     source: Literal["nvml", "simulate"]
     driver: Driver
-    gpus: Annotated[tuple[Gpu, ...], Meta(max_length=256)]
-    lostGpus: Annotated[tuple[LostGpu, ...], Meta(max_length=256)]
+    gpus: Annotated[tuple[Gpu, ...], Meta(max_length=MAX_GPUS)]
+    lostGpus: Annotated[tuple[LostGpu, ...], Meta(max_length=MAX_GPUS)]
     cpus: Cpus
     memory: Memory
     hugepages: Hugepages
@@ -211,6 +213,65 @@ class Inventory(_Doc):
 
     def gpu(self, uuid: str) -> Gpu | None:
         return next((g for g in self.gpus if g.uuid == uuid), None)
+
+
+# -- rules the types cannot state ---------------------------------------------------
+
+# A host name, as the node id `<pool>-<hostname>` and a tenant's ssh command use it (RFC 1123 section 2.1): labels
+# of letters, digits and inner hyphens, 1 to 63 characters each, joined by dots, at most 253 in all; underscores
+# are taken too, as in labels, since some sites name hosts with them and nothing here breaks on one. The one
+# definition: a --simulate topology, the agent's discovery, the bootstrap's declared nodes and the control plane's
+# register all check with it.
+HOSTNAME_RULE = ("a host name (letters, digits, hyphens and underscores in dot-separated labels of 1 to 63 "
+                 "characters, no label starting or ending with a hyphen, at most 253 in all)")
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def is_hostname(name: str) -> bool:
+    return 0 < len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split("."))
+
+
+def first_duplicate(values: Sequence[str]) -> tuple[int, int] | None:
+    """(earlier, later): the positions of the first value seen twice; None when all differ."""
+    seen: dict[str, int] = {}
+    for later, value in enumerate(values):
+        if value in seen:
+            return seen[value], later
+        seen[value] = later
+    return None
+
+
+class InventoryError(ValueError):
+    """An inventory breaks a rule its types cannot state; `field` is the path in the document (`gpus[1].uuid`)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def check(inv: Inventory) -> None:
+    """What msgspec cannot check of a decoded inventory; InventoryError names the field. The agent runs it before it
+    reports an inventory, the control plane on each registration: the hostname is a host name (the node's id is
+    made of it), and `check_gpus`."""
+    if not is_hostname(inv.hostname):
+        raise InventoryError("hostname", f"{inv.hostname!r} is not {HOSTNAME_RULE}: give the host such a name "
+                                         "(hostnamectl set-hostname NAME)")
+    check_gpus(inv)
+
+
+def check_gpus(inv: Inventory) -> None:
+    """No two GPUs share a uuid or a PCI bus id: the agent finds a booked unit's device by its uuid, so a second GPU
+    with the uuid of the first would give a booking of it the first one's device node. (The control plane runs this
+    alone on a heartbeat's inventory: a node registered before the hostname rule keeps working.)"""
+    for key in ("uuid", "pciBusId"):
+        values = [getattr(g, key) for g in inv.gpus]
+        clash = first_duplicate([v.upper() for v in values] if key == "pciBusId" else values)
+        if clash is not None:
+            i, j = clash
+            raise InventoryError(f"gpus[{j}].{key}", f"{values[j]} duplicates gpus[{i}]'s (NVML GPUs "
+                                 f"{inv.gpus[i].index} and {inv.gpus[j].index} report one {key}): each GPU has its "
+                                 "own; check the driver (nvidia-smi -L) before booking this host")
 
 
 # -- diff ----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from controlplane.iam import cedar
 from controlplane.schemas import field_of
 from controlplane.domain.model import (SHARING_MODES, BmcRef, Node, Offer, Pool, PoolPolicy, Principal, Tenant,
                                        Unit)
+from common.inventory import HOSTNAME_RULE, is_hostname
 from common.share import Share
 
 Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")]
@@ -403,6 +404,8 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
         pool = pools.get(n.pool)
         if pool is None:
             raise BootstrapError(f"nodes[{i}].pool: no pool {n.pool!r}")
+        if not is_hostname(n.hostname):  # an agent registers with it, and the node API refuses any other
+            raise BootstrapError(f"nodes[{i}].hostname: {n.hostname!r} is not {HOSTNAME_RULE}")
         if n.hostname in hostnames:
             raise BootstrapError(f"nodes[{i}].hostname: {n.hostname!r} is also node {hostnames[n.hostname]!r}")
         hostnames[n.hostname] = n.id

@@ -34,7 +34,7 @@ from controlplane.state import WriterState
 from controlplane.reconciler import Reconciler
 from controlplane.store.port import Store, Tx
 from controlplane.tokens import Tokens
-from common.inventory import Inventory
+from common.inventory import HOSTNAME_RULE, Inventory, InventoryError, check, check_gpus, is_hostname
 from common.nodewire import (REPORT_STATUSES, Binding, BindingShare, BindingUnit, HeartbeatAnswer, Ignored,
                              RegisterAnswer, Report, ReportAnswer, WatchAnswer)
 from controlplane.transitions import CatalogRef, Transitions
@@ -46,10 +46,11 @@ WATCH_MAX_MS = 30_000
 
 
 def units_of(inventory: Inventory, pool: Pool) -> tuple[tuple[Unit, ...], int, list[str]]:
-    """(bookable units, whole GPUs counted for the share, notes) of an agent's inventory in this pool."""
+    """(bookable units, GPUs, notes) of an agent's inventory in this pool. GPUs counts the GPUs that give units here,
+    as a declared node counts the GPUs it lists (each gives units): whole GPUs in an exclusive or slots pool (the
+    per-GPU share divides the host by them), GPUs in MIG mode in a MIG pool (a node binding books every one)."""
     units: list[Unit] = []
     notes: list[str] = []
-    gpus = 0
     for gpu in inventory.gpus:
         index, uuid, minor = gpu.index, gpu.uuid, gpu.minor
         if gpu.deviceClass != pool.gpu_model:
@@ -74,12 +75,21 @@ def units_of(inventory: Inventory, pool: Pool) -> tuple[tuple[Unit, ...], int, l
         if mig_on:
             notes.append(f"GPU {index} is in MIG mode; pool {pool.id} books whole GPUs")
             continue
-        gpus += 1
         if pool.sharing == "slots":
             units.extend(Unit(f"gpu{index}/slot{j}", index, numa, None, uuid, minor) for j in range(pool.policy.slots_per_gpu))
         else:
             units.append(Unit(f"gpu{index}", index, numa, None, uuid, minor))
-    return tuple(units), gpus, notes
+    return tuple(units), len({u.gpu_index for u in units}), notes
+
+
+def checked(inventory: Inventory, rules: Callable[[Inventory], None] = check) -> Inventory:
+    """An agent's inventory, if it keeps the rules its types cannot state (common.inventory.check: a host name, no
+    two GPUs with one uuid or PCI bus id); INVALID_INPUT naming the field otherwise, before anything is changed."""
+    try:
+        rules(inventory)
+    except InventoryError as exc:
+        raise DomainError(INVALID_INPUT, f"inventory.{exc}", {"field": f"inventory.{exc.field}"}) from None
+    return inventory
 
 
 def capacity_of(inventory: Inventory) -> Share:
@@ -254,6 +264,9 @@ class NodeService:
     async def register(self, pool: Pool, hostname: str, inventory: Inventory, agent_version: str = "",
                        machine_id: str = "") -> RegisterAnswer:
         token = "nt_" + secrets.token_urlsafe(32)
+        if not is_hostname(hostname):  # the node's id is made of it
+            raise DomainError(INVALID_INPUT, f"hostname: {hostname!r} is not {HOSTNAME_RULE}", {"field": "hostname"})
+        checked(inventory)
 
         def job(tx: Tx) -> Node:
             catalog = self.catalog.current
@@ -371,6 +384,7 @@ class NodeService:
             self.moves.save(tx, res)
 
     async def update_inventory(self, node: Node, inventory: Inventory) -> None:
+        checked(inventory, check_gpus)  # not the hostname: the node's id was made at its registration
         pool = self.catalog.current.pools[node.pool_id]
         await self.store.call(
             lambda tx: self._apply_inventory(tx, self.catalog.current, pool, node.id, node.hostname, inventory))

@@ -95,3 +95,35 @@ def test_a_bad_topology_names_the_field(capsys, tmp_path):
 def test_discover_help_exits_0(capsys):
     assert 0 == cli.main(["discover", "--help"])
     assert "--simulate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("rules, field", [
+    ([{"match": "H100", "class": 5}], "[0].class: 5 is not a string"),
+    ([{"match": "H100", "class": "H100_X"}, {"match": "A100", "class": None}], "[1].class: None is not a string"),
+    ([{"match": 5, "class": "H100_X"}], "[0].match: 5 is not a regex"),
+    ([{"match": "(", "class": "H100_X"}], "[0].match: '(' is not a regex"),
+    ([{"class": "H100_X"}], "[0].match: missing"),
+    (["H100"], "[0]: a rule is an object"),
+])
+def test_device_class_rules_of_the_wrong_type_exit_2_naming_the_file_rule_and_field(capsys, tmp_path, rules, field):
+    path = tmp_path / "classes.json"
+    path.write_text(json.dumps(rules))
+    assert 2 == cli.main(["discover", "--simulate", str(EXAMPLES / "h100x8.json"), "--device-classes", str(path)])
+    err = capsys.readouterr().err
+    assert f"--device-classes {path}{field}" in err and 1 == len(err.strip().splitlines()), err
+
+
+@pytest.mark.parametrize("flag", ["--reserve-vcpu", "--reserve-memory-gib"])
+def test_a_reserve_beyond_any_host_exits_2_naming_the_flag(capsys, flag):
+    assert 2 == cli.main(["discover", "--simulate", str(EXAMPLES / "h100x8.json"), flag, "1e308"])
+    assert f"argument {flag}: '1e308': give a number from 0 to 1048576" in capsys.readouterr().err
+
+
+def test_an_inventory_the_control_plane_would_refuse_is_not_printed(capsys, tmp_path):
+    """Before: exit 0 with a deviceClass of 98 characters, which the document's own schema refuses."""
+    top = tmp_path / "long.json"
+    top.write_text(json.dumps({"hostname": "long", "gpus": [{"name": "N" * 95, "memoryMiB": 1000}]}))
+    assert 1 == cli.main(["discover", "--simulate", str(top), "--json"])
+    out = capsys.readouterr()
+    assert "" == out.out
+    assert "gpus[0].deviceClass" in out.err and "--device-classes" in out.err

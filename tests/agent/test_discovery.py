@@ -1,14 +1,18 @@
 """Discovery: host policy (classes, bookable GPUs, system reserve, the per-GPU share) and re-discovery yielding diffs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
 
+import pytest
+
 from common.device_classes import DeviceClasses
+from common.inventory import Driver, Gpu, GpuInventory
 from common.share import host_share_per_gpu
 
-from agent.discovery import Discovery, Rediscovery, Reserve
+from agent.discovery import Discovery, InventoryInvalid, Rediscovery, Reserve, discover
 from agent.health import HealthPolicy, XidEvent
 from agent.host import KernelHost
 from agent.simulate import SimulatedGpus, SimulatedHost
@@ -109,3 +113,88 @@ def test_the_timer_rediscovers_and_request_wakes_it_early(tmp_path):
     finally:
         loop.stop(timeout=5)
     assert 3 == sum(1 for c in diffs[1].changes if c.op == "added")
+
+
+# -- what the control plane would refuse is refused here, naming the field ------------------------------------
+
+
+class _Gpus:
+    """A GpuSource answering what it is given (for what neither NVML nor a topology can be made to say)."""
+
+    name = "nvml"
+
+    def __init__(self, *gpus: Gpu) -> None:
+        self.gpus = gpus
+
+    def discover(self) -> GpuInventory:
+        return GpuInventory(source="nvml", driver=Driver(status="ok"), gpus=self.gpus)
+
+
+def _gpu(index: int, uuid: str, pci: str, name: str = "NVIDIA H100 80GB HBM3") -> Gpu:
+    return Gpu(index=index, uuid=uuid, name=name, deviceClass="", minor=index, pciBusId=pci, memoryMiB=81559,
+               numaNode=None, migMode=None)
+
+
+@pytest.mark.parametrize("gpus, message", [
+    ((_gpu(0, "GPU-a", "00000000:18:00.0"), _gpu(1, "GPU-a", "00000000:28:00.0")),
+     "gpus[1].uuid: GPU-a duplicates gpus[0]'s (NVML GPUs 0 and 1 report one uuid"),
+    ((_gpu(0, "GPU-a", "00000000:18:00.0"), _gpu(1, "GPU-b", "00000000:28:00.0"), _gpu(2, "GPU-c", "00000000:28:00.0")),
+     "gpus[2].pciBusId: 00000000:28:00.0 duplicates gpus[1]'s (NVML GPUs 1 and 2 report one pciBusId"),
+])
+def test_two_gpus_with_one_identity_are_a_discovery_error_naming_both(tree, gpus, message):
+    two_node_host(tree)
+    with pytest.raises(InventoryInvalid) as err:
+        discover(_Gpus(*gpus), KernelHost(sys_root=str(tree.sys), proc_root=str(tree.proc)))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["N" * 95, "NVIDIA Ünïcødé GPU 🚀 " + "x" * 60])
+def test_a_device_class_that_cannot_be_one_says_to_name_it_with_device_classes(tree, name):
+    two_node_host(tree)
+    host = KernelHost(sys_root=str(tree.sys), proc_root=str(tree.proc))
+    with pytest.raises(InventoryInvalid, match=r"gpus\[0\].deviceClass: .* is longer than 64 characters: name its "
+                                               r"class with --device-classes"):
+        discover(_Gpus(_gpu(0, "GPU-a", "00000000:18:00.0", name)), host)
+    rules = DeviceClasses.from_rules([{"match": "^N{95}$|xxxx", "class": "LAB_GPU_8GB"}])
+    inv = discover(_Gpus(_gpu(0, "GPU-a", "00000000:18:00.0", name)), host, device_classes=rules)
+    assert "LAB_GPU_8GB" == inv.gpus[0].deviceClass
+
+
+def test_the_real_hosts_odd_hostname_is_a_discovery_error(tree):
+    two_node_host(tree).identity(hostname="gpu_host 7")
+    with pytest.raises(InventoryInvalid, match="hostname: 'gpu_host 7' is not a host name"):
+        discover(_Gpus(), KernelHost(sys_root=str(tree.sys), proc_root=str(tree.proc)))
+
+
+def test_an_inventory_its_own_schema_refuses_is_never_emitted(tree):
+    """The last net: whatever a source said, the document is checked against the Inventory type before it leaves."""
+    two_node_host(tree)
+    facts = KernelHost(sys_root=str(tree.sys), proc_root=str(tree.proc)).read()
+
+    class OddHost:
+        def read(self):
+            return dataclasses.replace(facts, boot_id="b" * 65)
+
+    with pytest.raises(InventoryInvalid, match=r"bootId: Expected `str` of length <= 64") as err:
+        discover(_Gpus(), OddHost())
+    assert "\n" not in str(err.value)
+
+
+def test_a_reserve_beyond_any_host_is_a_value_error_not_an_overflow():
+    with pytest.raises(ValueError, match="reserve"):
+        Reserve.of(vcpu=1e308, memory_gib=0)
+    with pytest.raises(ValueError, match="reserve"):
+        Reserve.of(vcpu=0, memory_gib=float("inf"))
+
+
+def test_a_failed_rediscovery_keeps_the_last_good_inventory(tmp_path):
+    """What the runtime relies on: a discovery that fails (here, a GPU name no device class can be made of) raises;
+    the agent never holds, and so never registers, an inventory the control plane would refuse."""
+    path = _topology_file(tmp_path, 2)
+    loop = Rediscovery(_sim(path).discover)
+    loop.refresh()
+    good = loop.current
+    path.write_text(json.dumps({"hostname": "r", "gpus": [{"name": "N" * 95, "memoryMiB": 23034}]}))
+    with pytest.raises(InventoryInvalid):
+        loop.refresh()
+    assert good is loop.current

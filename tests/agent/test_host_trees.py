@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 from agent import hugepages, mig_minors, numa
 from agent.cpus import read_cpu_topology
 from agent.host import KernelHost
-from common.hostfacts import SIZE_1G_KIB, SIZE_2M_KIB, HostReadError, online_nodes, parse_cpulist, read_meminfo, read_node_memory
+from common.hostfacts import (
+    SIZE_1G_KIB, SIZE_2M_KIB, HostReadError, NodeMemory, online_nodes, parse_cpulist, read_meminfo, read_node_memory,
+)
 from common.hostfacts import format_cpulist
 from tests.agent.trees import two_node_host
 
@@ -124,3 +126,26 @@ def test_kernel_host_reads_identity_and_all_sections(tree):
     facts = KernelHost(sys_root=str(tree.sys), proc_root=str(tree.proc)).read()
     assert ("gpu-host-7", "6f1c2e0a-0000-4000-8000-000000000007") == (facts.hostname, facts.boot_id)
     assert (2, 4, 512) == (len(facts.node_memory), facts.pages_1g.total, facts.pages_2m.total)
+
+
+@pytest.mark.parametrize("boot_id", ["x" * 100, "6f1c2e0a-0000-4000-8000-00000000000", "not a boot id"])
+def test_a_boot_id_that_is_not_one_is_an_error_naming_the_file(tree, boot_id):
+    two_node_host(tree).identity(boot_id=boot_id)
+    with pytest.raises(HostReadError, match="random/boot_id: not a boot id"):
+        KernelHost(sys_root=str(tree.sys), proc_root=str(tree.proc)).read()
+
+
+@pytest.mark.parametrize("rel", ["sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages",
+                                 "sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages",
+                                 "sys/devices/system/node/node1/hugepages/hugepages-1048576kB/nr_hugepages"])
+def test_a_negative_hugepage_count_is_an_error_naming_the_file(tree, rel):
+    two_node_host(tree).write(rel, "-5")
+    with pytest.raises(HostReadError, match=f"{rel}: -5 pages"):
+        KernelHost(sys_root=str(tree.sys), proc_root=str(tree.proc)).read()
+
+
+def test_a_kernel_without_numa_reports_node_0_with_the_whole_memory(tree):
+    tree.cpus([0, 1, 2, 3]).meminfo(16 * 1024 * 1024).identity()
+    facts = KernelHost(sys_root=str(tree.sys), proc_root=str(tree.proc)).read()
+    assert ((0, (0, 1, 2, 3)),) == facts.cpus.nodes
+    assert (NodeMemory(0, 16 * 1024 * 1024),) == facts.node_memory

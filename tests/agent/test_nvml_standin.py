@@ -212,3 +212,31 @@ def test_clean_gpus_puts_clocks_and_the_power_limit_back_and_names_what_it_could
             assert f"{what} {gpu}" in done
     assert ["power-limit 1 700000"] == [c for c in done if c.startswith("power-limit")]  # only the changed one
     assert 1 == len(problems) and problems[0].startswith("GPU 2: not reachable") and "GPU is lost" in problems[0]
+
+
+@pytest.mark.parametrize("field", ["uuid", "pciBusId"])
+def test_two_gpus_reporting_one_identity_are_a_discovery_error_naming_both(standin, standin_library, tree, field):
+    """Before: accepted, and the unit lookup (by uuid first) gave a booking of gpu1 the device of gpu0."""
+    from agent.discovery import InventoryInvalid
+
+    path = standin({"hostname": "dup", "gpus": [dict(H100, count=2)]})
+    first, second = _expanded({"hostname": "dup", "gpus": [dict(H100, count=2)]})
+    same = (second.uuid, first.uuid) if field == "uuid" else (second.pci_bus_id, first.pci_bus_id)
+    path.write_text(path.read_text().replace(*same))
+    with pytest.raises(InventoryInvalid) as err:
+        _discovery(standin_library, tree).discover()
+    assert f"gpus[1].{field}: " in str(err.value) and "duplicates gpus[0]'s (NVML GPUs 0 and 1" in str(err.value)
+    out = _run_cli(["--json", "--nvml-library", str(standin_library)], _env(**{fake_nvml.TOPOLOGY_ENV: str(path)}))
+    assert (1, "") == (out.returncode, out.stdout)  # an error like a kernel file that cannot be read: no document
+    assert out.stderr.startswith("berth agent discover: ") and f"gpus[1].{field}" in out.stderr
+
+
+def test_an_empty_mig_list_is_what_the_standin_reports_for_that_gpu(standin, gpus):
+    top = {"hostname": "mig-zero", "gpus": [dict(A100, mig=[])], "host": {"cpus": 8, "memoryGiB": 64}}
+    standin(top)
+    from agent.simulate import SimulatedGpus
+
+    (nvml_gpu,) = gpus.discover().gpus
+    (sim_gpu,) = SimulatedGpus(simulate.parse(json.dumps(top))).discover().gpus
+    assert (MigMode(current=True, pending=True), ()) == (nvml_gpu.migMode, nvml_gpu.migDevices)
+    assert (nvml_gpu.migMode, nvml_gpu.migDevices) == (sim_gpu.migMode, sim_gpu.migDevices)

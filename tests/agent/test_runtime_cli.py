@@ -121,3 +121,21 @@ def test_device_classes_that_are_not_a_list_say_the_form_to_write(capsys, tmp_pa
     assert 2 == cli.main(["--control-plane", "http://127.0.0.1:1", "--bootstrap-token", "t", "--device-classes",
                           str(rules)])
     assert f"--device-classes {rules}: must be a JSON list of rules" in capsys.readouterr().err
+
+
+def test_a_first_discovery_the_control_plane_would_refuse_stops_the_agent_with_one_line(tmp_path):
+    """Before: the agent registered it, got 400 and retried for ever. Now the first discovery raises, which stops the
+    start (exit 1, `berth agent: <this line>`), and nothing is ever registered."""
+    from agent.discovery import InventoryInvalid
+    from agent.runtime import Agent, AgentConfig, describe_error
+
+    top = tmp_path / "top.json"
+    top.write_text(json.dumps({"hostname": "long-name", "gpus": [{"name": "N" * 95, "memoryMiB": 1000}]}))
+    agent = Agent(AgentConfig(control_plane="http://127.0.0.1:1", bootstrap_token="t", state_dir=tmp_path / "state",
+                              simulate=str(top)))
+    agent._build_discovery()
+    with pytest.raises(InventoryInvalid) as err:
+        agent.refresh_inventory()
+    assert agent.inventory is None
+    line = describe_error(err.value)
+    assert "gpus[0].deviceClass" in line and "--device-classes" in line and "\n" not in line

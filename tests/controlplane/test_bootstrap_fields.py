@@ -41,3 +41,18 @@ def test_fractional_vcpu_and_memory_quota_are_kept_in_their_units():
     catalog, _, _ = parse(json.dumps(doc).encode())
     tenant = catalog.tenants[doc["tenants"][0]["id"]]
     assert tenant.quota == {"vcpu_milli": 2500, "memory_mib": 512}
+
+
+@pytest.mark.parametrize("hostname, taken", [("gpu-01.example.net", True), ("gpu_01", True), ("bad host", False),
+                                             ("line\nbreak", False), ("-dash.example", False), ("a" * 64, False)])
+def test_a_declared_nodes_hostname_is_held_to_the_rule_its_agent_registers_with(hostname, taken):
+    """The node API refuses a register whose hostname is not a host name; a declared node with one could never be
+    taken over by its agent, so the bootstrap refuses it, naming the field."""
+    doc = bootstrap_doc()
+    doc["nodes"][0]["hostname"] = hostname
+    if taken:
+        catalog, _, _ = parse(json.dumps(doc).encode())
+        assert hostname == catalog.nodes[doc["nodes"][0]["id"]].hostname
+    else:
+        with pytest.raises(BootstrapError, match=r"^nodes\[0\]\.hostname: .* is not a host name \(letters"):
+            parse(json.dumps(doc).encode())

@@ -315,3 +315,48 @@ async def test_mig_devices_recreated_in_place_update_the_units_uuids_and_a_later
     assert 14 == len(devices_of(msgspec.convert(later, Binding), live)[1])  # the agent finds each device's caps
     with pytest.raises(BindError):  # what a binding naming the old UUIDs would have met
         devices_of(msgspec.convert(first, Binding), live)
+
+
+@pytest.mark.parametrize("field", ["uuid", "pciBusId"])
+async def test_an_inventory_where_two_gpus_share_an_identity_is_refused_naming_the_field(api, field):
+    """The agent finds a booked unit's device by its uuid: two GPUs with one would give a booking the other's."""
+    inv = inventory("dup.test")
+    inv["gpus"][3][field] = inv["gpus"][1][field]
+    status, doc = await node_call(api, "register", BOOT, {"hostname": "dup.test", "inventory": inv})
+    assert (400, "INVALID_INPUT", f"inventory.gpus[3].{field}") == (status, doc["error"]["code"],
+                                                                    doc["error"]["details"]["field"])
+    assert doc["error"]["message"].startswith(f"inventory.gpus[3].{field}: {inv['gpus'][1][field]} duplicates "
+                                              "gpus[1]'s")
+    assert "h100-dup.test" not in api.cp.catalog.current.nodes
+    node = await register(api, "h1.test")  # and on a heartbeat: the node keeps its last good units
+    status, doc = await node_call(api, "heartbeat", node["nodeToken"], {"inventory": inv})
+    assert (400, f"inventory.gpus[3].{field}") == (status, doc["error"]["details"]["field"])
+    assert 8 == len({u.uuid for u in api.cp.catalog.current.nodes["h1"].units})
+
+
+@pytest.mark.parametrize("hostname, inventory_hostname, field", [
+    ("bad host\nname", "bad host\nname", "hostname"),
+    ("ok.test", "bad host\nname", "inventory.hostname"),
+    ("ok.test", "-lead.test", "inventory.hostname"),
+    ("a" * 64 + ".test", "ok.test", "hostname"),
+])
+async def test_a_hostname_that_is_not_a_host_name_is_refused(api, hostname, inventory_hostname, field):
+    """Before: node id `h100-bad host\\nname`."""
+    inv = inventory(inventory_hostname)
+    status, doc = await node_call(api, "register", BOOT, {"hostname": hostname, "inventory": inv})
+    assert (400, "INVALID_INPUT", field) == (status, doc["error"]["code"], doc["error"]["details"]["field"])
+    assert "is not a host name" in doc["error"]["message"]
+    assert {"h1", "h2", "m1"} <= set(api.cp.catalog.current.nodes) and not any(
+        n.startswith("h100-") for n in api.cp.catalog.current.nodes)
+
+
+async def test_a_registered_node_whose_gpus_are_all_in_mig_mode_counts_them(api):
+    """Before: gpus 0 (only whole GPUs were counted), where the declared node it took over counted every GPU."""
+    assert 2 == api.cp.catalog.current.nodes["m1"].gpu_count  # declared: two GPUs listed
+    status, doc = await node_call(api, "register", MIG_BOOT, {"hostname": "m1.test",
+                                                               "inventory": inventory("m1.test", "a100-mig.json")})
+    assert 200 == status, doc
+    node = api.cp.catalog.current.nodes["m1"]
+    assert (1, 7) == (node.gpu_count, len(node.units))
+    status, got = await api.post("/api/admin/nodes/get", ADMIN, {"nodeId": "m1"})
+    assert (200, 1, [0]) == (status, got["node"]["inventory"]["gpus"], got["node"]["inventory"]["gpuIndices"])
