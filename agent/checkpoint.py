@@ -9,8 +9,10 @@ Everything a restarted agent needs besides cgroupfs lives here:
 - `checkpoint.json` (mode 0600): per binding `started` (about to be made),
   `completed` (made and recorded) or `removing`, with what was applied; the
   reports not yet accepted by the control plane; the last resource version;
-  the boot id it was written in. A checkpoint from another boot is void (its
-  cgroups died with that boot) and is replaced by a fresh one. The file is
+  the boot id it was written in. The cgroups of a checkpoint from another boot
+  died with that boot: its hold bindings and reports are kept (the first pass
+  makes again those still wanted and reports the others unbound), the rest
+  starts afresh. The file is
   versioned and checksummed (sha256 of the canonical data) and always written
   whole to a temporary file, fsynced and renamed over the old one.
 
@@ -144,9 +146,15 @@ class Checkpoint:
             return cp
         data = decode(raw, path)
         if data.bootId != boot_id:
-            cp = cls(path, msgspec.structs.replace(fresh, nodeId=data.nodeId))
-            cp.note = (f"checkpoint is from boot {data.bootId}, this is boot {boot_id}: the bindings it lists died "
-                       "with that boot and are forgotten")
+            # The cgroups died with that boot, but what the control plane must hear of them did not: each hold
+            # binding stays listed, without its cgroup, so the first pass makes again the ones still wanted and
+            # reports `unbound` for the rest (a release made while the host was down completes), and reports not
+            # yet accepted are still sent.
+            died = {rid: msgspec.structs.replace(e, oomKills=0) for rid, e in data.bindings.items() if e.kind == "hold"}
+            cp = cls(path, msgspec.structs.replace(fresh, nodeId=data.nodeId, bindings=died,
+                                                   pendingReports=list(data.pendingReports)))
+            cp.note = (f"checkpoint is from boot {data.bootId}, this is boot {boot_id}: its {len(died)} binding(s) "
+                       "died with that boot; those still wanted are made again, the others reported unbound")
             return cp
         if data.cgroupRoot != cgroup_root:
             raise CheckpointError(

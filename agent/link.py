@@ -112,44 +112,53 @@ class ControlPlaneLink:
     async def register(self) -> None:
         """Register with the bootstrap token (retrying with backoff until it works or the agent stops)."""
         async with self._register_lock:
-            backoff = Backoff(self.backoff_min_s, self.backoff_max_s)
-            while True:
-                inv = self.inventory()
-                assert inv is not None
-                try:
-                    ans = await self.client.register(self.bootstrap_token, inv.hostname, inv, self.agent_version,
-                                                     self.machine_id)
-                    break
-                except (Unreachable, NodeApiError) as exc:
-                    # A refused token, or a node another agent holds (409: alive, or registered from another
-                    # machine), or a TLS handshake that failed: the operator must act, so say it loudly, and keep
-                    # trying (a release, the other agent's loss or a fixed certificate lets a later attempt through).
-                    taken = isinstance(exc, NodeApiError) and exc.code == "CONFLICT"
-                    tls_failed = isinstance(exc, Unreachable) and exc.tls is not None
-                    level = "error" if isinstance(exc, Unauthorized) or taken or tls_failed else "warning"
-                    getattr(self.log, level)("register refused: the node is held by another agent; retrying" if taken
-                                             else "register failed; retrying", error=str(exc),
-                                             machine_id=self.machine_id or None)
-                    await asyncio.sleep(backoff.next())
-            interval = heartbeat_interval(ans.heartbeatSeconds, ans.graceSeconds)
-            self.identity = Identity(nodeId=ans.nodeId, nodeToken=ans.nodeToken, controlPlane=self.control_plane,
-                                     poolId=ans.poolId, hostname=inv.hostname, registeredAtMs=self.wall_ms(),
-                                     heartbeatSeconds=interval)
-            self.state.write_identity(self.identity)
-            self.heartbeat_s = self.fixed_heartbeat_s or interval
-            self.inventory_dirty = False  # register carried it
-            self.on_node(ans.nodeId)
-            self.checkpoint.set_node(ans.nodeId)
-            self.controller.binder.forget_reports()  # a fresh registration: tell the control plane everything again
-            self.log.info("registered", pool_id=ans.poolId, heartbeat_s=self.heartbeat_s, grace_s=ans.graceSeconds,
-                          resource_version=ans.resourceVersion)
-            self._registered.set()
+            await self._register()
+
+    async def _register(self) -> None:
+        """Register, the register lock held (register() and _reregister() take it)."""
+        backoff = Backoff(self.backoff_min_s, self.backoff_max_s)
+        while True:
+            inv = self.inventory()
+            assert inv is not None
+            try:
+                ans = await self.client.register(self.bootstrap_token, inv.hostname, inv, self.agent_version,
+                                                 self.machine_id)
+                break
+            except (Unreachable, NodeApiError) as exc:
+                # A refused token, or a node another agent holds (409: alive, or registered from another
+                # machine), or a TLS handshake that failed: the operator must act, so say it loudly, and keep
+                # trying (a release, the other agent's loss or a fixed certificate lets a later attempt through).
+                taken = isinstance(exc, NodeApiError) and exc.code == "CONFLICT"
+                tls_failed = isinstance(exc, Unreachable) and exc.tls is not None
+                level = "error" if isinstance(exc, Unauthorized) or taken or tls_failed else "warning"
+                getattr(self.log, level)("register refused: the node is held by another agent; retrying" if taken
+                                         else "register failed; retrying", error=str(exc),
+                                         machine_id=self.machine_id or None)
+                await asyncio.sleep(backoff.next())
+        interval = heartbeat_interval(ans.heartbeatSeconds, ans.graceSeconds)
+        self.identity = Identity(nodeId=ans.nodeId, nodeToken=ans.nodeToken, controlPlane=self.control_plane,
+                                 poolId=ans.poolId, hostname=inv.hostname, registeredAtMs=self.wall_ms(),
+                                 heartbeatSeconds=interval)
+        self.state.write_identity(self.identity)
+        self.heartbeat_s = self.fixed_heartbeat_s or interval
+        self.inventory_dirty = False  # register carried it
+        self.on_node(ans.nodeId)
+        self.checkpoint.set_node(ans.nodeId)
+        self.controller.binder.forget_reports()  # a fresh registration: tell the control plane everything again
+        self.log.info("registered", pool_id=ans.poolId, heartbeat_s=self.heartbeat_s, grace_s=ans.graceSeconds,
+                      resource_version=ans.resourceVersion)
+        self._registered.set()
 
     async def _reregister(self, token_used: str | None) -> None:
-        if self.client.token != token_used:
-            return  # someone else registered meanwhile
-        self.log.warning("node token refused; registering again")
-        await self.register()
+        """A call made with `token_used` was refused: register again, unless another loop already did. Checked
+        under the register lock: the heartbeat and the watch are often refused together (a restored database, a
+        stale node.json), and the second register, made while its own agent is alive, was refused as a node
+        another agent holds, retried until the node was lost."""
+        async with self._register_lock:
+            if self.client.token != token_used:
+                return  # another loop registered meanwhile: its token is the one to use
+            self.log.warning("node token refused; registering again")
+            await self._register()
 
     async def watch_loop(self) -> None:
         if self.client.token is None:

@@ -50,13 +50,19 @@ def test_what_is_saved_loads_back_equal_and_the_file_is_private(tmp_path):
     assert CHECKPOINT_VERSION == doc["version"] and doc["checksum"].startswith("sha256:")
 
 
-def test_a_checkpoint_from_another_boot_is_void_but_keeps_the_node_id(tmp_path):
+def test_a_checkpoint_from_another_boot_keeps_what_the_control_plane_must_still_hear(tmp_path):
+    """The cgroups died with the boot, not the reports owed: a release made while the host was down completed only
+    if the restarted agent reports the binding unbound, so its entry and the unsent reports stay (the first pass
+    makes the still wanted ones again); the resource version starts afresh, the node id stays."""
     cp = saved(tmp_path, r1="completed")
+    cp.set(msgspec.structs.replace(entry("r2"), oomKills=3))
+    cp.set(msgspec.structs.replace(entry("k1"), kind="kubernetes", cgroup=""))
     cp.set_node("n1")
     cp.save()
     after = Checkpoint.load(tmp_path / "checkpoint.json", boot_id="another-boot", cgroup_root=ROOT)
-    assert ({}, [], 0, "n1") == (after.bindings, after.data.pendingReports, after.data.resourceVersion,
-                                 after.data.nodeId)
+    assert ({"r1", "r2"}, [Report("r9", "unbound")], 0, "n1") == (
+        set(after.bindings), after.data.pendingReports, after.data.resourceVersion, after.data.nodeId)
+    assert 0 == after.bindings["r2"].oomKills  # a new cgroup counts from 0
     assert "died with that boot" in after.note
 
 

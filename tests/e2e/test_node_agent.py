@@ -8,6 +8,7 @@ every hierarchy (or, on a host without a controller, that the agent says so).
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,62 @@ def test_kill9_and_restart_adopts_twenty_bindings_and_cleans_up_one_released_mea
         if w.poll() is None:
             w.kill()
             w.wait(5)
+
+
+def test_after_a_reboot_a_release_made_while_the_host_was_down_completes_and_the_rest_are_made_again(fleet):
+    """A reboot kills every cgroup; the checkpoint of the old boot still lists them. The release made while the
+    host was down used to run for ever (the agent forgot the binding, so it never reported it unbound); now the
+    first pass reports it and makes the one still wanted again."""
+    import msgspec
+
+    from agent.checkpoint import Checkpoint, read_boot_id
+
+    cp, b = fleet.cp, fleet.b
+    kept, gone = [cp.create(poolId="mig", gpuModel="A100_80GB", migProfile="1g.10gb", gpuCount=1)["id"]
+                  for _ in range(2)]
+    for rid in (kept, gone):
+        cp.wait_state(rid, "active", timeout=5)
+    b.kill9()
+    release_op = cp.release(gone)["operation"]["id"]
+    # the reboot: every cgroup gone (in each hierarchy), and a checkpoint that names another boot
+    path = b.state_dir / "checkpoint.json"
+    old = Checkpoint.load(path, boot_id=read_boot_id(), cgroup_root=str(b.root))
+    for entry in old.bindings.values():
+        for part in [*entry.parts, entry.cgroup]:
+            if Path(part).exists():
+                Path(part).rmdir()
+    old.data = msgspec.structs.replace(old.data, bootId="00000000-0000-4000-8000-000000000000")
+    old.save()
+    b.start()
+    b.wait_event("reconciled", timeout=20)
+    wait_for(lambda: cp.get(gone)["operation"]["status"] == "succeeded", 10, what="the release confirmed")
+    assert release_op == cp.get(gone)["operation"]["id"] and not cp.get(gone).get("bound")
+    wait_for(lambda: (b.root / f"rsv-{kept}").exists(), 10, what="the reservation still wanted made again")
+    assert "active" == cp.get(kept)["state"] and not (b.root / f"rsv-{gone}").exists()
+
+
+def test_a_stored_token_the_control_plane_refuses_is_replaced_once_and_the_node_stays_alive(fleet):
+    """node.json with a token the control plane no longer knows (a restored database): the heartbeat and the
+    watch are refused together. Both registered again, and the second, its own agent alive, was refused as a node
+    another agent holds and retried until the node was lost; now the loop that comes second uses the new token."""
+    import json
+
+    cp, b = fleet.cp, fleet.b
+    rid = cp.create(poolId="mig", gpuModel="A100_80GB", migProfile="1g.10gb", gpuCount=1)["id"]
+    cp.wait_state(rid, "active", timeout=5)
+    b.stop()
+    lost = lambda: any(c["type"] == "NodeLost" and c["status"] == "True" for c in cp.get(rid).get("conditions", []))
+    wait_for(lost, 10, what="the node lost (only then may a register take it again)")
+    identity = b.state_dir / "node.json"
+    doc = json.loads(identity.read_text())
+    identity.write_text(json.dumps({**doc, "nodeToken": "nt_" + "x" * 43}))
+    b.start()
+    b.wait_event("registered", timeout=10)
+    b.wait_event("reconciled", timeout=10)
+    time.sleep(3)  # past the fleet's 2 s grace: a second register would still be retrying
+    assert 1 == len(b.events("registered", b.starts)), b.tail()
+    assert not b.events("register refused: the node is held by another agent; retrying", b.starts), b.tail()
+    assert "active" == cp.get(rid)["state"] and not lost(), cp.get(rid)
 
 
 def test_a_cut_link_loses_the_node_and_restoring_it_resumes_without_a_second_bind(fleet):
