@@ -317,7 +317,23 @@ def real_agent(args, cp: ControlPlaneProcess, workdir: Path, results: dict) -> N
                 proc.kill()
                 proc.wait(10)
         log.close()
+        _remove_v1_parts(workdir / "real-state" / "checkpoint.json")
         _remove_tree(base)
+
+
+def _remove_v1_parts(checkpoint: Path) -> None:
+    """The bindings' directories in the cgroup v1 hierarchies (on a hybrid host), which a stopped agent leaves with
+    its workloads as it does their cgroup v2 ones, and the agent's directories above them (below our own cgroup of
+    each hierarchy): every run left two of each before."""
+    if not checkpoint.exists():
+        return
+    bindings = json.loads(checkpoint.read_text())["data"]["bindings"].values()
+    for part in [Path(p) for b in bindings for p in b.get("parts", [])]:
+        for d in (part, part.parent, part.parent.parent):  # rsv-ID, workloads, workloads.scope
+            try:
+                d.rmdir()
+            except OSError:  # not empty (another binding's), or gone
+                pass
 
 
 def _remove_tree(path: Path) -> None:
