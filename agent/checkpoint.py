@@ -296,6 +296,9 @@ class StateDir:
         except pidlock.Held as held:
             raise StateLocked(f"{self.path} is in use by another agent (pid {held.holder}); two agents must never "
                               "share a state directory: stop the other one or give --state-dir") from None
+        except OSError as exc:  # a read-only file system, a full one: the directory cannot be the agent's
+            raise StateDirError(f"{where}: cannot write its lock ({exc.strerror}): give a directory on a writable "
+                                "file system with space") from None
         return self
 
     def close(self) -> None:

@@ -319,7 +319,7 @@ def runtime_main(argv: list[str]) -> int:
         print(f"berth agent: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # one line for the operator, not a traceback
-        print(f"berth agent: {describe_error(exc)}", file=sys.stderr)
+        print(f"berth agent: {describe_error(exc, args.state_dir)}", file=sys.stderr)
         return 1
     return 0
 

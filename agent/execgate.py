@@ -51,6 +51,7 @@ from typing import Callable, Mapping
 import structlog
 
 from agent import lifetime
+from agent.checkpoint import write_atomic
 from agent.confine import WorkloadUser, spec
 
 log = structlog.get_logger("berth.agent.exec")
@@ -145,10 +146,7 @@ class ExecPolicy:
     def write(self, state_dir: Path) -> Path:
         """Write the policy where `berth exec` run as root reads it (atomically; mode 0644, it holds no secret)."""
         path = Path(state_dir) / EXEC_POLICY_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_wire(), indent=2) + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        write_atomic(path, (json.dumps(self.to_wire(), indent=2) + "\n").encode(), mode=0o644)  # no .tmp left
         return path
 
     @classmethod

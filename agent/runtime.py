@@ -35,6 +35,7 @@ and the start and stop of it all.
 from __future__ import annotations
 
 import asyncio
+import errno
 import re
 import ssl
 import time
@@ -428,8 +429,17 @@ class Agent:
             self.log.info("agent stopped; workloads keep running", bindings=len(self.controller.states))
 
 
-def describe_error(exc: BaseException) -> str:
+# A file system that will not take the agent's state: what to do about it (the workloads are not touched)
+_STORAGE = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space there or raise the quota",
+            errno.EROFS: "give a directory on a writable file system"}
+
+
+def describe_error(exc: BaseException, state_dir: str | None = None) -> str:
     if isinstance(exc, (AgentError, CgroupError, HostReadError)):
         return str(exc)
+    if isinstance(exc, OSError) and exc.errno in _STORAGE:
+        where = exc.filename or state_dir or "its state directory"
+        return (f"cannot write {where} ({exc.strerror}): the agent keeps its checkpoint and identity in --state-dir "
+                f"{state_dir or ''}; {_STORAGE[exc.errno]} and start it again (the workloads keep running)")
     return f"{type(exc).__name__}: {exc}"
 

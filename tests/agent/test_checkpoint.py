@@ -182,3 +182,45 @@ def test_a_second_agent_on_the_same_state_dir_fails_clearly_naming_the_holder(tm
 def test_entries_decode_strictly(tmp_path):
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"reservationId": "r", "state": "halfway", "spec": "", "cgroup": ""}, BindingEntry)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 64 KiB tmpfs of the test's own (root only), unmounted after: a file system to fill or make read-only."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    point = tmp_path / "fs"
+    point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0711", "tmpfs", str(point)], check=True)
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_a_state_directory_on_a_read_only_file_system_is_a_bad_option_naming_it(small_fs):
+    """It was OSError [Errno 30] and exit 1, where a directory that cannot be made is exit 2 naming the flag."""
+    (small_fs / "state").mkdir(mode=0o711)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    with pytest.raises(StateDirError, match=r"^--state-dir .*/state: cannot write its lock \(Read-only file system\)"):
+        StateDir(small_fs / "state").open()
+
+
+def test_a_full_state_directory_says_what_to_do_and_leaves_no_half_written_file(small_fs):
+    """The agent exited with a bare `OSError: [Errno 28] No space left on device`, and the exec policy it writes at
+    start left an empty exec-policy.tmp, so it could not start again once space was freed either."""
+    from agent.execgate import ExecPolicy
+    from agent.runtime import describe_error
+
+    fd = os.open(small_fs / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(OSError):
+            while True:
+                os.write(fd, b"\0" * 4096)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as full:
+        ExecPolicy.from_options(["1000"]).write(small_fs)
+    assert [] == sorted(p.name for p in small_fs.iterdir() if p.name != "filler")
+    said = describe_error(full.value, str(small_fs))
+    assert "(No space left on device)" in said and f"--state-dir {small_fs}; free space there" in said, said
