@@ -19,6 +19,7 @@ from msgspec import Meta, Struct
 from controlplane.catalog import Catalog
 from controlplane.iam import cedar
 from controlplane.schemas import field_of
+from controlplane.domain.calendar import Calendar
 from controlplane.domain.model import (SHARING_MODES, BmcRef, Node, Offer, Pool, PoolPolicy, Principal, Tenant,
                                        Unit)
 from common.inventory import HOSTNAME_RULE, is_hostname
@@ -447,6 +448,38 @@ def read(path: str | Path) -> tuple[Catalog, dict[str, list[tuple[str, str]]], s
         return parse(raw, path.parent)
     except BootstrapError as exc:
         raise BootstrapError(f"{path}: {exc}") from None
+
+
+def stranded(current: Catalog, merged: Catalog, calendar: Calendar) -> str | None:
+    """Why the merged catalog would strand live bookings, or None. A declared node re-declared into another pool,
+    without devices that bookings hold, or with less host capacity than its bookings' peak would leave those
+    bookings where no placement looks (the same devices booked twice: once by the old pool's reservation, once by
+    the new pool's), or on devices that no longer exist. The operator drains the node first."""
+    for node_id, new in merged.nodes.items():
+        old = current.nodes.get(node_id)
+        if old is None or new == old or old.pool_id not in calendar.pools:
+            continue
+        cal = calendar.pools[old.pool_id].nodes.get(node_id)
+        if cal is None or cal.count == 0:
+            continue
+        holders = sorted({b.owner for b in cal.host})
+        why = None
+        if new.pool_id != old.pool_id:
+            why = f"moves from pool {old.pool_id} to {new.pool_id}"
+        else:
+            gone = {u.id for u in old.units} - {u.id for u in new.units}
+            held = sorted(u for u in gone if len(cal.devices.get(u, ())))
+            if held:
+                holders = sorted({o for u in held for o in cal.devices[u].owners})
+                why = f"loses device{'s' if len(held) > 1 else ''} {', '.join(held)}"
+            elif not cal.host_peak(0, 2 ** 62).fits_in(new.capacity):
+                why = "gets less host capacity (vcpu, memory, hugepages) than is booked on it"
+        if why is not None:
+            shown = ", ".join(holders[:5]) + (f" and {len(holders) - 5} more" if len(holders) > 5 else "")
+            return (f"node {node_id} {why} while reservations are booked on it ({shown}): drain it first "
+                    f"(berth admin nodes drain {node_id}: the ones not started move), and apply this once those "
+                    "running have ended or been released")
+    return None
 
 
 def merge(current: Catalog, declared: Catalog) -> Catalog:

@@ -17,7 +17,7 @@ from controlplane import bootstrap as bootstrap_file
 from controlplane import catalog as catalog_mod
 from controlplane.catalog import Catalog
 from controlplane.domain.clock import Clock
-from controlplane.domain.errors import INVALID_INPUT, DomainError, invalid, not_found
+from controlplane.domain.errors import INVALID_INPUT, INVALID_STATE, DomainError, invalid, not_found
 from controlplane.domain.ids import token_hash
 from controlplane.iam.cedar import CedarAuthorizer
 from controlplane.billing import Billing
@@ -341,6 +341,9 @@ class ControlPlane:
     def _bootstrap_job(self, declared: Catalog, tokens: dict, admin: str | None):
         def job(tx: Tx) -> None:
             merged = bootstrap_file.merge(self.catalog.current, declared)
+            why = bootstrap_file.stranded(self.catalog.current, merged, self.state.calendar)
+            if why is not None:  # before any write: a refusal changes nothing
+                raise DomainError(INVALID_STATE, f"bootstrap: {why}", {"field": "nodes"})
             rows = dict(self.tokens.rows)
             named = {(kind, subject) for kind, pairs in tokens.items() for _, subject in pairs}
             if admin:

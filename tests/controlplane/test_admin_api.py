@@ -281,3 +281,33 @@ async def test_the_calendar_page_is_served_with_a_strict_content_policy(api):
         resp = await api.client.get(path)
         assert 404 == resp.status, path
         assert "NOT_FOUND" == (await resp.json())["error"]["code"]
+
+
+async def test_a_bootstrap_that_would_strand_bookings_on_a_node_is_refused_and_changes_nothing(api):
+    """A declared node re-declared into another pool kept its bookings where no placement looks: the new pool's
+    tenant booked the same GPUs for the same window (two reservations on one device). Shrinking its GPUs left
+    bookings on devices that no longer existed. Both are refused now, naming the node and what to do; a node
+    without bookings may be re-declared, and once its bookings are gone, so may this one."""
+    from tests.controlplane.conftest import h100_node
+
+    res = (await api.create(key="on-h2", gpuCount=8, start=T0 + HOUR, durationHours=1))[1]["reservation"]
+    node = res["placements"][0]["nodeId"]
+    other = {"h1": "h2", "h2": "h1"}[node]
+    before = api.cp.catalog.current
+    for change in ({"pool": "globex-own"}, {"gpus": [{"numaNode": 0}] * 4}, {"vcpu": 1}):
+        doc = bootstrap_doc()
+        doc["nodes"] = [n if n["id"] != node else {**h100_node(node), **change} for n in doc["nodes"]]
+        status, got = await admin(api, "bootstrap", doc)
+        assert (409, "INVALID_STATE", "nodes") == (status, got["error"]["code"], got["error"]["details"]["field"]), got
+        assert f"node {node} " in got["error"]["message"] and res["id"] in got["error"]["message"]
+        assert f"berth admin nodes drain {node}" in got["error"]["message"]
+        assert api.cp.catalog.current == before  # nothing applied
+    doc = bootstrap_doc()  # a node with nothing booked moves freely
+    doc["nodes"] = [n if n["id"] != other else h100_node(other, pool="globex-own") for n in doc["nodes"]]
+    await ok(api, "bootstrap", doc)
+    assert "globex-own" == api.cp.catalog.current.nodes[other].pool_id
+    await api.ok("cancel", "alice", {"reservationId": res["id"]})
+    doc["nodes"] = [n if n["id"] != node else h100_node(node, pool="globex-own") for n in doc["nodes"]]
+    await ok(api, "bootstrap", doc)  # its booking gone: it moves too
+    assert "globex-own" == api.cp.catalog.current.nodes[node].pool_id
+    assert [] == api.cp.state.calendar.overlaps()
