@@ -362,25 +362,31 @@ class NodeService:
             tx.touch()
             self.catalog.current = catalog.with_changes(nodes={**catalog.nodes, node_id: node})
             self.state.add_nodes([node])
-            gone = {u.id for u in old.units} - {u.id for u in units} if old is not None else set()
-            if gone:
-                self._devices_lost(tx, node_id, gone)
+            if old is not None and {u.id for u in old.units} != {u.id for u in units}:
+                self._devices_lost(tx, node_id, {u.id for u in units})
             for note in notes:
                 log.info("inventory note", node_id=node_id, note=note)
         self.cleaner.came_back(tx, node_id, inventory, self.clock.compute_now())  # back from a redfish reset?
         return self.catalog.current.nodes[node_id]
 
-    def _devices_lost(self, tx: Tx, node_id: str, gone: set[str]) -> None:
+    def _devices_lost(self, tx: Tx, node_id: str, reported: set[str]) -> None:
+        """DevicesLost on each live reservation booked on the node: set while the node does not report a device it
+        holds, cleared once it reports every one again (a GPU back after a driver reload)."""
         now = self.clock.compute_now()
         for b in list(self.state.calendar.iter_bookings()):
-            if b.node_id != node_id or not gone.intersection(b.units):
+            if b.node_id != node_id:
                 continue
             res = tx.reservation(b.reservation_id)
             if res is None or res.state in states.TERMINAL:
                 continue
-            missing = sorted(gone.intersection(b.units))
-            res.set_condition("DevicesLost", "True", "InventoryChanged",
-                              f"node {node_id} no longer reports {', '.join(missing)}", now)
+            missing = sorted(set(b.units) - reported)
+            if missing:
+                res.set_condition("DevicesLost", "True", "InventoryChanged",
+                                  f"node {node_id} no longer reports {', '.join(missing)}", now)
+            elif any(c.type == "DevicesLost" for c in res.conditions):
+                res.clear_condition("DevicesLost")
+            else:
+                continue
             self.moves.save(tx, res)
 
     async def update_inventory(self, node: Node, inventory: Inventory) -> None:

@@ -493,6 +493,7 @@ class Transitions:
             before = tuple(p.node_id for p in res.placements)
             self.unbook(tx, res, now)
             res.placements = []
+            res.clear_condition("DevicesLost")  # of the node it leaves
             if self.try_place(tx, res, now, may_preempt=True) is not None:
                 res.updated_at = now
                 self.save(tx, res, states.PLACED)

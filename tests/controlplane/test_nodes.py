@@ -254,6 +254,31 @@ async def test_a_gpu_that_disappears_is_not_bookable_and_its_reservation_says_so
     assert len(api.cp.catalog.current.nodes["h1"].units) == 7
     got = await api.ok("get", "alice", {"reservationId": res["id"]})
     assert any(c["type"] == "DevicesLost" and "gpu7" in c["message"] for c in got["conditions"])
+    # the GPU back (a driver reloaded): the condition goes; it stayed True for ever before
+    status, _ = await node_call(api, "heartbeat", node["nodeToken"], {"inventory": inv})
+    assert 200 == status and 8 == len(api.cp.catalog.current.nodes["h1"].units)
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert not [c for c in got["conditions"] if c["type"] == "DevicesLost"], got["conditions"]
+
+
+async def test_a_reservation_moved_off_a_node_that_lost_its_devices_no_longer_says_it_lost_them(api):
+    from tests.controlplane.test_admin_api import ok
+
+    inv = inventory("h1.test")
+    nodes = {n["nodeId"]: (n, i) for n, i in [(await register(api, "h1.test", inv), inv),
+                                               (await register(api, "h2.test"), None)]}
+    res = (await api.create(key="later", gpuCount=8, start=T0 + HOUR, durationHours=1))[1]["reservation"]
+    on = res["placements"][0]["nodeId"]
+    if on != "h1":
+        pytest.skip("placement chose h2")
+    smaller = copy.deepcopy(inv)
+    smaller["gpus"] = smaller["gpus"][:7]
+    await node_call(api, "heartbeat", nodes["h1"][0]["nodeToken"], {"inventory": smaller})
+    assert "DevicesLost" in [c["type"] for c in (await api.ok("get", "alice", {"reservationId": res["id"]}))["conditions"]]
+    await ok(api, "nodes/drain", {"nodeId": "h1", "reason": "gpu7 gone"})
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert ["h2"] == [p["nodeId"] for p in got["placements"]]
+    assert not [c for c in got["conditions"] if c["type"] == "DevicesLost"], got["conditions"]
 
 
 async def test_node_api_bodies_are_validated_naming_the_field(api):
