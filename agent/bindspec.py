@@ -195,7 +195,15 @@ def want_of(binding: Binding, host: HostView) -> Want:
             if cpus is None:
                 raise BindError(f"numaNodes {nodes}: the inventory lists no CPUs for them "
                                 f"(nodes: {[n.node for n in inv.cpus.numaNodes]})")
-            mems = format_cpulist(frozenset(nodes))
+            near = len(parse_cpulist(cpus))
+            if vcpu_milli is not None and vcpu_milli > near * 1000:
+                # The booked share comes first: the GPUs' nodes are a preference, and pinning to them would make a
+                # booking the control plane placed (sized from the whole host) fail to bind for its whole window.
+                notes.append(f"cpuset not pinned to numaNodes {nodes}: their {near} CPUs are fewer than the share's "
+                             f"{vcpu_milli / 1000:g} vcpu, so the workload may run on any CPU of the host")
+                cpus = None
+            else:
+                mems = format_cpulist(frozenset(nodes))
     try:
         share = CgroupShare(vcpu_milli=vcpu_milli, memory_bytes=memory, hugepages_1g=hugepages, cpus=cpus, mems=mems)
     except InvalidShare as exc:

@@ -16,7 +16,7 @@ from common.sshkeys import SshKeyError, parse_public_key
 from controlplane.commands import Create, Extend, ListQuery
 from controlplane.domain.admission import CreateRequest, ResourcesAsk
 from controlplane.domain.clock import HOUR_MS
-from controlplane.domain.errors import DomainError, INVALID_INPUT
+from controlplane.domain.errors import DomainError, INVALID_INPUT, invalid
 from controlplane.domain.ids import fingerprint
 from controlplane.domain.model import Bound, Operation, Reservation
 from controlplane.domain.pricing import money
@@ -239,8 +239,27 @@ def ssh_keys_of(access: Access | None) -> tuple[str, ...] | None:
     return tuple(lines)
 
 
+# The least a share may ask that a node can enforce (0 asks none): the kernel's smallest CPU quota is 1 ms of each
+# 100 ms period, and memory is booked in MiB. Less was accepted, and either never bound (cpu.max refused) or, rounded
+# to 0, bound with no limit at all.
+LEAST_VCPU = 0.01
+LEAST_MEMORY_GIB = 1 / 1024
+
+
+def _enforceable(res: Resources | None) -> None:
+    if res is None:
+        return
+    if res.vcpu is not None and 0 < res.vcpu < LEAST_VCPU:
+        raise invalid("resources.vcpu", f"0 or at least {LEAST_VCPU}: a node cannot give less than 1 ms of CPU time "
+                      f"in each 100 ms (got {res.vcpu:g})")
+    if res.memoryGiB is not None and 0 < res.memoryGiB < LEAST_MEMORY_GIB:
+        raise invalid("resources.memoryGiB", f"0 or at least {LEAST_MEMORY_GIB} (1 MiB, the unit memory is booked "
+                      f"in; got {res.memoryGiB:g})")
+
+
 def create_request(body: CreateBody) -> CreateRequest:
     res = body.resources
+    _enforceable(res)
     return CreateRequest(
         pool_id=body.poolId,
         gpu_model=body.gpuModel,

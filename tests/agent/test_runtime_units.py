@@ -65,7 +65,7 @@ def gpu_unit(inv, index):
 
 
 @pytest.mark.parametrize("enforced, expect_share, expect_unenforced", [
-    (ALL, CgroupShare(vcpu_milli=8000, memory_bytes=64 << 30, hugepages_1g=2, cpus="0-1", mems="0"), []),
+    (ALL, CgroupShare(vcpu_milli=8000, memory_bytes=64 << 30, hugepages_1g=2), []),  # node 0's 2 CPUs < 8 vcpu
     ({"hugetlb"}, CgroupShare(hugepages_1g=2),
      ["cpu (vcpuMilli 8000)", "memory (memoryMiB 65536)", "cpuset (numaNodes [0])"]),
     ((), CgroupShare(), ["cpu (vcpuMilli 8000)", "memory (memoryMiB 65536)", "hugetlb (hugepages1Gi 2)",
@@ -75,6 +75,22 @@ def test_the_share_becomes_what_the_host_enforces_and_the_rest_is_named(inventor
                                                                          expect_share, expect_unenforced):
     want = want_of(hold(units=[gpu_unit(inventory, 2)], huge=2, numa=[0]), view(inventory, devices_proc, enforced))
     assert (expect_share, expect_unenforced) == (want.share, list(want.unenforced))
+
+
+def test_the_share_is_pinned_to_its_gpus_numa_nodes_where_their_cpus_hold_it_and_else_not_pinned(inventory,
+                                                                                                  devices_proc):
+    """A whole-GPU booking is sized from the whole host (the per-GPU share), and GPUs may sit on a node with fewer
+    CPUs: pinned there, it could never bind (ShareTooLarge at every pass, for its whole window)."""
+    from common.hostfacts import parse_cpulist
+
+    near = inventory.cpus.numaNodes[0].cpus  # this host's, as --simulate keeps the real CPUs
+    n = len(parse_cpulist(near))
+    fits = want_of(hold(units=[gpu_unit(inventory, 2)], vcpu=n * 1000, numa=[0]), view(inventory, devices_proc))
+    assert (near, "0", ()) == (fits.share.cpus, fits.share.mems, fits.notes)
+    more = want_of(hold(units=[gpu_unit(inventory, 2)], vcpu=n * 1000 + 500, numa=[0]), view(inventory, devices_proc))
+    assert (None, None, n * 1000 + 500) == (more.share.cpus, more.share.mems, more.share.vcpu_milli)
+    assert [f"cpuset not pinned to numaNodes [0]: their {n} CPUs are fewer than the share's {n + 0.5:g} vcpu, so the "
+            "workload may run on any CPU of the host"] == list(more.notes)
 
 
 def test_under_simulate_cpus_and_memory_are_capped_at_the_real_host_and_cpuset_is_not_pinned(inventory,

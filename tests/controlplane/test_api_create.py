@@ -226,6 +226,11 @@ async def test_spend_limit_reached_when_the_pool_or_offer_checks_the_budget(api)
         ("alice", {"migProfile": "1g.10gb"}, 400, "INVALID_INPUT", "migProfile"),
         ("alice", {"poolId": "k8s", "binding": "node"}, 400, "INVALID_INPUT", "binding"),  # no tenantRoot
         ("alice", {"binding": "node", "resources": {"vcpu": 1}}, 400, "INVALID_INPUT", "resources"),
+        # less than a node can enforce: cpu.max refuses a quota below 1 ms (it never bound), and less than a MiB
+        # rounded to no limit at all
+        ("alice", {"resources": {"vcpu": 0.004}}, 400, "INVALID_INPUT", "resources.vcpu"),
+        ("alice", {"resources": {"vcpu": 0.0004}}, 400, "INVALID_INPUT", "resources.vcpu"),
+        ("alice", {"resources": {"memoryGiB": 0.0004}}, 400, "INVALID_INPUT", "resources.memoryGiB"),
         ("alice", {"binding": "kubernetes"}, 400, "INVALID_INPUT", "binding"),  # no policy.kubernetes
         ("carol", {"poolId": "k8s", "binding": "kubernetes"}, 400, "INVALID_INPUT", "binding"),  # not the owner
         ("alice", {"binding": "vm"}, 422, "UNSUPPORTED", "binding"),
