@@ -85,6 +85,7 @@ class ControlPlaneLink:
         self.watch_timeout_ms = watch_timeout_ms
         self.backoff_min_s, self.backoff_max_s = backoff_min_s, backoff_max_s
         self.client = NodeClient(control_plane, timeout_s=request_timeout_s, ssl_context=ssl_context)
+        self.client.machine_id = machine_id
         self.identity: Identity | None = None
         self.heartbeat_s = heartbeat_s or 5.0
         self.inventory_dirty = True  # send the inventory with the next heartbeat

@@ -22,7 +22,7 @@ import msgspec
 from agent.errors import AgentError
 from common import tls
 from common.inventory import Inventory
-from common.nodewire import (ErrorEnvelope, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer, RegisterRequest, Report,
+from common.nodewire import (MACHINE_ID_HEADER, ErrorEnvelope, HeartbeatAnswer, HeartbeatRequest, RegisterAnswer, RegisterRequest, Report,
                              ReportAnswer, ReportRequest, WatchAnswer, WatchRequest, encode)
 
 T = TypeVar("T")
@@ -59,6 +59,7 @@ class NodeClient:
         self._own_session = session is None
         self.timeout_s = timeout_s
         self.token = token
+        self.machine_id = ""  # this host's /etc/machine-id, sent with every call
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -77,6 +78,8 @@ class NodeClient:
         headers = {"Content-Type": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
+        if self.machine_id:  # the control plane refuses a node token used from another host (a copied state dir)
+            headers[MACHINE_ID_HEADER] = self.machine_id
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
             async with self.session.post(url, data=encode(body), headers=headers, timeout=timeout,

@@ -21,6 +21,9 @@ Message = Annotated[str, Meta(max_length=2000)]
 Path = Annotated[str, Meta(max_length=4096)]
 ResourceVersion = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 REPORT_MAX = 1000  # reports in one call
+# The agent's host (/etc/machine-id) on every call with a node token: the control plane refuses the token from a host
+# other than the one it was issued to (a state directory copied to another host, a cloned image).
+MACHINE_ID_HEADER = "Berth-Machine-Id"
 BINDING_KINDS = ("hold", "node", "kubernetes")
 ReportStatus = Literal["bound", "unbound", "failed", "held", "cleaned", "waiting"]
 REPORT_STATUSES: tuple[str, ...] = get_args(ReportStatus)  # what a heartbeat answer says this release takes

@@ -35,7 +35,7 @@ from controlplane.reconciler import Reconciler
 from controlplane.store.port import Store, Tx
 from controlplane.tokens import Tokens
 from common.inventory import HOSTNAME_RULE, Inventory, InventoryError, check, check_gpus, is_hostname
-from common.nodewire import (REPORT_STATUSES, Binding, BindingShare, BindingUnit, HeartbeatAnswer, Ignored,
+from common.nodewire import (MACHINE_ID_HEADER, REPORT_STATUSES, Binding, BindingShare, BindingUnit, HeartbeatAnswer, Ignored,
                              RegisterAnswer, Report, ReportAnswer, WatchAnswer)
 from controlplane.transitions import CatalogRef, Transitions
 
@@ -240,7 +240,10 @@ class NodeService:
             self.wanted_on.pop(rid, None)
 
     # ---- authentication ------------------------------------------------------------
-    def node_of_token(self, token: str) -> Node:
+    def node_of_token(self, token: str, machine_id: str = "") -> Node:
+        """The node a node token speaks for. `machine_id` (the calling agent's host; empty from an agent of an
+        earlier release) must be the host the node was registered from: a state directory copied to another host
+        (a cloned image) carries the token, and its agent would bind every reservation of the node a second time."""
         found = self.tokens.resolve(token)
         if found is None or found[0] != "node":
             raise DomainError(UNAUTHENTICATED, "Authorization: not a node token; register with the pool's bootstrap token",
@@ -248,6 +251,14 @@ class NodeService:
         node = self.catalog.current.nodes.get(found[1])
         if node is None:
             raise DomainError(UNAUTHENTICATED, "Authorization: the token's node no longer exists", {"field": "Authorization"})
+        if machine_id and node.machine_id and machine_id != node.machine_id:
+            log.warning("node token refused: another host", node_id=node.id, recorded=node.machine_id,
+                        machine_id=machine_id)
+            raise DomainError(CONFLICT, f"{MACHINE_ID_HEADER}: node {node.id}'s token was issued to the host with "
+                              f"machine id {node.machine_id}, and this agent runs on {machine_id}: its state directory "
+                              "was copied from that host (a cloned image?). Remove node.json from this host's state "
+                              "directory, and it registers as a node of its own",
+                              {"field": MACHINE_ID_HEADER, "nodeId": node.id, "rule": "machine_id"})
         return node
 
     def pool_of_bootstrap(self, token: str) -> Pool:

@@ -11,7 +11,8 @@ from controlplane.api.auth import bearer
 from controlplane.api.body import read_json
 from controlplane.api.errors import json_response
 from controlplane.nodes import NodeService
-from common.nodewire import HeartbeatRequest, RegisterRequest, ReportRequest, WatchRequest
+from common.nodewire import MACHINE_ID_HEADER, HeartbeatRequest, RegisterRequest, ReportRequest, WatchRequest
+from controlplane.domain.model import Node
 
 NODES = web.AppKey("nodes", NodeService)
 
@@ -24,23 +25,28 @@ async def register(request: web.Request) -> web.Response:
                                                 body.machineId))
 
 
+def _node(request: web.Request) -> Node:
+    """The node the call's token speaks for, if the call comes from the host it was issued to."""
+    return request.app[NODES].node_of_token(bearer(request), request.headers.get(MACHINE_ID_HEADER, ""))
+
+
 async def heartbeat(request: web.Request) -> web.Response:
     service = request.app[NODES]
-    node = service.node_of_token(bearer(request))
+    node = _node(request)
     body = await read_json(request, HeartbeatRequest)
     return json_response(await service.heartbeat(node, body.inventory))
 
 
 async def watch(request: web.Request) -> web.Response:
     service = request.app[NODES]
-    node = service.node_of_token(bearer(request))
+    node = _node(request)
     body = await read_json(request, WatchRequest)
     return json_response(await service.watch(node, body.resourceVersion, body.timeoutMs))
 
 
 async def report(request: web.Request) -> web.Response:
     service = request.app[NODES]
-    node = service.node_of_token(bearer(request))
+    node = _node(request)
     body = await read_json(request, ReportRequest)
     return json_response(await service.report(node, body.reports))
 

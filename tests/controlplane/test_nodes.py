@@ -385,3 +385,46 @@ async def test_a_registered_node_whose_gpus_are_all_in_mig_mode_counts_them(api)
     assert (1, 7) == (node.gpu_count, len(node.units))
     status, got = await api.post("/api/admin/nodes/get", ADMIN, {"nodeId": "m1"})
     assert (200, 1, [0]) == (status, got["node"]["inventory"]["gpus"], got["node"]["inventory"]["gpuIndices"])
+
+
+async def test_a_node_token_used_from_another_host_is_refused_naming_the_copied_state_directory(api):
+    """A state directory copied to another host (a cloned image) carries the node token: its agent heartbeated,
+    watched and bound every reservation of the node a second time, unnoticed. Each call now names the agent's host
+    (its machine id), and a token used from another host than the one it was issued to is refused."""
+    here, there = "a" * 32, "b" * 32
+    status, reg = await node_call(api, "register", BOOT, {"hostname": "h1.test", "inventory": inventory("h1.test"),
+                                                          "machineId": here})
+    assert 200 == status, reg
+    token = reg["nodeToken"]
+    for method, body in (("heartbeat", {}), ("watch", {"resourceVersion": 0, "timeoutMs": 0}), ("report", {"reports": []})):
+        status, doc = await api.post(f"/api/nodes/{method}", token, body, headers={"Berth-Machine-Id": there})
+        assert (409, "CONFLICT", "Berth-Machine-Id") == (status, doc["error"]["code"], doc["error"]["details"]["field"])
+        assert "Remove node.json from this host's state directory" in doc["error"]["message"]
+        status, doc = await api.post(f"/api/nodes/{method}", token, body, headers={"Berth-Machine-Id": here})
+        assert 200 == status, doc
+        status, doc = await api.post(f"/api/nodes/{method}", token, body)  # an agent of an earlier release
+        assert 200 == status, doc
+
+
+async def test_the_agent_names_its_host_on_every_call(aiohttp_server):
+    """What the agent's node client sends: the machine id it registered with, also with the node token."""
+    from aiohttp import web
+
+    from agent.nodeclient import NodeClient
+
+    seen: list[str | None] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Berth-Machine-Id"))
+        return web.json_response({"resourceVersion": 1, "graceSeconds": 30, "reportStatuses": []})
+
+    app = web.Application()
+    app.router.add_post("/api/nodes/heartbeat", answer)
+    server = await aiohttp_server(app)
+    client = NodeClient(str(server.make_url("/")), token="nt_x")
+    client.machine_id = "c" * 32
+    try:
+        await client.heartbeat()
+    finally:
+        await client.close()
+    assert ["c" * 32] == seen
