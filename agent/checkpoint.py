@@ -10,9 +10,9 @@ Everything a restarted agent needs besides cgroupfs lives here:
   `completed` (made and recorded) or `removing`, with what was applied; the
   reports not yet accepted by the control plane; the last resource version;
   the boot id it was written in. The cgroups of a checkpoint from another boot
-  died with that boot: its hold bindings and reports are kept (the first pass
-  makes again those still wanted and reports the others unbound), the rest
-  starts afresh. The file is
+  died with that boot: its hold bindings and its reports of what is gone are
+  kept (the first pass makes again those still wanted and reports the others
+  unbound), the rest starts afresh. The file is
   versioned and checksummed (sha256 of the canonical data) and always written
   whole to a temporary file, fsynced and renamed over the old one.
 
@@ -151,8 +151,10 @@ class Checkpoint:
             # reports `unbound` for the rest (a release made while the host was down completes), and reports not
             # yet accepted are still sent.
             died = {rid: msgspec.structs.replace(e, oomKills=0) for rid, e in data.bindings.items() if e.kind == "hold"}
-            cp = cls(path, msgspec.structs.replace(fresh, nodeId=data.nodeId, bindings=died,
-                                                   pendingReports=list(data.pendingReports)))
+            # of the reports not sent, those of what is gone still hold; a `bound` (or failed, held, waiting) one
+            # speaks of the old boot's cgroups: the first pass reports what it makes again
+            gone = [r for r in data.pendingReports if r.status in ("unbound", "cleaned")]
+            cp = cls(path, msgspec.structs.replace(fresh, nodeId=data.nodeId, bindings=died, pendingReports=gone))
             cp.note = (f"checkpoint is from boot {data.bootId}, this is boot {boot_id}: its {len(died)} binding(s) "
                        "died with that boot; those still wanted are made again, the others reported unbound")
             return cp

@@ -228,6 +228,7 @@ _LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
 
 def is_hostname(name: str) -> bool:
+    name = name[:-1] if name.endswith(".") else name  # an absolute name, as DNS writes it (gpu-01.example.net.)
     return 0 < len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split("."))
 
 
@@ -264,7 +265,9 @@ def check_gpus(inv: Inventory) -> None:
     """No two GPUs share a uuid or a PCI bus id: the agent finds a booked unit's device by its uuid, so a second GPU
     with the uuid of the first would give a booking of it the first one's device node. (The control plane runs this
     alone on a heartbeat's inventory: a node registered before the hostname rule keeps working.)"""
-    for key in ("uuid", "pciBusId"):
+    # PCI bus ids only as NVML reports them: an earlier release's --simulate repeated them past 16 GPUs, and its
+    # agents must still register (their uuids are distinct)
+    for key in ("uuid", "pciBusId") if inv.source == "nvml" else ("uuid",):
         values = [getattr(g, key) for g in inv.gpus]
         clash = first_duplicate([v.upper() for v in values] if key == "pciBusId" else values)
         if clash is not None:

@@ -374,26 +374,30 @@ class NodeService:
             self.catalog.current = catalog.with_changes(nodes={**catalog.nodes, node_id: node})
             self.state.add_nodes([node])
             if old is not None and {u.id for u in old.units} != {u.id for u in units}:
-                self._devices_lost(tx, node_id, {u.id for u in units})
+                self._devices_lost(tx, node_id)
             for note in notes:
                 log.info("inventory note", node_id=node_id, note=note)
         self.cleaner.came_back(tx, node_id, inventory, self.clock.compute_now())  # back from a redfish reset?
         return self.catalog.current.nodes[node_id]
 
-    def _devices_lost(self, tx: Tx, node_id: str, reported: set[str]) -> None:
-        """DevicesLost on each live reservation booked on the node: set while the node does not report a device it
-        holds, cleared once it reports every one again (a GPU back after a driver reload)."""
+    def _devices_lost(self, tx: Tx, node_id: str) -> None:
+        """DevicesLost on each live reservation booked on the node, worked out over all its nodes (a gang's): set
+        while a node of it does not report a device it holds, cleared once they all do again (a GPU back after a
+        driver reload)."""
         now = self.clock.compute_now()
-        for b in list(self.state.calendar.iter_bookings()):
-            if b.node_id != node_id:
-                continue
-            res = tx.reservation(b.reservation_id)
+        calendar, nodes = self.state.calendar, self.catalog.current.nodes
+        for rid in dict.fromkeys(b.reservation_id for b in calendar.iter_bookings() if b.node_id == node_id):
+            res = tx.reservation(rid)
             if res is None or res.state in states.TERMINAL:
                 continue
-            missing = sorted(set(b.units) - reported)
+            missing: dict[str, list[str]] = {}
+            for b in calendar.bookings_of(rid):
+                reported = {u.id for u in nodes[b.node_id].units} if b.node_id in nodes else set()
+                if lost := sorted(set(b.units) - reported):
+                    missing[b.node_id] = lost
             if missing:
-                res.set_condition("DevicesLost", "True", "InventoryChanged",
-                                  f"node {node_id} no longer reports {', '.join(missing)}", now)
+                res.set_condition("DevicesLost", "True", "InventoryChanged", "; ".join(
+                    f"node {n} no longer reports {', '.join(units)}" for n, units in sorted(missing.items())), now)
             elif any(c.type == "DevicesLost" for c in res.conditions):
                 res.clear_condition("DevicesLost")
             else:

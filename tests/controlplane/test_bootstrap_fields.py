@@ -43,7 +43,8 @@ def test_fractional_vcpu_and_memory_quota_are_kept_in_their_units():
     assert tenant.quota == {"vcpu_milli": 2500, "memory_mib": 512}
 
 
-@pytest.mark.parametrize("hostname, taken", [("gpu-01.example.net", True), ("gpu_01", True), ("bad host", False),
+@pytest.mark.parametrize("hostname, taken", [("gpu-01.example.net", True), ("gpu_01", True),
+                                             ("gpu-01.example.net.", True),  # absolute, as an earlier release took ("bad host", False),
                                              ("line\nbreak", False), ("-dash.example", False), ("a" * 64, False)])
 def test_a_declared_nodes_hostname_is_held_to_the_rule_its_agent_registers_with(hostname, taken):
     """The node API refuses a register whose hostname is not a host name; a declared node with one could never be

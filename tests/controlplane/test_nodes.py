@@ -345,7 +345,7 @@ async def test_mig_devices_recreated_in_place_update_the_units_uuids_and_a_later
 @pytest.mark.parametrize("field", ["uuid", "pciBusId"])
 async def test_an_inventory_where_two_gpus_share_an_identity_is_refused_naming_the_field(api, field):
     """The agent finds a booked unit's device by its uuid: two GPUs with one would give a booking the other's."""
-    inv = inventory("dup.test")
+    inv = {**inventory("dup.test"), "source": "nvml"}  # as a real host's driver would report it
     inv["gpus"][3][field] = inv["gpus"][1][field]
     status, doc = await node_call(api, "register", BOOT, {"hostname": "dup.test", "inventory": inv})
     assert (400, "INVALID_INPUT", f"inventory.gpus[3].{field}") == (status, doc["error"]["code"],
@@ -357,6 +357,15 @@ async def test_an_inventory_where_two_gpus_share_an_identity_is_refused_naming_t
     status, doc = await node_call(api, "heartbeat", node["nodeToken"], {"inventory": inv})
     assert (400, f"inventory.gpus[3].{field}") == (status, doc["error"]["details"]["field"])
     assert 8 == len({u.uuid for u in api.cp.catalog.current.nodes["h1"].units})
+
+
+async def test_a_simulated_inventory_of_an_earlier_release_with_repeated_pci_ids_still_registers(api):
+    """Its --simulate gave GPU 16 the PCI id of GPU 0 (and so on); its uuids were distinct, and it must still
+    register: PCI ids are checked as NVML reports them only."""
+    inv = inventory("old-sim.test")
+    inv["gpus"][3]["pciBusId"] = inv["gpus"][1]["pciBusId"]
+    status, doc = await node_call(api, "register", BOOT, {"hostname": "old-sim.test", "inventory": inv})
+    assert 200 == status, doc
 
 
 @pytest.mark.parametrize("hostname, inventory_hostname, field", [
@@ -428,3 +437,21 @@ async def test_the_agent_names_its_host_on_every_call(aiohttp_server):
     finally:
         await client.close()
     assert ["c" * 32] == seen
+
+
+async def test_a_gangs_lost_device_is_not_forgotten_when_another_of_its_nodes_changes(api):
+    """DevicesLost is the reservation's, over all its nodes: a change on h2 that touches none of its devices left
+    it cleared while h1 still did not report one it holds."""
+    inv1, inv2 = inventory("h1.test"), inventory("h2.test")
+    n1, n2 = await register(api, "h1.test", inv1), await register(api, "h2.test", inv2)
+    res = (await api.create(key="gang", gpuCount=4, nodeCount=2, durationHours=1))[1]["reservation"]
+    held = {b.node_id: b.units for b in api.cp.state.calendar.bookings_of(res["id"])}
+    gone1 = int(held["h1"][0][3:])
+    assert 200 == (await node_call(api, "heartbeat", n1["nodeToken"], {"inventory": {
+        **inv1, "gpus": [g for g in inv1["gpus"] if g["index"] != gone1]}}))[0]
+    spare2 = min(set(range(8)) - {int(u[3:]) for u in held["h2"]})
+    assert 200 == (await node_call(api, "heartbeat", n2["nodeToken"], {"inventory": {
+        **inv2, "gpus": [g for g in inv2["gpus"] if g["index"] != spare2]}}))[0]
+    lost = [c for c in (await api.ok("get", "alice", {"reservationId": res["id"]}))["conditions"]
+            if c["type"] == "DevicesLost"]
+    assert [("True", f"node h1 no longer reports gpu{gone1}")] == [(c["status"], c["message"]) for c in lost]
