@@ -317,6 +317,7 @@ class Transitions:
         # billing stops where the tenant's time did: a lease at its deadline, even when its lapse is seen late (a
         # control plane that was down), as a window at its end
         stop = min(now, res.lease_deadline) if reason == "lease-lapsed" and res.lease_deadline is not None else now
+        stop = max(stop, res.billing_start or stop)  # never before billing began (a bound report seen first)
         if old == states.ACTIVE and held and stop < res.end:
             res.held_from = stop  # the devices stay booked and billed, as held time, until the pods let go
         elif old == states.ACTIVE:  # confirmed release: billing stops, at the window's end at the latest

@@ -291,3 +291,20 @@ async def test_a_window_of_a_fraction_of_a_second_is_quoted_exactly_and_its_expo
     cp.billing.spent_usd = lambda tenant: Decimal("100") - Decimal("0.006")  # what the six ticks bill
     status, doc = await api.create(key="frac", **window)
     assert status == 202, doc
+
+
+async def test_a_lease_that_lapsed_before_the_devices_were_reported_bound_bills_nothing_and_ends_no_earlier(api):
+    """A restarted control plane may hear an agent's bound report before its reconciler ends an already lapsed
+    lease: billing then begins after the deadline, and the line must not end before it begins."""
+    nodes = {n["nodeId"]: n for n in [await register(api, "h1.test"), await register(api, "h2.test")]}
+    res = (await api.create(key="late", gpuCount=1, durationHours=2, leaseSeconds=60))[1]["reservation"]
+    await api.settle()  # binding
+    api.clock.advance(120_000)  # past the deadline, no timer run yet
+    await node_call(api, "report", nodes[res["placements"][0]["nodeId"]]["nodeToken"],
+                    {"reports": [{"reservationId": res["id"], "status": "bound"}]})
+    await api.settle()
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert (got["state"], got["reason"]) == ("released", "lease-lapsed")
+    stored = api.cp.store.reservation(res["id"])
+    assert stored.billing_start is not None and stored.billing_end == stored.billing_start  # not before it
+    assert [] == (await usage(api))["lines"]
