@@ -8,7 +8,7 @@ six decimals of the wire; totals are sums of lines, so they add up exactly.
 """
 from __future__ import annotations
 
-from decimal import ROUND_CEILING, ROUND_HALF_EVEN, Decimal
+from decimal import ROUND_HALF_EVEN, Decimal
 
 from controlplane.domain.model import Pool
 from common.money import MICRO
@@ -43,9 +43,8 @@ def charge(hourly_usd: Decimal, start_ms: int, end_ms: int) -> tuple[int, Decima
 
 def exposure(hourly_usd: Decimal, ms: int) -> Decimal:
     """What a window of ms may bill at most: every whole-second tick it can touch wherever it starts (5.9 s from
-    x.100 touches six), rounded up, so a budget check never lets through what billing then counts."""
-    seconds = -(-max(0, ms) // 1000)
-    return (hourly_usd * seconds / SECONDS_PER_HOUR).quantize(MICRO, rounding=ROUND_CEILING)
+    x.100 touches six), rounded as a billed line is, so a budget check never lets through what billing then counts."""
+    return charge(hourly_usd, 0, -(-max(0, ms) // 1000) * 1000)[1]
 
 
 def prorated(hourly_usd: Decimal, ms: int) -> Decimal:
