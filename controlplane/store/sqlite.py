@@ -541,6 +541,10 @@ class SqliteStore(WriterFront, SqliteReads, CommittedReads):
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
                 self._lock = serving_lock(path)
             except OSError as exc:
+                above = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
+                if above is not None:  # mkdir says "File exists" of a file where a directory should be
+                    raise StoreError(f"cannot use {path}: {above} is a file, not a directory: give a path in a "
+                                     "directory the control plane's user may write") from None
                 raise StoreError(f"cannot use {path} ({exc.strerror}): give a path in a directory the control "
                                  "plane's user may write") from None
         try:

@@ -169,7 +169,7 @@ def test_a_second_control_plane_on_a_served_sqlite_file_is_refused_naming_the_fi
 @pytest.mark.parametrize("what, said", [
     ("directory", "is a directory: give the database file's path"),
     ("not a database", "as a SQLite database (file is not a database)"),
-    ("under a file", "cannot use"),
+    ("under a file", "notes.txt is a file, not a directory"),
 ])
 def test_a_db_path_that_is_no_database_stops_the_start_saying_what_to_give(tmp_path, what, said):
     (tmp_path / "notes.txt").write_text("not a database, but long enough to have a header's worth of bytes " * 10)
