@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
+import structlog
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common.metrics import LATENCY_BUCKETS
 from common.version import VERSION
+from controlplane.domain.errors import DomainError
 from controlplane.domain.states import DRAFT
+
+log = structlog.get_logger("berth.metrics")
 
 if TYPE_CHECKING:
     from controlplane.wiring import ControlPlane
@@ -58,9 +62,14 @@ class ControlPlaneMetrics:
         self.registry.register(self._snapshot)
 
     async def read_store(self, cp: "ControlPlane") -> None:
-        """Before a scrape: what it shows from the database, read off the API's loop."""
-        if self._snapshot is not None:
+        """Before a scrape: what it shows from the database, read off the API's loop. A database that is away keeps
+        the counts of the last scrape (the rest of the figures matter most then): logged, not a failed scrape."""
+        if self._snapshot is None:
+            return
+        try:
             self._snapshot.state_counts = await cp.store.state_counts()
+        except DomainError as exc:
+            log.warning("reservation counts not read for the scrape; the last ones are shown", error=exc.message)
 
 
 class _Snapshot:

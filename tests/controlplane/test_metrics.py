@@ -156,3 +156,19 @@ async def test_a_scrape_counts_the_reservations_while_the_api_loop_serves(api, m
     answered.set()
     m = await asyncio.wait_for(scraping, 10)
     assert 1 == sum(m["berth_reservations"].values())
+
+
+async def test_a_scrape_while_the_database_is_away_answers_with_the_last_counts(api, monkeypatch):
+    """The counts are the one figure read from the database: with it away a scrape failed whole (503 on the API's
+    listener, 500 on --metrics-listen), when the other figures matter most."""
+    from controlplane.store.groups import unavailable
+
+    await api.create(key="one", gpuCount=1)
+    assert 1 == sum((await scrape(api))["berth_reservations"].values())
+
+    async def away():
+        raise unavailable("the database is unavailable (ConnectionRefusedError); retry shortly")
+
+    monkeypatch.setattr(api.cp.store, "state_counts", away)
+    m = await scrape(api)
+    assert 1 == sum(m["berth_reservations"].values()) and m["berth_nodes"]
