@@ -472,7 +472,9 @@ def stranded(current: Catalog, merged: Catalog, calendar: Calendar) -> str | Non
             if held:
                 holders = sorted({o for u in held for o in cal.devices[u].owners})
                 why = f"loses device{'s' if len(held) > 1 else ''} {', '.join(held)}"
-            elif not cal.host_peak(0, 2 ** 62).fits_in(new.capacity):
+            elif not old.capacity.fits_in(new.capacity) and not cal.host_peak(0, 2 ** 62).fits_in(new.capacity):
+                # only a capacity the document lowers: an agent's node keeps its own (smaller, allocatable) one, which
+                # bookings made before it registered may exceed, and a change of its BMC must still apply
                 why = "gets less host capacity (vcpu, memory, hugepages) than is booked on it"
         if why is not None:
             shown = ", ".join(holders[:5]) + (f" and {len(holders) - 5} more" if len(holders) > 5 else "")

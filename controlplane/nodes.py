@@ -256,8 +256,9 @@ class NodeService:
                         machine_id=machine_id)
             raise DomainError(CONFLICT, f"{MACHINE_ID_HEADER}: node {node.id}'s token was issued to the host with "
                               f"machine id {node.machine_id}, and this agent runs on {machine_id}: its state directory "
-                              "was copied from that host (a cloned image?). Remove node.json from this host's state "
-                              "directory, and it registers as a node of its own",
+                              "was copied from that host (a cloned image, a restored backup?). Remove node.json from "
+                              "this host's state directory, and it registers anew: as a node of its own, or as this "
+                              "one where an operator released its identity",
                               {"field": MACHINE_ID_HEADER, "nodeId": node.id, "rule": "machine_id"})
         return node
 

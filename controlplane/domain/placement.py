@@ -68,8 +68,10 @@ def could_ever_fit(node: Node, ask: Ask) -> bool:
 def _choose_units(node: Node, free: list[Unit], ask: Ask) -> list[str] | None:
     """Pick gpu_count of the free units, NUMA-aligned where possible; None if too few."""
     need = ask.gpu_count
-    if ask.whole_node:
-        return [u.id for u in node.units] if len(free) == len(node.units) else None
+    if ask.whole_node:  # every unit of a node with the GPUs asked (0: any count), as could_ever_fit says
+        if node.gpu_count == 0 or need not in (0, node.gpu_count) or len(free) != len(node.units):
+            return None
+        return [u.id for u in node.units]
     if ask.sharing == "slots":
         by_gpu: dict[int, list[Unit]] = {}
         for u in free:

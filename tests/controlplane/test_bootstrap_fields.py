@@ -57,3 +57,35 @@ def test_a_declared_nodes_hostname_is_held_to_the_rule_its_agent_registers_with(
     else:
         with pytest.raises(BootstrapError, match=r"^nodes\[0\]\.hostname: .* is not a host name \(letters"):
             parse(json.dumps(doc).encode())
+
+
+def test_only_a_capacity_the_document_lowers_can_strand_a_nodes_bookings(tmp_path):
+    """An agent's node keeps its own, allocatable capacity (the host less its reserve), which bookings made before it
+    registered may exceed: the document's other changes to it (its BMC) must still apply. A capacity the document
+    lowers below them is refused."""
+    from dataclasses import replace
+
+    from common.share import Share
+    from controlplane.bootstrap import merge, stranded
+    from controlplane.domain.calendar import Booking, Calendar
+
+    doc = bootstrap_doc()
+    current, _, _ = parse(json.dumps(doc).encode())
+    node = current.nodes["h1"]
+    agents = replace(node, declared=False, capacity=Share(60_000, node.capacity.memory_mib, 0))  # less than booked
+    current = current.with_changes(nodes={**current.nodes, "h1": agents})
+    calendar = Calendar()
+    calendar.add_node(node.pool_id, node.id, [u.id for u in node.units])
+    calendar.book(Booking("rsv_1", node.pool_id, node.id, tuple(u.id for u in node.units), 0, 10, node.capacity))
+    with_bmc = bootstrap_doc()
+    creds = tmp_path / "bmc.json"
+    creds.write_text('{"username": "u", "password": "p"}')
+    creds.chmod(0o600)
+    with_bmc["nodes"][0]["bmc"] = {"redfishUrl": "https://bmc.test", "systemId": "1", "credentialsFile": str(creds)}
+    declared, _, _ = parse(json.dumps(with_bmc).encode())
+    assert stranded(current, merge(current, declared), calendar) is None
+    smaller = bootstrap_doc()
+    smaller["nodes"][0]["vcpu"] = 8
+    declared, _, _ = parse(json.dumps(smaller).encode())
+    fresh, _, _ = parse(json.dumps(doc).encode())  # the node as the file declared it, not taken over
+    assert "gets less host capacity" in stranded(fresh, merge(fresh, declared), calendar)

@@ -109,6 +109,27 @@ async def test_a_node_binding_in_a_pool_without_nodes_is_no_capacity_as_a_hold_w
                                                       "nodes has H100_80GB to give")
 
 
+async def test_a_node_binding_asking_a_gpu_count_is_placed_only_on_nodes_with_that_many(api):
+    """A QA pass booked gpuCount 8 as a node binding and got a node with 2 GPUs (billed for 8): placement took any
+    node whose units were all free. Now only a node with the count asked."""
+    doc = bootstrap_doc()
+    doc["pools"].append({"id": "mixed", "owner": "acme", "region": "eu", "gpuModel": "H100_80GB",
+                         "policy": {"tenantRoot": True}})
+    small = {**h100_node("small", pool="mixed", vcpu=8, memory=32, hugepages=0), "gpus": [{"numaNode": 0}] * 2}
+    doc["nodes"] += [small, h100_node("big", pool="mixed")]
+    doc["tenants"][0]["quota"].update({"gpu:H100_80GB": 64, "vcpu": 1000, "memoryGiB": 10_000})  # whole hosts
+    assert 200 == (await api.post("/api/admin/bootstrap", ADMIN, doc))[0]
+    placed = []
+    for key in ("first", "second"):
+        status, got = await api.create(key=key, binding="node", access=NODE_ACCESS, poolId="mixed", gpuCount=8)
+        assert 202 == status, got
+        placed.append((got["reservation"]["state"], [p["nodeId"] for p in got["reservation"]["placements"]]))
+    assert [("placed", ["big"]), ("pending", [])] == placed
+    status, got = await api.create(key="two", binding="node", access=NODE_ACCESS, poolId="mixed", gpuCount=2)
+    assert 202 == status, got
+    assert ["small"] == [p["nodeId"] for p in got["reservation"]["placements"]]
+
+
 async def test_the_keys_are_part_of_the_compared_request(api):
     first = (await create_node(api, "same"))[1]["reservation"]
     assert {"sshKeys": [ssh_key(1)], "user": "root"} == first["access"]
