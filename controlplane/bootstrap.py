@@ -462,7 +462,7 @@ def stranded(current: Catalog, merged: Catalog, calendar: Calendar) -> str | Non
         cal = calendar.pools[old.pool_id].nodes.get(node_id)
         if cal is None or cal.count == 0:
             continue
-        holders = sorted({b.owner for b in cal.host})
+        holders = sorted(cal.owners())
         why = None
         if new.pool_id != old.pool_id:
             why = f"moves from pool {old.pool_id} to {new.pool_id}"

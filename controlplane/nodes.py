@@ -387,7 +387,9 @@ class NodeService:
         driver reload)."""
         now = self.clock.compute_now()
         calendar, nodes = self.state.calendar, self.catalog.current.nodes
-        for rid in dict.fromkeys(b.reservation_id for b in calendar.iter_bookings() if b.node_id == node_id):
+        pool = calendar.pools.get(nodes[node_id].pool_id)
+        cal = pool.nodes.get(node_id) if pool is not None else None
+        for rid in cal.owners() if cal is not None else ():
             res = tx.reservation(rid)
             if res is None or res.state in states.TERMINAL:
                 continue

@@ -120,6 +120,10 @@ class NodeCalendar:
         self.host[self._host_index(owner, start)].end = end
         self.longest = max(self.longest, end - start)
 
+    def owners(self) -> list[str]:
+        """The reservations booked on the node, each once, in the order of their bookings' starts."""
+        return list(dict.fromkeys(b.owner for b in self.host))
+
     def overlapping(self, start: int, end: int) -> list[HostBooking]:
         """The host bookings that cover some instant of [start, end)."""
         lo = bisect_left(self.host_starts, start - self.longest)
