@@ -178,6 +178,7 @@ class NodeService:
         self.wanted_on: dict[str, set[str]] = {}  # reservation -> the nodes it is wanted on now
         self.heartbeat_s = min(HEARTBEAT_S, max(0.2, grace_s / 3))  # three heartbeats fit in the grace
         self.closing = False
+        self.watching_since: float | None = None  # (monotonic) since when this replica leads: took_the_lead
         # Several replicas (controlplane/replicas.py): only the leader declares nodes lost; a heartbeat heard here
         # is shared with it, and heartbeats heard by the others are merged in before each check.
         self.leads: Callable[[], bool] = lambda: True
@@ -444,6 +445,10 @@ class NodeService:
             if live.last_seen is None or at > live.last_seen:
                 live.last_seen = at
 
+    def took_the_lead(self) -> None:
+        """This replica watches for lost nodes from now on."""
+        self.watching_since = self.clock.monotonic()
+
     async def check_lost(self) -> list[str]:
         """Mark nodes silent for longer than the grace as lost; the ids newly lost (none unless this replica
         leads: the others hear heartbeats and share them)."""
@@ -455,8 +460,18 @@ class NodeService:
         for nid, live in self.live.items():  # lost or found by another replica meanwhile
             node = nodes.get(nid)
             live.lost = node is not None and not node.schedulable
+        # The grace counts from this replica's taking the lead too: agents silent while no control plane ran (a
+        # restart, a whole cluster down longer than the grace) get their grace to speak again, and one that never
+        # does is lost after it, like one that stops speaking later. A node no agent holds a token for (declared,
+        # never registered) has nobody to wait for.
+        since = self.watching_since if self.watching_since is not None else now
+        registered = self.tokens.holders("node")
+        for node_id in registered & nodes.keys():
+            live = self._node(node_id)
+            live.lost = not nodes[node_id].schedulable
         lost = [nid for nid, live in self.live.items()
-                if live.last_seen is not None and not live.lost and now - live.last_seen > self.grace_s]
+                if not live.lost and (live.last_seen is not None or nid in registered)
+                and now - max(since, live.last_seen or since) > self.grace_s]
         for node_id in lost:
             for pool_id in await self.store.call(lambda tx, n=node_id: self._lose(tx, n), background=True):
                 self.reconciler.capacity_freed(pool_id)

@@ -155,33 +155,35 @@ class Shared:
     # ---- on the database's thread -------------------------------------------------------------------
     async def _lead(self) -> None:
         conn: asyncpg.Connection | None = None
-        while not self._stopping:
-            try:
-                if conn is None or conn.is_closed():
+        try:
+            while not self._stopping:
+                try:
+                    if conn is None or conn.is_closed():
+                        self.leading = False
+                        conn = await self.connector.connect(LEADER)
+                    if not self.leading:
+                        if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK):
+                            self.leading = True
+                            log.info("this replica leads: it drives the timers and watches for lost nodes")
+                            self._to_main(self._became_leader)
+                    else:
+                        await conn.fetchval("SELECT 1", timeout=self.tick_s * 3)  # ours while the session lives
+                except (UNREACHABLE + (asyncpg.PostgresError,)) as exc:
+                    if self.leading:
+                        log.warning("lost the leader's connection; another replica may lead now", error=str(exc))
                     self.leading = False
-                    conn = await self.connector.connect(LEADER)
-                if not self.leading:
-                    if await conn.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK):
-                        self.leading = True
-                        log.info("this replica leads: it drives the timers and watches for lost nodes")
-                        self._to_main(self._became_leader)
-                else:
-                    await conn.fetchval("SELECT 1", timeout=self.tick_s * 3)  # still ours while the session lives
-            except asyncio.CancelledError:
-                break
-            except (UNREACHABLE + (asyncpg.PostgresError,)) as exc:
-                if self.leading:
-                    log.warning("lost the leader's connection; another replica may lead now", error=str(exc))
-                self.leading = False
-                if conn is not None:
-                    conn.terminate()
-                conn = None
-            if not self._tried.done():
-                self._tried.set_result(self.leading)
-            await asyncio.sleep(self.tick_s)
-        self.leading = False
-        if conn is not None and not conn.is_closed():
-            await conn.close()
+                    if conn is not None:
+                        conn.terminate()
+                    conn = None
+                if not self._tried.done():
+                    self._tried.set_result(self.leading)
+                await asyncio.sleep(self.tick_s)
+        finally:
+            # Stopped (mostly cancelled in the sleep): the session goes at once, and the lead's lock with it, so a
+            # replica started in its place leads on its first try instead of when this process exits.
+            self.leading = False
+            if conn is not None and not conn.is_closed():
+                conn.terminate()
 
     # ---- on the API's loop ----------------------------------------------------------------------------
     async def _listen(self) -> None:

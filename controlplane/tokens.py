@@ -16,6 +16,10 @@ class Tokens:
         self.rows = dict(rows or {})
         self._last: tuple[str, str] = ("", token_hash(""))  # (token, its hash): the last one resolved
 
+    def holders(self, kind: str) -> set[str]:
+        """The subjects some token of this kind speaks for (the nodes an agent registered, for "node")."""
+        return {subject for k, subject in self.rows.values() if k == kind}
+
     def resolve(self, token: str) -> tuple[str, str] | None:
         # A request's token is resolved twice (known first, then judged): hashed once
         if token != self._last[0]:

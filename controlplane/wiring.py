@@ -204,7 +204,8 @@ class ControlPlane:
 
     def _took_the_lead(self) -> None:
         """This replica leads now: its reconciler passes at once, and what a leader that died left unasked of a
-        node's BMC is asked again."""
+        node's BMC is asked again; the nodes' grace counts from now."""
+        self.nodes.took_the_lead()
         self.reconciler.wake()
         self.cleaner.resume()
 

@@ -11,7 +11,9 @@ import pytest
 from agent.discovery import Discovery
 from agent.host import KernelHost
 from agent.simulate import SimulatedGpus, SimulatedHost
-from tests.controlplane.conftest import HOUR, MIG_BOOT, T0
+from controlplane.api.app import create_app
+from controlplane.wiring import Config
+from tests.controlplane.conftest import HOUR, MIG_BOOT, T0, Api
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOT = "node-token-h100-000001"
@@ -455,3 +457,37 @@ async def test_a_gangs_lost_device_is_not_forgotten_when_another_of_its_nodes_ch
     lost = [c for c in (await api.ok("get", "alice", {"reservationId": res["id"]}))["conditions"]
             if c["type"] == "DevicesLost"]
     assert [("True", f"node h1 no longer reports gpu{gone1}")] == [(c["status"], c["message"]) for c in lost]
+
+
+async def test_after_a_restart_the_grace_counts_from_the_start_for_every_registered_node(api, db_url, aiohttp_client,
+                                                                                          bootstrap_file):
+    """A control plane that was down longer than the grace does not lose nodes whose agents have not yet had the
+    time to speak again; and a registered node whose agent never speaks again is lost the grace after the start."""
+    dead = await register(api, "h1.test")
+    alive = await register(api, "h2.test")
+    for node in (dead, alive):
+        await node_call(api, "heartbeat", node["nodeToken"], {})
+    if api.engine == "postgresql":  # shared with other replicas (and this one's successor) on the database
+        for _ in range(100):
+            if len(api.rows("SELECT node_id FROM node_seen")) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(api.rows("SELECT node_id FROM node_seen")) == 2
+    await api.client.close()
+    api.clock.advance(600_000)  # ten minutes down
+    config = Config(db=db_url, bootstrap=bootstrap_file(), clock=api.clock, synchronous="NORMAL", reconcile=False)
+    again = Api(await aiohttp_client(create_app(config)), api.clock)
+    for _ in range(100):  # PostgreSQL: the lead, once the old session's lock is gone
+        if again.cp.nodes.leads():
+            break
+        await asyncio.sleep(0.05)
+    assert again.cp.nodes.leads()
+    assert [] == await again.cp.nodes.check_lost()  # nobody could have spoken yet
+    again.clock.advance(20_000)
+    status, doc = await node_call(again, "heartbeat", alive["nodeToken"], {})
+    assert status == 200, doc
+    again.clock.advance(15_000)
+    assert [dead["nodeId"]] == await again.cp.nodes.check_lost()
+    assert not again.cp.catalog.current.nodes[dead["nodeId"]].schedulable
+    never = [n for n in again.cp.catalog.current.nodes.values() if n.id not in (dead["nodeId"], alive["nodeId"])]
+    assert never and all(n.schedulable for n in never)  # declared, never registered: no agent to wait for
