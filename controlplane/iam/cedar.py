@@ -14,7 +14,6 @@ authorizer and goes with it when policies change.
 from __future__ import annotations
 
 import json
-import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,7 +25,8 @@ from controlplane.iam.authorizer import AuthzRequest, Decision, Resource, princi
 
 SCHEMA_PATH = Path(__file__).with_name("berth.cedarschema")
 MEMO_SIZE = 8192
-_NAMES_AN_ENTITY = re.compile(r"\b(Reservation|Tenant|Node|Pool)::")
+# The entity types the memo's key does not tell apart by id (it holds a request's attributes, not the resource's id).
+_UNKEYED_TYPES = frozenset({"Reservation", "Tenant", "Node", "Pool"})
 
 
 class PolicyError(ValueError):
@@ -102,6 +102,26 @@ def forbid_annotations(policies: str) -> dict[str, tuple[str, str]]:
             for pid, p in static.items() if p.get("effect") == "forbid"}
 
 
+def names_an_entity(policies: str) -> bool:
+    """Does a policy name one reservation, tenant, node or pool, in its scope or its conditions? Read from the
+    parsed set, so every spelling Cedar takes counts (`Reservation :: "r1"`, a line break before the `::`); a set
+    that cannot be read so counts as naming one (decided without the memo: slower, never wrong)."""
+    try:
+        doc = json.loads(cedarpy.policies_to_json_str(policies))
+    except Exception:  # noqa: BLE001
+        return True
+
+    def names(node: Any) -> bool:
+        if isinstance(node, dict):
+            kind = node.get("type")
+            if isinstance(kind, str) and "id" in node and kind.rsplit("::", 1)[-1] in _UNKEYED_TYPES:
+                return True  # an entity literal: {"type": ..., "id": ...}, in a scope or under "__entity"
+            return any(names(v) for v in node.values())
+        return isinstance(node, list) and any(names(v) for v in node)
+
+    return names(doc)
+
+
 def _attr(value: Any) -> Any:
     if isinstance(value, Principal):
         return {"__entity": {"type": principal_type(value), "id": value.id}}
@@ -126,7 +146,7 @@ class CedarAuthorizer:
         self._policies = parsed
         self._forbids = forbid_annotations(policies)
         self._entities: dict[tuple, cedarpy.Entities] = {}
-        self._memo: OrderedDict | None = None if _NAMES_AN_ENTITY.search(policies) else OrderedDict()
+        self._memo: OrderedDict | None = None if names_an_entity(policies) else OrderedDict()
 
     def _memo_key(self, req: AuthzRequest):
         if self._memo is None:

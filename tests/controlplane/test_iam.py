@@ -56,11 +56,39 @@ def test_memoized_decisions_equal_fresh_ones():
         assert az.decide_now(req).allowed == az._decide(req).allowed == (count <= 2)
 
 
-def test_a_policy_naming_a_reservation_turns_the_memo_off():
-    az = _authorizer('permit (principal, action, resource) when { resource == Reservation::"r1" };')
+@pytest.mark.parametrize("named", ['Reservation::"r1"', 'Reservation :: "r1"', 'Reservation\n  ::"r1"'])
+def test_a_policy_naming_a_reservation_turns_the_memo_off(named):
+    az = _authorizer(f'permit (principal, action, resource) when {{ resource == {named} }};')
     assert az._memo is None
     assert az.decide_now(AuthzRequest(ALICE, READ, _res("r1"))).allowed
     assert not az.decide_now(AuthzRequest(ALICE, READ, _res("r2"))).allowed
+
+
+@pytest.mark.parametrize("first", ["r1", "r2"])
+def test_a_forbid_of_one_reservation_in_its_scope_holds_whichever_is_decided_first(first):
+    """Two reservations of equal attributes: the one forbidden by name is denied, the other allowed, in either
+    order (a memo keyed on the attributes would give the second the first one's decision)."""
+    az = _authorizer(POLICIES + '\nforbid (principal, action, resource == Reservation :: "r2");')
+    order = [first, "r2" if first == "r1" else "r1"]
+    decided = {rid: az.decide_now(AuthzRequest(ALICE, READ, _res(rid))).allowed for rid in order}
+    assert decided == {"r1": True, "r2": False}
+
+
+@pytest.mark.parametrize("policy", [
+    'permit (principal in Tenant :: "acme", action, resource);',
+    'permit (principal, action, resource) when { [Pool :: "p"].contains(resource.pool) };',
+    'permit (principal, action in [Action::"compute:reservations:read"], resource) when { resource.tenant == Tenant::"acme" };',
+])
+def test_a_tenant_or_pool_named_anywhere_turns_the_memo_off_too(policy):
+    from controlplane.iam.cedar import names_an_entity
+    assert names_an_entity(policy)
+
+
+def test_policies_naming_only_actions_and_people_keep_the_memo():
+    from controlplane.iam.cedar import names_an_entity
+    assert not names_an_entity(POLICIES)
+    assert not names_an_entity('permit (principal == User::"alice", action == Action::"compute:reservations:read", '
+                               'resource is Reservation);')
 
 
 def test_a_failed_decision_is_a_deny_with_the_reason():
