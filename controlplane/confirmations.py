@@ -79,16 +79,21 @@ def required(conf: Confirmation) -> DomainError:
 
 
 def lapse(tx: Tx, moves: Transitions, res: Reservation, now: int, status: str = "expired") -> None:
-    """The draft behind a confirmation that was denied or lapsed: its key is refused from now on."""
+    """The draft behind a confirmation that was denied or lapsed: its key is refused from now on. An approval the
+    agent did not retry within the 30 minutes stays on record as the person gave it (the draft lapses, event
+    `confirmation.lapsed`); a pending one expires."""
     conf = tx.confirmation(res.confirmation_id) if res.confirmation_id else None
-    if conf is not None and conf.status in ("pending", "approved"):
+    event = f"confirmation.{status}"
+    if conf is not None and conf.status == "approved" and status == "expired":
+        event = "confirmation.lapsed"
+    elif conf is not None and conf.status in ("pending", "approved"):
         conf.status = status
         conf.decided_at = now
         tx.put_confirmation(conf)
     res.decision = "deny"
     states.move(res, states.DRAFT, now)
     moves.save(tx, res, states.AWAITING_CONFIRMATION)
-    moves.event(tx, res, f"confirmation.{status}", now, confirmationId=res.confirmation_id)
+    moves.event(tx, res, event, now, confirmationId=res.confirmation_id)
 
 
 class ConfirmationService:

@@ -342,7 +342,9 @@ class ReservationService:
         if existing.decision == "deny":
             conf = reads.confirmation(existing.confirmation_id) if existing.confirmation_id else None
             if conf is not None:  # a person denied it, or let it lapse: not a policy
-                by = f"denied by {conf.user_id}" if conf.status == "denied" else f"{conf.status} undecided"
+                by = {"denied": f"denied by {conf.user_id}",
+                      "approved": f"approved by {conf.user_id}, but not retried within the 30 minutes its draft "
+                                  "waits, so the draft lapsed"}.get(conf.status, f"{conf.status} undecided")
                 raise DomainError(ACCESS_DENIED, f"this key's request was {by} (confirmation {conf.id}); use a new "
                                   "key for a new request",
                                   {"action": CREATE, "confirmationId": conf.id, "status": conf.status,

@@ -81,6 +81,24 @@ async def test_a_confirmation_lapses_after_30_minutes(api):
     assert "confirmation.expired" in [e["type"] for e in await api.events()]
 
 
+async def test_an_approval_not_retried_within_30_minutes_stays_approved_and_the_retry_says_the_draft_lapsed(api):
+    _, doc = await api.create("agent", key="big", **BIG)
+    cid = doc["error"]["details"]["confirmationId"]
+    await api.settle(5 * 60_000)
+    status, doc = await confirm_call(api, "approve", "alice", {"confirmationId": cid})
+    assert (status, doc["confirmation"]["status"]) == (200, "approved")
+    await api.settle(26 * 60_000)
+    status, doc = await confirm_call(api, "get", "alice", {"confirmationId": cid})
+    assert doc["confirmation"]["status"] == "approved"  # the person's decision stays on record
+    status, doc = await confirm_call(api, "list", "alice", {"status": "approved"})
+    assert [cid] == [c["id"] for c in doc["confirmations"]]
+    status, doc = await api.create("agent", key="big", **BIG)
+    assert (status, doc["error"]["code"], doc["error"]["details"]["status"]) == (403, "ACCESS_DENIED", "approved")
+    assert "approved by alice, but not retried within the 30 minutes" in doc["error"]["message"], doc
+    types = [e["type"] for e in await api.events()]
+    assert "confirmation.lapsed" in types and "confirmation.expired" not in types
+
+
 async def test_what_the_user_could_not_do_either_is_a_plain_refusal(api):
     status, doc = await api.create("agent", key="long", durationHours=200)  # over the 168 h cap for everyone
     assert (status, doc["error"]["code"]) == (403, "ACCESS_DENIED")
