@@ -7,7 +7,7 @@ import pytest
 
 from controlplane import bootstrap
 from controlplane.domain.model import Principal
-from controlplane.iam.authorizer import CREATE, READ, AuthzRequest, Resource
+from controlplane.iam.authorizer import CREATE, EXTEND, READ, AuthzRequest, Resource
 from controlplane.iam.cedar import CedarAuthorizer, PolicyError, validate
 from tests.controlplane.conftest import POLICIES
 
@@ -31,6 +31,16 @@ def test_the_example_and_test_policies_validate_against_the_schema():
     catalog, _, _ = bootstrap.read(ROOT / "examples" / "bootstrap.json")
     validate(catalog.policies)
     validate(POLICIES)
+
+
+def test_the_example_agents_24_hour_cap_caps_its_extensions_too():
+    catalog, _, _ = bootstrap.read(ROOT / "examples" / "bootstrap.json")
+    az = _authorizer(catalog.policies)
+    assert az.decide_now(AuthzRequest(AGENT, CREATE, _res(durationHours=24, principal=AGENT))).allowed
+    # an extend is decided on the total after it
+    assert not az.decide_now(AuthzRequest(AGENT, EXTEND, _res(durationHours=124, principal=AGENT))).allowed
+    assert az.decide_now(AuthzRequest(AGENT, EXTEND, _res(durationHours=20, principal=AGENT))).allowed
+    assert az.decide_now(AuthzRequest(ALICE, EXTEND, _res(durationHours=124))).allowed  # the user may
 
 
 def test_a_policy_with_an_unknown_attribute_does_not_validate():
