@@ -450,6 +450,22 @@ def read(path: str | Path) -> tuple[Catalog, dict[str, list[tuple[str, str]]], s
         raise BootstrapError(f"{path}: {exc}") from None
 
 
+def broken_delegation(merged: Catalog, declared: Catalog) -> tuple[str, str] | None:
+    """(field, rule) where the merged catalog would have an agent acting for someone who is no user of the agent's
+    tenant, or None. A document is checked whole when it is read, but a partial one (the admin API's) may move a
+    user to another tenant, or make it an operator, while an agent it does not name still acts for it."""
+    where = {pid: i for i, pid in enumerate(declared.principals)}  # the document's order: its index
+    for agent in merged.principals.values():
+        user = merged.principals.get(agent.delegated_by or "")
+        if user is None or user.id not in where or (user.kind == "user" and user.tenant_id == agent.tenant_id):
+            continue  # (one the document does not name was checked when its own document was applied)
+        field = f"principals[{where[user.id]}].{'tenant' if user.kind == 'user' else 'kind'}"
+        return field, (f"agent {agent.id!r} of tenant {agent.tenant_id!r}, which this document does not name, acts "
+                       f"for user {user.id!r}: name the agent too, in {user.id!r}'s new tenant or acting for another "
+                       "user")
+    return None
+
+
 def stranded(current: Catalog, merged: Catalog, calendar: Calendar) -> str | None:
     """Why the merged catalog would strand live bookings, or None. A declared node re-declared into another pool,
     without devices that bookings hold, or with less host capacity than its bookings' peak would leave those

@@ -342,6 +342,9 @@ class ControlPlane:
     def _bootstrap_job(self, declared: Catalog, tokens: dict, admin: str | None):
         def job(tx: Tx) -> None:
             merged = bootstrap_file.merge(self.catalog.current, declared)
+            broken = bootstrap_file.broken_delegation(merged, declared)
+            if broken is not None:
+                raise invalid(*broken)
             why = bootstrap_file.stranded(self.catalog.current, merged, self.state.calendar)
             if why is not None:  # before any write: a refusal changes nothing
                 raise DomainError(INVALID_STATE, f"bootstrap: {why}", {"field": "nodes"})
@@ -353,11 +356,12 @@ class ControlPlane:
             declared_tokens = [(t, k, s) for k, pairs in tokens.items() for t, s in pairs]
             if admin:
                 declared_tokens.append((admin, "admin", "admin"))
-            for token, kind, subject in declared_tokens:  # before any write: a refusal changes nothing
-                held = kept.get(token_hash(token))
-                if held is not None:  # it would silently become another caller's token
-                    raise invalid("token", f"a token declared for {kind} {subject} is already the token of {held[0]} "
-                                  f"{held[1]}, which this document does not name: give {subject} a new token")
+            fields = {"principal": "principals[{}].token", "node-bootstrap": "nodeTokens[{}].token"}
+            for kind, pairs in tokens.items():  # before any write: a refusal changes nothing
+                for i, (token, subject) in enumerate(pairs):  # in the document's order: its index
+                    self._refuse_a_held_token(kept, token, kind, subject, fields[kind].format(i))
+            if admin:
+                self._refuse_a_held_token(kept, admin, "admin", "admin", "adminToken")
             for kind, items in (("tenant", merged.tenants), ("principal", merged.principals),
                                 ("pool", merged.pools), ("node", merged.nodes)):
                 for ident, item in items.items():
@@ -375,6 +379,14 @@ class ControlPlane:
             self.state.add_nodes(merged.nodes.values())
 
         return job
+
+    @staticmethod
+    def _refuse_a_held_token(kept: dict[str, tuple[str, str]], token: str, kind: str, subject: str,
+                             field: str) -> None:
+        held = kept.get(token_hash(token))
+        if held is not None:  # it would silently become another caller's token
+            raise invalid(field, f"a token declared for {kind} {subject} is already the token of {held[0]} "
+                          f"{held[1]}, which this document does not name: give {subject} a new token")
 
     def _authorizer(self) -> Authorizer:
         if self.config.authzen:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.controlplane.conftest import HOUR, T0, bootstrap_doc, check_memory
+from tests.controlplane.conftest import HOUR, T0, TOKENS, bootstrap_doc, check_memory
 from tests.controlplane.test_fleet import OPERATOR_POLICIES, OPERATORS
 from tests.controlplane.test_nodes import inventory, node_call, register
 
@@ -311,3 +311,21 @@ async def test_a_bootstrap_that_would_strand_bookings_on_a_node_is_refused_and_c
     await ok(api, "bootstrap", doc)  # its booking gone: it moves too
     assert "globex-own" == api.cp.catalog.current.nodes[node].pool_id
     assert [] == api.cp.state.calendar.overlaps()
+
+
+async def test_a_partial_bootstrap_that_moves_a_user_away_from_its_agent_is_refused_naming_the_user(api):
+    """A whole document with an agent acting for a user of another tenant is refused when read; a partial one
+    moved the user alone (to another tenant, or made it an operator) and left the agent acting for it."""
+    tenants = {t["id"]: t for t in bootstrap_doc()["tenants"]}
+    before = api.cp.catalog.current
+    for alice, field in (({"id": "alice", "tenant": "globex", "token": TOKENS["alice"]}, "principals[0].tenant"),
+                         ({"id": "alice", "kind": "operator", "token": TOKENS["alice"]}, "principals[0].kind")):
+        status, got = await admin(api, "bootstrap", {"tenants": [tenants["globex"]], "principals": [alice]})
+        assert (400, "INVALID_INPUT", field) == (status, got["error"]["code"], got["error"]["details"]["field"]), got
+        assert "agent 'agent' of tenant 'acme'" in got["error"]["message"]
+        assert api.cp.catalog.current == before  # nothing applied
+    moved = {"tenants": [tenants["globex"]], "principals": [  # moved with its agent: fine
+        {"id": "alice", "tenant": "globex", "token": TOKENS["alice"]},
+        {"id": "agent", "tenant": "globex", "kind": "agent", "delegatedBy": "alice", "token": TOKENS["agent"]}]}
+    await ok(api, "bootstrap", moved)
+    assert ("globex", "globex") == tuple(api.cp.catalog.current.principals[p].tenant_id for p in ("alice", "agent"))

@@ -201,9 +201,18 @@ async def test_a_token_another_caller_holds_in_the_store_is_not_taken_over_by_a_
         later = {"tenants": [{"id": "acme"}], "principals": [{"id": "zed", "tenant": "acme", "token": TOKENS["alice"]}]}
         with pytest.raises(DomainError) as err:
             await cp.apply_bootstrap_doc(json.dumps(later).encode())
-        assert ("token", True) == (err.value.details["field"], "already the token of principal alice" in str(err.value))
+        assert ("principals[0].token", True) == (err.value.details["field"],
+                                                 "already the token of principal alice" in str(err.value))
         assert shows_none_of(TOKENS["alice"], str(err.value))
         assert ("principal", "alice") == cp.tokens.resolve(TOKENS["alice"]) and "zed" not in cp.catalog.current.principals
+        node_boot = bootstrap_doc()["nodeTokens"][0]
+        for doc, field in (({"tenants": [{"id": "acme"}], "principals": [  # the document's own path, whichever
+                {"id": "zed", "tenant": "acme", "token": "a-token-of-zed-00000001"},
+                {"id": "yve", "tenant": "acme", "token": node_boot["token"]}]}, "principals[1].token"),
+                           ({"adminToken": TOKENS["alice"]}, "adminToken")):
+            with pytest.raises(DomainError) as err:
+                await cp.apply_bootstrap_doc(json.dumps(doc).encode())
+            assert field == err.value.details["field"], err.value
         rotated = {"tenants": [{"id": "acme"}], "principals": [
             {"id": "alice", "tenant": "acme", "token": "a-new-token-for-alice-0001"},
             {"id": "zed", "tenant": "acme", "token": TOKENS["alice"]}]}  # alice named with a new one: hers is free
