@@ -5,7 +5,8 @@ arrive within the request timeout (api/guard.py's Limits, `--request-timeout`;
 408 otherwise); its structure is checked before it is
 decoded: nesting at most MAX_DEPTH deep (deeper is refused rather than
 recursed into), and no object may name a key twice (JSON leaves duplicates
-undefined; taking the last silently would let two readers see two requests);
+undefined; taking the last silently would let two readers see two requests),
+and no string holds U+0000 (PostgreSQL's text cannot);
 then it is decoded strictly into its schema (schemas.decode: INVALID_INPUT
 naming the field). Every refusal here is a 4xx naming `body` (or
 `Content-Type`), answered in the error envelope (api/errors.py).
@@ -57,12 +58,39 @@ def _plainly_fine(raw: bytes, max_depth: int) -> bool:
             todo.extend(v for v in node.values() if isinstance(v, (dict, list)))
         elif isinstance(node, list):
             todo.extend(v for v in node if isinstance(v, (dict, list)))
-    if b"\\" not in raw and raw.count(b'":') == decoded:
-        # No escapes: every quote opens or closes a string, so '":' is a key's end and its colon (a key spaced
-        # from its colon is not counted: the scan below counts those)
+    if b"\\" not in raw and raw.count(b'":') == decoded == raw.count(b":"):
+        # No escapes: every quote opens or closes a string, so '":' is a key's end and its colon; and no other
+        # colon, so no key spaced from its colon (uncounted here, it would hide a key named twice: the count
+        # below counts those)
         return True
     named = _STRING.findall(raw)
     return decoded == len(named) - named.count(b"")
+
+
+def check_strings(raw: bytes) -> None:
+    """INVALID_INPUT naming the field where a string holds U+0000: PostgreSQL's text cannot hold it, and no name,
+    id, key or token of the API has one. (JSON writes it only as an escape, so most bodies are passed at a glance.)"""
+    if b"\\u0000" not in raw:
+        return
+    try:
+        doc = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return  # not JSON at all: the decoder says so, naming the body
+    todo: list[tuple[str, Any]] = [("", doc)]
+    while todo:
+        path, node = todo.pop()
+        if isinstance(node, str) and "\x00" in node:
+            field = path or "body"
+            raise DomainError(INVALID_INPUT, f"{field}: holds a NUL character (U+0000), which no value of the API "
+                              "may hold", {"field": field, "rule": "no NUL character (U+0000) in a string"})
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if "\x00" in key:
+                    raise DomainError(INVALID_INPUT, f"{path or 'body'}: a key holds a NUL character (U+0000)",
+                                      {"field": path or "body", "rule": "no NUL character (U+0000) in a string"})
+                todo.append((f"{path}.{key}" if path else key, value))
+        elif isinstance(node, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(node))
 
 
 def _scan(raw: bytes, max_depth: int) -> None:
@@ -106,7 +134,10 @@ async def read_checked(request: web.Request) -> bytes:
     if ctype not in JSON_TYPES or (ctype == "" and request.can_read_body):
         raise web.HTTPUnsupportedMediaType(reason=f"Content-Type: {ctype or 'none'} is not application/json")
     if request.content.is_eof():  # all of it came with the headers (no timer, no task: it is there)
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except web.RequestPayloadError as exc:  # a Content-Encoding its bytes are not (gzip over plain JSON)
+            raise _undecodable(request, exc) from None
     else:
         timeout = request.app[LIMITS].request_timeout_s  # the whole body, once the headers did
         try:
@@ -116,5 +147,15 @@ async def read_checked(request: web.Request) -> bytes:
         except ConnectionError:  # the client went away mid-body: its refusal (nobody reads it), not our failure
             raise DomainError(INVALID_INPUT, "body: the connection closed before the body was whole",
                               {"field": "body", "rule": "the whole body, as Content-Length says"}) from None
+        except web.RequestPayloadError as exc:  # a Content-Encoding its bytes are not (gzip over plain JSON)
+            raise _undecodable(request, exc) from None
     check_structure(raw)
+    check_strings(raw)
     return raw
+
+
+def _undecodable(request: web.Request, exc: BaseException) -> DomainError:
+    encoding = request.headers.get("Content-Encoding", "")
+    return DomainError(INVALID_INPUT, f"body: could not be read as its Content-Encoding ({encoding[:32]!r}) says: "
+                       f"{exc}; send it encoded so, or without the header",
+                       {"field": "body", "rule": "a body encoded as its Content-Encoding says"})

@@ -826,6 +826,10 @@ class Writer:
                     raise Midway(job, _as_answer(fn, exc)) from exc
                 if tx.saved:
                     self.connector.run(self.conn.execute("ROLLBACK TO SAVEPOINT job; RELEASE SAVEPOINT job"))
+                elif isinstance(exc, asyncpg.PostgresError):
+                    # A statement failed before the job's savepoint (a read): the whole transaction is aborted, and
+                    # every later statement of the group would fail with it. Undone as a job failing midway is.
+                    raise Midway(job, _as_answer(fn, exc)) from exc
                 answers.append((fut, None, _as_answer(fn, exc)))
                 continue
             # A job's savepoint is left open (no RELEASE, one hop less): the next job's own savepoint of the

@@ -382,6 +382,32 @@ async def test_a_locked_job_that_fails_after_changing_the_memory_is_answered_and
     await check_memory(api)
 
 
+async def test_a_job_whose_read_fails_at_the_database_fails_alone_not_its_groups_other_jobs(api):
+    """A read the database refuses (here a NUL in a text parameter, which the API now refuses before) aborts the
+    group's transaction before the job opened a savepoint: it was answered alone, and every later job of the group
+    then failed on the aborted transaction (503 for other tenants' requests). The group is undone as a job failing
+    midway is, and its other jobs run again."""
+    cp, writer = api.cp, api.cp.store.writer
+    status, _ = await api.call("create", "alice", body("warm"))
+    assert status == 202
+
+    async def create(key: str):
+        command = schemas.create_command(schemas.CreateBody(poolId="h100", gpuModel="H100_80GB", gpuCount=1,
+                                                            **WINDOW), key)
+        return await cp.reservations.create(cp.catalog.current.principals["alice"], command)
+
+    async def refused_read():
+        return await cp.store.call(lambda tx: tx.reservation("rsv_\x00"))
+
+    writer._pause_speculation()  # one group, under the lock: a create, the refused read, a create
+    first, failed, last = await asyncio.gather(create("first"), refused_read(), create("last"),
+                                               return_exceptions=True)
+    assert isinstance(failed, DomainError) and failed.code == "PROVIDER_UNAVAILABLE", failed
+    assert first.reservation.state == last.reservation.state == "placed", (first, last)
+    await check_memory(api)
+    assert len(check_database(api)) == 3
+
+
 async def test_a_create_that_needs_the_database_mid_job_is_run_again_under_the_lock(api):
     writer = api.cp.store.writer
     status, _ = await api.call("create", "alice", body("warm"))
