@@ -10,7 +10,7 @@ between two discoveries. docs/inventory.md describes every field and bound.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Callable, Literal, Sequence
+from typing import Annotated, Any, Callable, Hashable, Literal, Sequence
 
 import msgspec
 from msgspec import Meta, Struct, field
@@ -232,9 +232,9 @@ def is_hostname(name: str) -> bool:
     return 0 < len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split("."))
 
 
-def first_duplicate(values: Sequence[str]) -> tuple[int, int] | None:
+def first_duplicate(values: Sequence[Hashable]) -> tuple[int, int] | None:
     """(earlier, later): the positions of the first value seen twice; None when all differ."""
-    seen: dict[str, int] = {}
+    seen: dict[Hashable, int] = {}
     for later, value in enumerate(values):
         if value in seen:
             return seen[value], later
@@ -245,10 +245,11 @@ def first_duplicate(values: Sequence[str]) -> tuple[int, int] | None:
 class InventoryError(ValueError):
     """An inventory breaks a rule its types cannot state; `field` is the path in the document (`gpus[1].uuid`)."""
 
-    def __init__(self, field: str, reason: str) -> None:
+    def __init__(self, field: str, reason: str, rule: str = "") -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+        self.rule = rule or reason  # the rule alone, short (an API error's details.rule)
 
 
 def check(inv: Inventory) -> None:
@@ -257,14 +258,22 @@ def check(inv: Inventory) -> None:
     made of it), and `check_gpus`."""
     if not is_hostname(inv.hostname):
         raise InventoryError("hostname", f"{inv.hostname!r} is not {HOSTNAME_RULE}: give the host such a name "
-                                         "(hostnamectl set-hostname NAME)")
+                                         "(hostnamectl set-hostname NAME)", HOSTNAME_RULE)
     check_gpus(inv)
 
 
 def check_gpus(inv: Inventory) -> None:
-    """No two GPUs share a uuid or a PCI bus id: the agent finds a booked unit's device by its uuid, so a second GPU
-    with the uuid of the first would give a booking of it the first one's device node. (The control plane runs this
-    alone on a heartbeat's inventory: a node registered before the hostname rule keeps working.)"""
+    """No two GPUs share an index, a uuid or a PCI bus id, and no two MIG devices an index on their GPU or a uuid
+    anywhere: a booked unit is named by its indexes (gpu3, gpu3/mig1: two GPUs of one index would be one unit
+    booked twice) and the agent finds its device by its uuid, so a second GPU with the uuid of the first would give
+    a booking of it the first one's device node. (The control plane runs this alone on a heartbeat's inventory: a
+    node registered before the hostname rule keeps working.)"""
+    clash = first_duplicate([g.index for g in inv.gpus])
+    if clash is not None:
+        i, j = clash
+        raise InventoryError(f"gpus[{j}].index", f"{inv.gpus[j].index} duplicates gpus[{i}]'s: each GPU has its own "
+                             "NVML index; check the driver (nvidia-smi -L) before booking this host",
+                             "each GPU has its own index")
     # PCI bus ids only as NVML reports them: an earlier release's --simulate repeated them past 16 GPUs, and its
     # agents must still register (their uuids are distinct)
     for key in ("uuid", "pciBusId") if inv.source == "nvml" else ("uuid",):
@@ -274,7 +283,23 @@ def check_gpus(inv: Inventory) -> None:
             i, j = clash
             raise InventoryError(f"gpus[{j}].{key}", f"{values[j]} duplicates gpus[{i}]'s (NVML GPUs "
                                  f"{inv.gpus[i].index} and {inv.gpus[j].index} report one {key}): each GPU has its "
-                                 "own; check the driver (nvidia-smi -L) before booking this host")
+                                 "own; check the driver (nvidia-smi -L) before booking this host",
+                                 f"each GPU has its own {key}")
+    for k, gpu in enumerate(inv.gpus):
+        clash = first_duplicate([m.index for m in gpu.migDevices])
+        if clash is not None:
+            i, j = clash
+            raise InventoryError(f"gpus[{k}].migDevices[{j}].index", f"{gpu.migDevices[j].index} duplicates "
+                                 f"migDevices[{i}]'s on GPU {gpu.index}: each MIG device has its own slot",
+                                 "each MIG device of a GPU has its own index")
+    # the GPUs' uuids differ (above), so a clash names a MIG device second
+    where = [f"gpus[{k}]" for k in range(len(inv.gpus))] + [
+        f"gpus[{k}].migDevices[{j}]" for k, g in enumerate(inv.gpus) for j in range(len(g.migDevices))]
+    clash = first_duplicate([g.uuid for g in inv.gpus] + [m.uuid for g in inv.gpus for m in g.migDevices])
+    if clash is not None:
+        i, j = clash
+        raise InventoryError(f"{where[j]}.uuid", f"duplicates {where[i]}'s: each MIG device has its own uuid; check "
+                             "the driver (nvidia-smi -L) before booking this host", "each device has its own uuid")
 
 
 # -- diff ----------------------------------------------------------------------

@@ -88,7 +88,8 @@ def checked(inventory: Inventory, rules: Callable[[Inventory], None] = check) ->
     try:
         rules(inventory)
     except InventoryError as exc:
-        raise DomainError(INVALID_INPUT, f"inventory.{exc}", {"field": f"inventory.{exc.field}"}) from None
+        raise DomainError(INVALID_INPUT, f"inventory.{exc}", {"field": f"inventory.{exc.field}", "rule": exc.rule}) \
+            from None
     return inventory
 
 
@@ -278,7 +279,8 @@ class NodeService:
                        machine_id: str = "") -> RegisterAnswer:
         token = "nt_" + secrets.token_urlsafe(32)
         if not is_hostname(hostname):  # the node's id is made of it
-            raise DomainError(INVALID_INPUT, f"hostname: {hostname!r} is not {HOSTNAME_RULE}", {"field": "hostname"})
+            raise DomainError(INVALID_INPUT, f"hostname: {hostname!r} is not {HOSTNAME_RULE}",
+                              {"field": "hostname", "rule": HOSTNAME_RULE})
         checked(inventory)
 
         def job(tx: Tx) -> Node:

@@ -344,14 +344,16 @@ async def test_mig_devices_recreated_in_place_update_the_units_uuids_and_a_later
         devices_of(msgspec.convert(first, Binding), live)
 
 
-@pytest.mark.parametrize("field", ["uuid", "pciBusId"])
+@pytest.mark.parametrize("field", ["uuid", "pciBusId", "index"])
 async def test_an_inventory_where_two_gpus_share_an_identity_is_refused_naming_the_field(api, field):
-    """The agent finds a booked unit's device by its uuid: two GPUs with one would give a booking the other's."""
+    """The agent finds a booked unit's device by its uuid: two GPUs with one would give a booking the other's. A unit
+    is named by its GPU's index: two GPUs of one index were one unit booked twice (every create there a 503)."""
     inv = {**inventory("dup.test"), "source": "nvml"}  # as a real host's driver would report it
     inv["gpus"][3][field] = inv["gpus"][1][field]
     status, doc = await node_call(api, "register", BOOT, {"hostname": "dup.test", "inventory": inv})
     assert (400, "INVALID_INPUT", f"inventory.gpus[3].{field}") == (status, doc["error"]["code"],
                                                                     doc["error"]["details"]["field"])
+    assert f"each GPU has its own {field}" == doc["error"]["details"]["rule"]  # as every INVALID_INPUT names it
     assert doc["error"]["message"].startswith(f"inventory.gpus[3].{field}: {inv['gpus'][1][field]} duplicates "
                                               "gpus[1]'s")
     assert "h100-dup.test" not in api.cp.catalog.current.nodes
@@ -359,6 +361,20 @@ async def test_an_inventory_where_two_gpus_share_an_identity_is_refused_naming_t
     status, doc = await node_call(api, "heartbeat", node["nodeToken"], {"inventory": inv})
     assert (400, f"inventory.gpus[3].{field}") == (status, doc["error"]["details"]["field"])
     assert 8 == len({u.uuid for u in api.cp.catalog.current.nodes["h1"].units})
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda gpus: gpus[0]["migDevices"][2].update(index=gpus[0]["migDevices"][0]["index"]),
+     "inventory.gpus[0].migDevices[2].index"),
+    (lambda gpus: gpus[0]["migDevices"][4].update(uuid=gpus[0]["migDevices"][3]["uuid"]),
+     "inventory.gpus[0].migDevices[4].uuid"),
+    (lambda gpus: gpus[0]["migDevices"][1].update(uuid=gpus[0]["uuid"]), "inventory.gpus[0].migDevices[1].uuid"),
+])
+async def test_mig_devices_sharing_a_slot_or_a_uuid_are_refused_naming_the_field(api, change, field):
+    inv = inventory("migdup.test", "a100-mig.json")
+    change(inv["gpus"])
+    status, doc = await node_call(api, "register", MIG_BOOT, {"hostname": "migdup.test", "inventory": inv})
+    assert (400, "INVALID_INPUT", field) == (status, doc["error"]["code"], doc["error"]["details"]["field"]), doc
 
 
 async def test_a_simulated_inventory_of_an_earlier_release_with_repeated_pci_ids_still_registers(api):
@@ -382,6 +398,7 @@ async def test_a_hostname_that_is_not_a_host_name_is_refused(api, hostname, inve
     status, doc = await node_call(api, "register", BOOT, {"hostname": hostname, "inventory": inv})
     assert (400, "INVALID_INPUT", field) == (status, doc["error"]["code"], doc["error"]["details"]["field"])
     assert "is not a host name" in doc["error"]["message"]
+    assert doc["error"]["details"]["rule"].startswith("a host name")
     assert {"h1", "h2", "m1"} <= set(api.cp.catalog.current.nodes) and not any(
         n.startswith("h100-") for n in api.cp.catalog.current.nodes)
 
