@@ -36,7 +36,9 @@ and is reconnected with backoff. A committed read a request makes on the
 API's loop waits at most READ_ON_LOOP_S; one that gets no answer in that time
 (a primary that stopped answering, a link dropping packets) marks the
 database stalled, and until a probe off the loop hears it again, such reads
-are answered PROVIDER_UNAVAILABLE at once instead of holding the loop.
+are answered PROVIDER_UNAVAILABLE at once instead of holding the loop; one
+that meets a table locked whole gives up after READ_LOCK_TIMEOUT_MS, stalled
+the same way until the same read gets through.
 
 This module is the store itself: committed reads on a small pool, and the
 writer started on them. The writer is pg_writer.py, a job's transaction
@@ -61,6 +63,13 @@ from controlplane.store.reads import STATE_COUNTS, CommittedReads, numbered
 
 
 READ_ON_LOOP_S = 5.0  # the longest a committed read on the API's loop may hold it (a healthy one takes ms)
+# A committed read takes no lock a writer's statement holds (MVCC): only a table locked whole (a migration's ALTER,
+# VACUUM FULL, TRUNCATE, an operator's LOCK TABLE) makes it wait, and on the API's loop it must not, for long.
+READ_LOCK_TIMEOUT_MS = 100
+
+
+_LOCKED = ("a table this read needs is locked whole (a migration, VACUUM FULL, TRUNCATE, an operator's LOCK "
+           "TABLE); retry shortly")
 
 
 class PgStore(WriterFront, CommittedReads):
@@ -76,6 +85,7 @@ class PgStore(WriterFront, CommittedReads):
         self.connector = Connector(dsn, application)
         self.stalled = False  # a read on the loop got no answer: the database may have stopped answering
         self._probe: concurrent.futures.Future | None = None
+        self._probe_read: Callable[[asyncpg.Connection], Awaitable[Any]] | None = None  # what the probe reads
         try:
             self.connector.run(self._open(), timeout=60)
         except pg_schema.SchemaTooNew as exc:
@@ -95,7 +105,8 @@ class PgStore(WriterFront, CommittedReads):
         # min_size 0: the pool keeps no floor of connections, so it does not retry (and log) while the database is away
         self.pool = await asyncpg.create_pool(
             self.dsn, min_size=0, max_size=READ_POOL, statement_cache_size=256,
-            server_settings={**SERVER_SETTINGS, "application_name": f"{self.connector.application} {READS}"})
+            server_settings={**SERVER_SETTINGS, "lock_timeout": str(READ_LOCK_TIMEOUT_MS),
+                             "application_name": f"{self.connector.application} {READS}"})
 
     def start(self, on_reset: Callable[[PgTx], Callable[[], None]], on_group: Callable[[int], None] | None = None,
               on_changed: OnChanged | None = None,
@@ -146,18 +157,26 @@ class PgStore(WriterFront, CommittedReads):
         READ_ON_LOOP_S; the database unreachable, refusing or stalled -> PROVIDER_UNAVAILABLE (actor platform)."""
         if self.stalled:
             self._hear_again()
-            raise unavailable("the database is not answering; retry shortly")
+            raise unavailable(_LOCKED if self._probe_read is not None else "the database is not answering; retry "
+                              "shortly")
         try:
             return self.connector.run(self._on_pool(fn), timeout=READ_ON_LOOP_S)
         except concurrent.futures.TimeoutError:
-            self.stalled = True
+            self.stalled, self._probe_read = True, None
             self._hear_again()
             raise unavailable(f"the database did not answer within {READ_ON_LOOP_S:g} s; retry shortly") from None
+        except asyncpg.LockNotAvailableError:
+            # Stalled too, until the same read gets through: each read meanwhile would hold the loop for the wait.
+            self.stalled, self._probe_read = True, fn
+            self._hear_again()
+            raise unavailable(_LOCKED) from None
         except AWAY as exc:
             raise unavailable(f"the database is unavailable ({type(exc).__name__}); retry shortly") from None
 
     def _hear_again(self) -> None:
-        """While stalled: one probe at a time, off the API's loop; its answer ends the stall."""
+        """While stalled: one probe at a time, off the API's loop; its answer ends the stall. The probe is the read
+        that met a locked table (a bare SELECT 1 reads none, and gets through the lock), else SELECT 1: the
+        database's answer is enough."""
         if self._probe is not None and not self._probe.done():
             return
 
@@ -165,13 +184,15 @@ class PgStore(WriterFront, CommittedReads):
             if not probe.cancelled() and probe.exception() is None:
                 self.stalled = False
 
-        self._probe = self.connector.submit(self._on_pool(lambda c: c.fetchval("SELECT 1")))
+        self._probe = self.connector.submit(self._on_pool(self._probe_read or (lambda c: c.fetchval("SELECT 1"))))
         self._probe.add_done_callback(heard)
 
     async def read_async(self, fn: Callable[[asyncpg.Connection], Awaitable[Any]]) -> Any:
         """As read(), awaited: the API's loop goes on meanwhile."""
         try:
             return await asyncio.wrap_future(self.connector.submit(self._on_pool(fn)))
+        except asyncpg.LockNotAvailableError:
+            raise unavailable(_LOCKED) from None
         except AWAY as exc:
             raise unavailable(f"the database is unavailable ({type(exc).__name__}); retry shortly") from None
 

@@ -222,3 +222,51 @@ def test_a_database_that_stops_answering_holds_no_request_longer_than_the_read_b
         assert "before" == doc["reservation"]["idempotencyKey"]
     tracebacks = [line for line in a.lines if "Traceback" in line]
     assert not tracebacks, tracebacks
+
+
+def test_a_table_locked_whole_holds_no_request_and_reads_come_back_after_it(pg_cluster, tmp_path):
+    """A read blocked by a table locked whole (a migration's ALTER, VACUUM FULL, `migrate --replace`'s TRUNCATE, an
+    operator's LOCK TABLE) held the API's loop for the read bound (5 s) each time, /healthz and heartbeats with it,
+    for as long as the lock lasted. Now such a read gives up after READ_LOCK_TIMEOUT_MS, and later ones answer at
+    once until the same read gets through again."""
+    import subprocess
+    import threading
+
+    name = f"berth_{uuid.uuid4().hex[:12]}"
+    db = pg_cluster.createdb(name)
+    boot = tmp_path / "b.json"
+    boot.write_text(json.dumps(bootstrap_doc()))
+    get = "/api/compute/reservations/get"
+
+    def timed(call):
+        started = time.monotonic()
+        return call(), time.monotonic() - started
+
+    with ServerProcess(db, boot) as a:
+        status, created = a.post(CREATE, ALICE, create_body("before"))
+        assert status == 202, created
+        rid = created["reservation"]["id"]
+        locker = threading.Thread(target=lambda: subprocess.run(
+            [str(pg_cluster.bin / "psql"), "-h", str(pg_cluster.socket_dir), "-p", str(pg_cluster.port), "-U",
+             pg_cluster.user, "-d", name, "-Atc",
+             "BEGIN; LOCK TABLE reservations IN ACCESS EXCLUSIVE MODE; SELECT pg_sleep(4); COMMIT;"],
+            capture_output=True, timeout=30, user=pg_cluster.user))
+        locker.start()
+        try:
+            wait_for(lambda: pg_cluster.psql("SELECT count(*) FROM pg_locks WHERE locktype = 'relation' AND "
+                                             "mode = 'AccessExclusiveLock' AND granted", name) != "0", timeout=10)
+            took = []
+            for _ in range(4):
+                (status, doc), t = timed(lambda: a.post(get, ALICE, {"reservationId": rid}, timeout=40))
+                assert unavailable(status, doc) and "locked whole" in doc["error"]["message"], doc
+                took.append(t)
+                (_, t) = timed(lambda: urllib.request.urlopen(a.url + "/healthz", timeout=5).read())
+                took.append(t)
+            assert max(took) < 1.0, took  # (the lock wait is 0.1 s; the read bound 5 s)
+        finally:
+            locker.join()
+        status, doc = wait_for(lambda: (got := a.post(get, ALICE, {"reservationId": rid}, timeout=40))[0] == 200
+                               and got, timeout=20, interval=0.2)
+        assert "before" == doc["reservation"]["idempotencyKey"]
+    tracebacks = [line for line in a.lines if "Traceback" in line]
+    assert not tracebacks, tracebacks
