@@ -32,6 +32,7 @@ from controlplane.domain.model import Bound, Node, Pool, Reservation, SshEndpoin
 from common.share import Share
 from controlplane.state import WriterState
 from controlplane.reconciler import Reconciler
+from controlplane.store.groups import log_pass_failure
 from controlplane.store.port import Store, Tx
 from controlplane.tokens import Tokens
 from common.inventory import HOSTNAME_RULE, Inventory, InventoryError, check, check_gpus, is_hostname
@@ -541,8 +542,8 @@ class NodeService:
                 await self.check_lost()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001
-                log.exception("node monitor pass failed")
+            except Exception as exc:  # noqa: BLE001
+                log_pass_failure(log, "node monitor pass", exc)
             await asyncio.sleep(interval_s)
 
     # ---- watch ----------------------------------------------------------------------------------

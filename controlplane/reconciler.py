@@ -33,6 +33,7 @@ from controlplane.domain.model import Reservation
 from controlplane.domain.timers import (CLEANING, CONFIRMATION, CONFIRMATION_WINDOW_MS, END, ENDING, EXPIRE, HOLD,
                                        LEASE, RETRY, START)
 from controlplane.state import WriterState
+from controlplane.store.groups import log_pass_failure
 from controlplane.store.port import Store, Tx
 from controlplane.transitions import Transitions
 
@@ -129,8 +130,8 @@ class Reconciler:
                     await self.run_once()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - the loop must outlive one bad pass
-                log.exception("reconciler pass failed")
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad pass
+                log_pass_failure(log, "reconciler pass", exc)
                 failed = True  # not one timer's fault (a commit): the next try after a tick, not in a hot loop
             else:
                 failed = False

@@ -110,3 +110,12 @@ def resolve(items) -> None:
 def unavailable(message: str) -> DomainError:
     """A store failure as callers hear it: the platform's doing, with a reference for the logs."""
     return DomainError(PROVIDER_UNAVAILABLE, message, {"actor": "platform", "reference": f"ref-{time.time_ns():x}"})
+
+
+def log_pass_failure(logger: Any, what: str, exc: BaseException) -> None:
+    """A background pass (the reconciler's, the node monitor's) that failed: the database away (an outage, a
+    failover) is its state, a warning without a traceback; anything else a fault, with one."""
+    if isinstance(exc, DomainError) and exc.code == PROVIDER_UNAVAILABLE:
+        logger.warning(f"{what} put off: the database is unavailable", error=exc.message)
+    else:
+        logger.error(f"{what} failed", exc_info=exc)

@@ -8,6 +8,7 @@ from decimal import Decimal
 import pytest
 
 from controlplane.reconciler import Reconciler
+from controlplane.store.groups import unavailable
 from tests.controlplane.conftest import HOUR, T0
 
 MIN = 60_000
@@ -312,3 +313,30 @@ async def test_a_second_extend_while_one_is_decided_is_conflict(api):
         assert done["extended"] is True
     finally:
         authorizer.decide = real
+
+
+@pytest.mark.parametrize("failure, level, traceback", [
+    (lambda: unavailable("the database is unavailable (ConnectionDoesNotExistError); retry shortly"), "warning",
+     False),
+    (lambda: RuntimeError("a bug"), "error", True),
+])
+async def test_a_background_pass_the_database_puts_off_is_a_warning_and_a_fault_keeps_its_traceback(
+        api, failure, level, traceback):
+    """The reconciler's and the node monitor's passes met a database outage as a fault: an error with a traceback
+    at every pass (and the tenant's 'retry with the same idempotency key' in the operator's log)."""
+    import structlog
+
+    async def fails(*_a, **_kw):
+        raise failure()
+
+    cp = api.cp
+    cp.reconciler.run_once, cp.nodes.check_lost = fails, fails
+    with structlog.testing.capture_logs() as logged:
+        tasks = [asyncio.ensure_future(cp.reconciler.run()), asyncio.ensure_future(cp.nodes.run_monitor(0.01))]
+        await asyncio.sleep(0.1)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for what in ("reconciler pass", "node monitor pass"):
+        passes = [e for e in logged if e["event"].startswith(what)]
+        assert passes and all(e["log_level"] == level and ("exc_info" in e) == traceback for e in passes), logged
