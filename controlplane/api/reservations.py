@@ -42,7 +42,11 @@ async def create(request: web.Request) -> web.Response:
 
     try:
         body = await read_json(request, schemas.CreateBody)
-        command = schemas.create_command(body, request.headers.get("Idempotency-Key"))
+        keys = request.headers.getall("Idempotency-Key", [])
+        if len(keys) > 1:  # which one a proxy or a server reads differs: refused rather than guessed (as Authorization)
+            raise DomainError(INVALID_INPUT, "Idempotency-Key: send one header, not several",
+                              {"field": "Idempotency-Key", "rule": "one header"})
+        command = schemas.create_command(body, keys[0] if keys else None)
         # the wait is held below, after the create is counted (a replace only where one was asked: the hot path)
         answer = await service.create(request["principal"], replace(command, wait_ms=0) if command.wait_ms else command)
     except DomainError as exc:

@@ -81,6 +81,18 @@ def test_two_authorization_headers_are_refused_not_one_of_them_taken(server):
     assert "send one header" in doc["error"]["message"]
 
 
+def test_two_idempotency_key_headers_are_refused_not_the_first_taken(server):
+    body = json.dumps({"poolId": "h100", "gpuModel": "H100_80GB", "gpuCount": 1, "durationHours": 1}).encode()
+    status, doc = raw_request(server, "/api/compute/reservations/create", [
+        f"Authorization: Bearer {TOKENS['alice']}".encode(), b"Idempotency-Key: two-1", b"Idempotency-Key: two-2"],
+        body)
+    assert (400, "INVALID_INPUT", "Idempotency-Key") == (status, doc["error"]["code"],
+                                                         doc["error"]["details"]["field"]), doc
+    assert "send one header" in doc["error"]["message"]
+    listed = server.post("/api/compute/reservations/list", TOKENS["alice"], {})[1]["reservations"]
+    assert not [r for r in listed if r["idempotencyKey"].startswith("two-")]  # nothing was created
+
+
 def test_malformed_requests_are_one_rate_limited_line_not_a_traceback_each(server):
     """Anyone can send a request aiohttp's parser refuses; ten of them must not write ten error tracebacks."""
     before = len(server.lines)
