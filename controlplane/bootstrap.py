@@ -18,7 +18,7 @@ from msgspec import Meta, Struct
 
 from controlplane.catalog import Catalog
 from controlplane.iam import cedar
-from controlplane.schemas import field_of
+from controlplane.schemas import field_of, syntax_error
 from controlplane.domain.calendar import Calendar
 from controlplane.domain.model import (SHARING_MODES, BmcRef, Node, Offer, Pool, PoolPolicy, Principal, Tenant,
                                        Unit)
@@ -300,6 +300,9 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
     try:
         doc = msgspec.json.decode(raw, type=BootstrapDoc)
     except msgspec.ValidationError as exc:  # the field's path first, and the rule in words, as the API says them
+        syntax = syntax_error(raw)
+        if syntax is not None:
+            raise BootstrapError(f"not valid JSON ({syntax})") from None
         field, rule = field_of(str(exc), BootstrapDoc)
         raise BootstrapError(f"{'the document' if field == 'body' else field}: "
                              f"{rule.replace('of this request', 'of a bootstrap document')}") from None

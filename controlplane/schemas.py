@@ -191,13 +191,22 @@ def _choices_at(schema: type, path: str) -> tuple:
     return node.values if isinstance(node, mi.LiteralType) else ()
 
 
+def syntax_error(body: bytes) -> msgspec.DecodeError | None:
+    """The JSON syntax error in body, if any. The typed decoder streams: a bad field before a syntax error is met
+    first, and the body must still read as bad JSON."""
+    try:
+        msgspec.json.decode(body)
+    except msgspec.DecodeError as syntax:
+        return syntax
+    return None
+
+
 def decode(body: bytes, schema: type[Struct]) -> Any:
     try:
         return msgspec.json.decode(body or b"{}", type=schema)
     except msgspec.ValidationError as exc:
-        try:  # the decoder streams: a syntax error after a bad field must still read as bad JSON
-            msgspec.json.decode(body or b"{}")
-        except msgspec.DecodeError as syntax:
+        syntax = syntax_error(body or b"{}")
+        if syntax is not None:
             raise DomainError(INVALID_INPUT, f"body: not valid JSON ({syntax})",
                               {"field": "body", "rule": "must be a JSON object"}) from None
         field, rule = field_of(str(exc), schema)

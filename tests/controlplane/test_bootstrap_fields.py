@@ -89,3 +89,10 @@ def test_only_a_capacity_the_document_lowers_can_strand_a_nodes_bookings(tmp_pat
     declared, _, _ = parse(json.dumps(smaller).encode())
     fresh, _, _ = parse(json.dumps(doc).encode())  # the node as the file declared it, not taken over
     assert "gets less host capacity" in stranded(fresh, merge(fresh, declared), calendar)
+
+
+def test_a_syntax_error_after_an_unknown_field_is_said_to_be_bad_json_not_blamed_on_the_field():
+    with pytest.raises(BootstrapError, match=r"^not valid JSON"):
+        parse(b'{"bogus": 1} ]]')
+    with pytest.raises(BootstrapError, match="bogus"):
+        parse(b'{"bogus": 1}')  # valid JSON: the field is named
