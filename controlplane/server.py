@@ -245,7 +245,10 @@ async def serve(config: Config, host: str, port: int, limits: guard.Limits = gua
     loop.set_exception_handler(conns.exception_handler)
     logging.getLogger("aiohttp.server").addFilter(conns)  # a malformed request: one rate-limited line
     app = create_app(config, limits=limits, access_log=access_log)
-    runners = [web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=limits.idle_timeout_s)]
+    # auto_decompress off: a Content-Encoding is refused in the API's own error document (api/body.py), not by
+    # aiohttp's parser in plain text (and a traceback) midway through a body that is not what its header says
+    runners = [web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=limits.idle_timeout_s,
+                             auto_decompress=False)]
     if metrics_listen:
         runners.append(web.AppRunner(create_metrics_app(app), access_log=None, handle_signals=False,
                                      keepalive_timeout=limits.idle_timeout_s))

@@ -96,6 +96,8 @@ async def answer_errors(request: web.Request, call: Callable[[], Awaitable[web.S
             413: "body: too large",
         }.get(exc.status, exc.reason)
         field = BODY_FIELDS.get(exc.status)
+        if exc.status == 415 and message.startswith("Content-Encoding:"):  # (api/body.py: the header it names)
+            field = "Content-Encoding"
         resp = error_response(e.DomainError(code, message, {"field": field, "rule": message} if field else {}),
                               exc.status)
         if exc.status == 405:
