@@ -633,14 +633,15 @@ class ReservationService:
         res = tx.reservation(rid)
         now = self.clock.compute_now()
         self._check_extendable(res, rid, now)
-        if res.pending_change is not None and now - res.pending_change.since < EXTEND_STALE_MS:
-            raise DomainError(CONFLICT, "another extend of this reservation is being decided",
-                              {"reason": "extend-in-flight", "retryAfterSeconds": EXTEND_RETRY_AFTER_S, "reservationId": rid})
         new_end = cmd.until if cmd.until is not None else (res.end or now) + (cmd.by_ms or 0)
-        # Nothing to change: answered with the reservation's latest operation, as every answer carries one
+        # Nothing to change: answered with the reservation's latest operation, as every answer carries one; before
+        # the in-flight check, so a retried until is safe while another extend is decided too
         if new_end <= (res.end or 0):  # already reached: safe to retry, no decision
             return Answer(res, res.operation(), extended=False, available_until=self.moves.room(res, res.end or now),
                           not_extended="already-reached")
+        if res.pending_change is not None and now - res.pending_change.since < EXTEND_STALE_MS:
+            raise DomainError(CONFLICT, "another extend of this reservation is being decided",
+                              {"reason": "extend-in-flight", "retryAfterSeconds": EXTEND_RETRY_AFTER_S, "reservationId": rid})
         room = self.moves.room(res, new_end)
         if room < new_end:
             return Answer(res, res.operation(), extended=False, available_until=room, not_extended="no-room")

@@ -309,6 +309,10 @@ async def test_a_second_extend_while_one_is_decided_is_conflict(api):
         status, doc = await api.call("extend", "alice", {"reservationId": res["id"], "by": HOUR})
         assert (status, doc["error"]["code"], doc["error"]["details"]["reason"]) == (409, "CONFLICT", "extend-in-flight")
         assert doc["error"]["details"]["retryAfterSeconds"] >= 1
+        # an until the reservation already reaches is answered without a decision, in flight or not (seed 000:
+        # "so a retried until is safe")
+        status, doc = await api.call("extend", "alice", {"reservationId": res["id"], "until": res["end"]})
+        assert (status, doc["extended"], doc.get("reason")) == (202, False, "already-reached"), doc
         status, done = await first
         assert done["extended"] is True
     finally:
