@@ -199,6 +199,8 @@ class Binder:
 
     def _bound(self, want: Want) -> Report | None:
         rid = want.reservation_id
+        if want.awaiting:  # the control plane never heard it (a report lost with a killed agent, a restore): again
+            self.reported.pop(rid, None)
         ooms = self.oom_kills.get(rid, 0)
         return self._report_once(rid, Report(rid, "bound", cgroup=str(self.cgroup_of(rid)), devices=want.devices,
                                              unenforced=want.unenforced, end=want.end, oomKills=ooms),

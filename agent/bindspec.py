@@ -66,6 +66,7 @@ class Want:
     unenforced: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     end: int = 0  # the window's end (reported, so the control plane knows an extension reached this node)
+    awaiting: bool = False  # the control plane has not heard `bound` for this end: report it again (not compared)
 
     @property
     def fingerprint(self) -> str:
@@ -209,7 +210,7 @@ def want_of(binding: Binding, host: HostView) -> Want:
     except InvalidShare as exc:
         raise BindError(f"share {s}: {exc}") from None
     return Want(binding.reservationId, binding.tenantId, binding.principalId, share, rules,
-                device_paths(minors, caps), tuple(unenforced), tuple(notes), binding.end)
+                device_paths(minors, caps), tuple(unenforced), tuple(notes), binding.end, binding.awaitingBound)
 
 
 def simulated_devices_proc(real_proc: Path, into: Path) -> Path:

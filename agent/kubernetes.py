@@ -219,6 +219,8 @@ class KubernetesBindings:
             if entry is not None and entry.plugin.registered.is_set():
                 states[rid] = {"state": "bound", "kind": "kubernetes", "resourceName": b.resourceName,
                                "devices": ids}
+                if b.awaitingBound:  # the control plane never heard it (a report lost, a restore): tell it again
+                    self.reported.pop(rid, None)
                 reports += self._once(rid, Report(rid, "bound", devices=tuple(_paths(entry.plugin, ids)), end=b.end),
                                       f"bound:{b.resourceName}:{','.join(ids)}:{b.end}")
             elif entry is None and b.resourceName in self.start_errors:

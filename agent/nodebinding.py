@@ -139,7 +139,9 @@ class NodeBindings:
             handed = self.records.get(b.reservationId)
             if handed is None:
                 reports += self._hand_over(b)
-            elif handed.end != b.end:
+            elif handed.end != b.end or b.awaitingBound:
+                # a moved end; or a hand-over whose `bound` the control plane never heard (this agent killed
+                # before it went out, even before the keys went in; a restored database): the keys again, idempotent
                 reports += self._extend(b, handed)
             handed = self.records.get(b.reservationId)
             if handed is not None and b.ending and handed.warned != b.end:

@@ -121,6 +121,10 @@ class Binding(Answer):
     stuck: bool = False  # kubernetes: carried on past its window because pods still hold the devices (taint the node)
     endingAt: int = 0  # when reservation.ending is due for this end (epoch ms); 0: the pool gives no warning
     ending: bool = False  # the control plane emitted reservation.ending for this end (an extension turns it off)
+    # The control plane has not heard this node report the binding bound at this end (lost with an agent killed
+    # before its report went out, or by a database restored to a copy from before it): a node holding it reports
+    # `bound` again. False from a control plane that does not say.
+    awaitingBound: bool = False
     # node bindings (tenant root, docs/node-binding.md): the tenant's OpenSSH public keys, the account they log in
     # to (the pool's policy.tenantRoot.user), and how the node is cleaned after the hand-back
     sshKeys: tuple[str, ...] = ()

@@ -103,6 +103,7 @@ def binding_of(res: Reservation, node: Node | None, node_id: str, pool: Pool | N
     for a kubernetes binding, the resource name of its pool; for a node binding, the tenant's keys, the login
     account and the cleaning, as fixed at creation)."""
     placement = next((p for p in res.placements if p.node_id == node_id), None)
+    heard = next((b for b in res.bound if b.node_id == node_id), None)
     by_id = {u.id: u for u in node.units} if node else {}
     units = [by_id[uid] for uid in (placement.units if placement else []) if uid in by_id]
     share = res.resources
@@ -116,6 +117,7 @@ def binding_of(res: Reservation, node: Node | None, node_id: str, pool: Pool | N
         released=res.hold is not None, stuck=res.hold is not None and res.hold.carried_from is not None,
         endingAt=res.end - res.ending_warning_ms if res.end and res.ending_warning_ms else 0,
         ending=res.end is not None and res.ending_warned == res.end,
+        awaitingBound=res.hold is None and (heard is None or (heard.end is not None and heard.end != (res.end or 0))),
         sshKeys=tuple(res.ssh_keys), user=res.login_user, cleaning=res.cleaning,
     )
 

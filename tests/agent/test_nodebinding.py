@@ -116,6 +116,31 @@ def test_an_extension_moves_the_keys_expiry_and_reports_the_new_end(handover, ss
     handover.reconcile([])
 
 
+def test_a_hand_over_the_control_plane_never_heard_is_reported_again_with_its_keys_in_place(
+        handover, sshd_server, tenant_key):
+    """An agent killed between recording a hand-over and sending its `bound` (here: before the keys even went in)
+    came back to a record it never reported: the reservation stayed binding for good, the tenant logging in
+    unbilled. The control plane now says it has not heard `bound` (awaitingBound), and the holder reports again,
+    the keys installed first (idempotent)."""
+    end = int(time.time() * 1000) + HOUR_MS
+    wanted = node_binding("rsv-n6", tenant_key[1], sshd_server.user, end)
+    [bound] = handover.reconcile([wanted])
+    assert "bound" == bound.status
+    handover.keys.remove(sshd_server.user, "rsv-n6")  # as if killed after the record, before the keys
+    restarted = NodeBindings(handover.state_path, handover.config, inventory=handover.inventory,
+                             rediscover=handover.rediscover, simulated_hugepages=True)
+    assert [] == restarted.reconcile([wanted])  # the control plane heard it (or does not say): nothing
+    awaiting = msgspec.structs.replace(wanted, awaitingBound=True)
+    [again] = restarted.reconcile([awaiting])
+    assert ("bound", end, sshd_server.user) == (again.status, again.end, again.ssh.user)
+    assert [end // 1000 * 1000] == [e.expires_at_ms for e in restarted.keys.listed(sshd_server.user)]
+    out = login(sshd_server, tenant_key[0])
+    assert 0 == out.returncode, out.stderr
+    restarted.reconcile([])
+    restarted.clean_handed_back()
+    restarted.forget_handed_back()
+
+
 def test_a_node_left_changed_is_not_clean_and_says_how(handover, sshd_server, tenant_key):
     end = int(time.time() * 1000) + HOUR_MS
     handover.reset_gpus = lambda recorded: ["GPU 3: power limit not reset: no permission"]

@@ -163,6 +163,34 @@ async def test_bound_reports_from_every_node_make_it_active_and_get_shows_them(a
     assert api.cp.store.billing("acme")[0][0] == res["id"]  # billing started at confirmed readiness
 
 
+async def test_a_binding_says_whether_its_node_was_heard_bound_at_its_end(api):
+    """A `bound` lost with a killed agent (or by a restore) left the reservation binding for good: each binding now
+    says whether the control plane heard this node report it bound at its end, so the node's holder says it again."""
+    node = await register(api, "h1.test")
+    other = await register(api, "h2.test")
+    res = (await api.create(key="aw", gpuCount=8, durationHours=2))[1]["reservation"]
+    await api.settle()
+    holder = node if res["placements"][0]["nodeId"] == node["nodeId"] else other
+
+    async def awaiting() -> bool:
+        status, doc = await node_call(api, "watch", holder["nodeToken"], {"timeoutMs": 0})
+        [binding] = [b for b in doc["bindings"] if b["reservationId"] == res["id"]]
+        return binding["awaitingBound"]
+
+    assert await awaiting()
+    end = res["end"]
+    for report in ({"status": "bound", "end": end}, {"status": "bound", "end": end}):  # (a repeat changes nothing)
+        await node_call(api, "report", holder["nodeToken"], {"reports": [{"reservationId": res["id"], **report}]})
+        assert not await awaiting()
+        assert "active" == (await api.ok("get", "alice", {"reservationId": res["id"]}))["state"]
+    await api.ok("extend", "alice", {"reservationId": res["id"], "by": HOUR})
+    await api.settle()
+    assert await awaiting()  # the new end not applied there yet
+    await node_call(api, "report", holder["nodeToken"], {"reports": [
+        {"reservationId": res["id"], "status": "bound", "end": end + HOUR}]})
+    assert not await awaiting()
+
+
 async def test_an_oom_kill_count_that_grows_sets_the_condition_and_an_event_once_per_growth(api):
     node = await register(api, "h1.test")
     res = (await api.create(key="o", gpuCount=8))[1]["reservation"]
