@@ -127,18 +127,22 @@ class BindingController:
     async def _reconcile_nodes(self, metal: list[Binding]) -> None:
         """The node bindings: hand over, extend, take back. A hand-back's `unbound` is kept and sent before the
         node is cleaned in band (the control plane shows it `cleaning` meanwhile), and a record is dropped only
-        once its reports are kept."""
+        once its reports are kept. A hand-over the pass left for after a hand-back and its cleaning is made in a
+        second pass, once they are done."""
         assert self.nodes is not None
-        for report in await asyncio.to_thread(self.nodes.reconcile, metal):
-            self.checkpoint.queue_report(report)
-        if self.nodes.to_clean:
-            await asyncio.to_thread(self.checkpoint.save)
-            self.on_reports()
-            for report in await asyncio.to_thread(self.nodes.clean_handed_back):
+        for _ in range(2):
+            for report in await asyncio.to_thread(self.nodes.reconcile, metal):
                 self.checkpoint.queue_report(report)
-        if self.nodes.handed_back:
-            await asyncio.to_thread(self.checkpoint.save)
-            await asyncio.to_thread(self.nodes.forget_handed_back)
+            if self.nodes.to_clean:
+                await asyncio.to_thread(self.checkpoint.save)
+                self.on_reports()
+                for report in await asyncio.to_thread(self.nodes.clean_handed_back):
+                    self.checkpoint.queue_report(report)
+            if self.nodes.handed_back:
+                await asyncio.to_thread(self.checkpoint.save)
+                await asyncio.to_thread(self.nodes.forget_handed_back)
+            if not self.nodes.deferred:
+                break
 
     async def _reconcile_pods(self, pods: list[Binding], fresh: list[Binding]) -> None:
         """The kubernetes bindings: advertise, report, and keep the bound ones in the checkpoint; `fresh` (other

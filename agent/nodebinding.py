@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 import msgspec
 import structlog
 
+from agent.errors import AgentError
 from agent.tenantroot import notice
 from agent.tenantroot.authorized_keys import KeysDir, KeysDirError
 from agent.tenantroot.hostkeys import DEFAULT_HOST_KEYS, HostKeysError, ssh_endpoint
@@ -58,6 +59,7 @@ from common.times import iso
 log = structlog.get_logger("berth.agent.node")
 
 RECORDS_FILE = "node-bindings.json"
+NOT_CLEAN_FILE = "node-not-clean.json"  # the last cleaning found the node not clean: checked again before a hand-over
 DEFAULT_KEYS_DIR = "/var/lib/berth/ssh-keys"
 HUGEPAGES_1G = "kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages"
 
@@ -73,6 +75,15 @@ class Handed(msgspec.Struct):
     hugepages1G: int | None = None  # nr_hugepages of 1 GiB at the hand-over (None: the host has none)
     cleaning: str = "inband"
     warned: int = 0  # the end the tenant's sessions were told about (reservation.ending), once per end
+
+
+class NotClean(msgspec.Struct):
+    """A cleaning that found the node not as the hand-over's record: no one is handed the node until a cleaning
+    against that record passes (an operator mends the node, then the next hand-over checks again)."""
+
+    after: str  # the reservation whose hand-back it followed
+    handed: Handed
+    differences: list[str]
 
 
 @dataclass
@@ -105,6 +116,8 @@ class NodeBindings:
         self.records: dict[str, Handed] = self._load()
         self.handed_back: set[str] = set()  # handed back by the last pass, their records kept until forgotten
         self.to_clean: set[str] = set()  # of those, the ones whose in-band cleaning is still to run
+        self.not_clean: NotClean | None = self._load_not_clean()
+        self.deferred = False  # the last pass left a hand-over for later: a hand-back or cleaning came first
 
     # ---- the records ----------------------------------------------------------------------------
     @property
@@ -113,19 +126,31 @@ class NodeBindings:
 
     def _load(self) -> dict[str, Handed]:
         try:
-            raw = self.path.read_bytes()
+            return msgspec.json.decode(self.path.read_bytes(), type=dict[str, Handed])
         except FileNotFoundError:
             return {}
-        return msgspec.json.decode(raw, type=dict[str, Handed])
+        except (OSError, msgspec.DecodeError) as exc:
+            raise NodeRecordsError(self.path, exc) from None
 
     def _save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgspec.json.encode(self.records))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        _write_atomic(self.path, msgspec.json.encode(self.records))
+
+    def _load_not_clean(self) -> NotClean | None:
+        path = Path(self.state_dir) / NOT_CLEAN_FILE
+        try:
+            return msgspec.json.decode(path.read_bytes(), type=NotClean)
+        except FileNotFoundError:
+            return None
+        except (OSError, msgspec.DecodeError) as exc:
+            raise NodeRecordsError(path, exc) from None
+
+    def _set_not_clean(self, found: NotClean | None) -> None:
+        path = Path(self.state_dir) / NOT_CLEAN_FILE
+        if found is None:
+            path.unlink(missing_ok=True)
+        else:
+            _write_atomic(path, msgspec.json.encode(found))
+        self.not_clean = found
 
     # ---- the pass -------------------------------------------------------------------------------
     def reconcile(self, wanted: Sequence[Binding]) -> list[Report]:
@@ -135,9 +160,18 @@ class NodeBindings:
         by_id = {b.reservationId: b for b in wanted}
         for rid in [r for r in self.records if r not in by_id and r not in self.handed_back and r not in self.to_clean]:
             reports += self._hand_back(rid)
+        # The node goes to the next tenant only once the last one's hand-back and cleaning are done (an agent down
+        # past a turnaround finds both to do in one pass): a hand-over waits for the pass after them.
+        busy = bool(self.to_clean or self.handed_back or any(r not in by_id for r in self.records))
+        self.deferred = False
         for b in wanted:
             handed = self.records.get(b.reservationId)
-            if handed is None:
+            if handed is None and busy:
+                if not self.deferred:
+                    log.info("node hand-over waits for the last tenant's hand-back and cleaning",
+                             reservation_id=b.reservationId)
+                self.deferred = True
+            elif handed is None:
                 reports += self._hand_over(b)
             elif handed.end != b.end or b.awaitingBound:
                 # a moved end; or a hand-over whose `bound` the control plane never heard (this agent killed
@@ -179,6 +213,16 @@ class NodeBindings:
         inv = self.inventory()
         if inv is None:
             return []  # no discovery yet: the next pass hands over
+        if self.not_clean is not None:  # the last cleaning failed: only a node clean again goes to anyone
+            found = self.not_clean
+            check = self._clean(found.after, found.handed)
+            if not check.ok:
+                return self._fail(b, f"the node is not clean since reservation {found.after} ended ("
+                                     f"{'; '.join(check.differences[:5])}): an operator mends it, then clears it "
+                                     "(berth admin nodes clear); the next hand-over checks it again")
+            log.info("node clean again", after=found.after)
+            self._set_not_clean(None)
+            inv = self.inventory() or inv
         try:
             access = ssh_endpoint(user, endpoint=self.config.endpoint, host_keys=self.config.host_keys,
                                   hostname=self.config.hostname)
@@ -243,7 +287,10 @@ class NodeBindings:
         for rid in sorted(self.to_clean):
             handed = self.records.get(rid)
             if handed is not None:
-                reports.append(Report(reservationId=rid, status="cleaned", clean=self._clean(rid, handed)))
+                check = self._clean(rid, handed)
+                reports.append(Report(reservationId=rid, status="cleaned", clean=check))
+                if not check.ok:  # kept (a restart too) until a cleaning against this record passes
+                    self._set_not_clean(NotClean(rid, handed, list(check.differences)))
             self.handed_back.add(rid)
         self.to_clean.clear()
         return reports
@@ -302,6 +349,26 @@ class NodeBindings:
         except (OSError, ValueError) as exc:
             return [f"1 GiB hugepages: cannot restore {count} in {path}: {exc}"]
         return []
+
+
+class NodeRecordsError(AgentError):
+    """A node-binding record file that cannot be read: the agent cannot know what to take back."""
+
+    def __init__(self, path: Path, exc: BaseException) -> None:
+        super().__init__(f"{path} cannot be read ({exc}): it records the node bindings handed over on this host. "
+                         "Restore it from a backup, or, once you have checked by hand that no tenant's keys are left "
+                         "in the keys directory and no tenant process runs, remove it and start the agent again")
+        self.path = path
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def wipe(path: Path) -> list[str]:

@@ -141,6 +141,63 @@ def test_a_hand_over_the_control_plane_never_heard_is_reported_again_with_its_ke
     restarted.forget_handed_back()
 
 
+def test_the_next_tenant_gets_the_node_only_after_the_last_ones_hand_back_and_cleaning(handover, sshd_server,
+                                                                                        tenant_key):
+    """An agent down past a turnaround found, in one pass, the last tenant's hand-back and the next one's
+    hand-over to do: it handed over first and cleaned after, the new tenant logged in before the scratch was
+    emptied. A hand-over now waits for the pass after the hand-back and its cleaning."""
+    end = int(time.time() * 1000) + HOUR_MS
+    handover.reconcile([node_binding("rsv-a", tenant_key[1], sshd_server.user, end)])
+    (handover.scratch_dir / "left-by-a").write_text("secret")
+    nxt = [node_binding("rsv-b", tenant_key[1], sshd_server.user, end + HOUR_MS)]
+    reports = handover.reconcile(nxt)  # a gone, b wanted, in one pass
+    assert [("rsv-a", "unbound")] == [(r.reservationId, r.status) for r in reports] and handover.deferred
+    assert "rsv-b" not in handover.records
+    [cleaned] = handover.clean_handed_back()
+    assert ("cleaned", True) == (cleaned.status, cleaned.clean.ok) and not list(handover.scratch_dir.iterdir())
+    handover.forget_handed_back()
+    [bound] = handover.reconcile(nxt)
+    assert ("rsv-b", "bound") == (bound.reservationId, bound.status) and not handover.deferred
+    handover.reconcile([])
+    handover.clean_handed_back()
+    handover.forget_handed_back()
+
+
+def test_a_node_not_clean_is_handed_to_no_one_until_a_cleaning_passes_even_across_a_restart(handover, sshd_server,
+                                                                                            tenant_key):
+    end = int(time.time() * 1000) + HOUR_MS
+    handover.reconcile([node_binding("rsv-c", tenant_key[1], sshd_server.user, end)])
+    recorded = handover.inventory()
+    handover.box["after"] = msgspec.structs.replace(recorded, gpus=recorded.gpus[1:])  # a GPU off the bus
+    handover.reconcile([])
+    [report] = handover.clean_handed_back()
+    handover.forget_handed_back()
+    assert not report.clean.ok
+    restarted = NodeBindings(handover.state_path, handover.config, inventory=handover.inventory,
+                             rediscover=handover.rediscover, simulated_hugepages=True)
+    [refused] = restarted.reconcile([node_binding("rsv-d", tenant_key[1], sshd_server.user, end + HOUR_MS)])
+    assert ("failed", True) == (refused.status, "not clean since reservation rsv-c ended" in refused.message), refused
+    assert "berth admin nodes clear" in refused.message and not restarted.keys.listed(sshd_server.user)
+    restarted.reconcile([])  # no longer wanted: forgotten
+    handover.box["after"] = recorded  # an operator mended it
+    [bound] = restarted.reconcile([node_binding("rsv-e", tenant_key[1], sshd_server.user, end + HOUR_MS)])
+    assert "bound" == bound.status and restarted.not_clean is None
+    assert not (handover.state_path / "node-not-clean.json").exists()
+    restarted.reconcile([])
+    restarted.clean_handed_back()
+    restarted.forget_handed_back()
+
+
+def test_a_damaged_record_file_stops_the_agent_naming_the_file_and_what_to_do(tmp_path):
+    from agent.nodebinding import NodeRecordsError
+
+    (tmp_path / RECORDS_FILE).write_text('{"rsv-x": {"user": "ten')
+    with pytest.raises(NodeRecordsError) as err:
+        NodeBindings(tmp_path, TenantRootConfig(keys_dir=str(tmp_path / "keys")), inventory=lambda: None,
+                     rediscover=discovered)
+    assert str(tmp_path / RECORDS_FILE) in str(err.value) and "Restore it from a backup" in str(err.value)
+
+
 def test_a_node_left_changed_is_not_clean_and_says_how(handover, sshd_server, tenant_key):
     end = int(time.time() * 1000) + HOUR_MS
     handover.reset_gpus = lambda recorded: ["GPU 3: power limit not reset: no permission"]
