@@ -367,6 +367,37 @@ def test_end_sessions_kills_real_processes_started_after_the_baseline_and_spares
     # (tenant_user's teardown kills `before` by pid)
 
 
+# A chain that forks its successor and exits every 10 ms (bounded: 3000 steps), each step in a session of its own
+CHAIN = 'n=$1; [ "$n" -ge 3000 ] && exit 0; sleep 0.01; setsid -f sh -c "$0" "$0" $((n+1)) </dev/null >/dev/null 2>&1'
+
+
+def test_a_process_chain_that_reforks_faster_than_a_scan_is_ended_too(tenant_user):
+    """Each scan lists /proc once: a chain member listed was gone when read, its successor born after the listing,
+    so a scan came back empty while the chain ran on (and the node was reported clean). The rounds now end with a
+    sweep, kill(-1) as the user, which no fork escapes."""
+    from tests.e2e.sshd import _pids_of_uid
+
+    base = baseline(tenant_user.pw_uid)
+    assert not base
+    detached_as(tenant_user, "sh", "-c", CHAIN, CHAIN, "0")
+    time.sleep(0.5)  # well under way
+    end_sessions(tenant_user.pw_name, base, protect={os.getpid()})
+
+    def alive() -> list[int]:  # (zombies are dead: this sandbox's pid 1 does not reap the chain's)
+        out = []
+        for pid in _pids_of_uid(tenant_user.pw_uid):
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append(pid)
+            except OSError:
+                continue
+        return out
+
+    for _ in range(10):  # and it stays gone
+        assert [] == alive()
+        time.sleep(0.1)
+
+
 # -- the real sshd ---------------------------------------------------------------------------------------------
 
 
