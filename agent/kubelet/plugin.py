@@ -216,8 +216,8 @@ class DevicePlugin:
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
         """The GetPreferredAllocation answer for one container, from the devices advertised now."""
         numa_of = {i: d.numa_node for i, d in self._devices.items()}
-        return preferred_allocation([i for i in available if i in numa_of], must_include, size, numa_of,
-                                    by_numa=self.preferred_numa)
+        return preferred_allocation([i for i in available if i in numa_of], [i for i in must_include if i in numa_of],
+                                    size, numa_of, by_numa=self.preferred_numa)
 
     def options(self) -> api.DevicePluginOptions:
         return api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)

@@ -209,6 +209,8 @@ async def test_preferred_allocation_picks_only_advertised_devices(plugin, kubele
     await kubelet.wait_registered(RESOURCE)
     ids = [d.id for d in GPUS]
     assert [ids[2]] == await kubelet.preferred(RESOURCE, [ids[3], ids[2]], [], 1)
+    # a must-include id that is not advertised (withdrawn: released) is not chosen either
+    assert [ids[2]] == await kubelet.preferred(RESOURCE, [ids[3], ids[2]], [ids[3]], 1)
 
 
 NUMA = {"a0": 0, "b0": 0, "c1": 1, "d1": 1, "e1": 1, "f2": 2, "x": None}
