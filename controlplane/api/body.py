@@ -67,9 +67,15 @@ def _plainly_fine(raw: bytes, max_depth: int) -> bool:
     return decoded == len(named) - named.count(b"")
 
 
+# Fields whose value is any text, stored inside the reservation's document and never a statement's parameter: a
+# create's idempotency key is replayed as sent, U+0000 included (docs/api.md).
+ANY_TEXT = frozenset({"idempotencyKey"})
+
+
 def check_strings(raw: bytes) -> None:
     """INVALID_INPUT naming the field where a string holds U+0000: PostgreSQL's text cannot hold it, and no name,
-    id, key or token of the API has one. (JSON writes it only as an escape, so most bodies are passed at a glance.)"""
+    id or token of the API has one (ANY_TEXT aside). (JSON writes it only as an escape, so most bodies are passed
+    at a glance.)"""
     if b"\\u0000" not in raw:
         return
     try:
@@ -85,6 +91,8 @@ def check_strings(raw: bytes) -> None:
                               "may hold", {"field": field, "rule": "no NUL character (U+0000) in a string"})
         if isinstance(node, dict):
             for key, value in node.items():
+                if not path and key in ANY_TEXT:
+                    continue
                 if "\x00" in key:
                     raise DomainError(INVALID_INPUT, f"{path or 'body'}: a key holds a NUL character (U+0000)",
                                       {"field": path or "body", "rule": "no NUL character (U+0000) in a string"})

@@ -69,6 +69,12 @@ def test_a_nul_character_in_any_string_is_refused_naming_where(raw, field):
     assert field == err.value.details["field"]
 
 
+def test_a_creates_idempotency_key_may_hold_a_nul_as_any_text():
+    check_strings(b'{"idempotencyKey": "nul \\u0000 key", "poolId": "h100"}')  # stored in the document as sent
+    with pytest.raises(DomainError):
+        check_strings(b'{"idempotencyKey": "k", "poolId": "h\\u0000"}')
+
+
 def test_an_escaped_backslash_before_u0000_is_no_nul():
     check_strings(b'{"a": "\\\\u0000"}')  # the text backslash-u-0-0-0-0
 
