@@ -135,9 +135,13 @@ class Reconciler:
                 failed = True  # not one timer's fault (a commit): the next try after a tick, not in a hot loop
             else:
                 failed = False
-            nxt = self.state.timers.next_due()
+            if failed:  # a failed commit rebuilds the memory, which wakes this loop: a tick first, not a hot loop
+                await asyncio.sleep(self.tick_s)
+                continue
+            # A replica that does not lead takes no timer off the heap: its due ones would wake it at once, for ever
+            nxt = self.state.timers.next_due() if self.leads() else None
             delay = self.tick_s
-            if nxt is not None and not failed:
+            if nxt is not None:
                 delay = max(0.0, min(delay, (nxt - self.clock.compute_now()) / 1000))
             try:
                 await asyncio.wait_for(self._wake.wait(), delay)

@@ -323,7 +323,8 @@ class Writer:
         self._pending: list[tuple[Callable[[SqliteTx], Any], asyncio.Future]] = []
         self._busy = False
         self._commit_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="berth-store-commit")
-        self._lock = threading.Lock()  # call_sync against a group run by the loop
+        self._lock = threading.Lock()  # call_sync against a group run by the loop, and close against both
+        self._closed = False
         self._hooks: list[Callable[[], None]] = []  # on_commit hooks of the open group
         self._appends = SqliteAppends()  # rows of the open group's jobs not yet written
         self.groups = 0  # committed
@@ -334,6 +335,9 @@ class Writer:
     def call(self, fn: Callable[[SqliteTx], Any]) -> "asyncio.Future[Any]":
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        if self._closed:
+            fut.set_exception(unavailable("the control plane is stopping; retry on another one or shortly"))
+            return fut
         self._pending.append((fn, fut))
         if not self._busy:
             self._busy = True
@@ -343,6 +347,8 @@ class Writer:
     def call_sync(self, fn: Callable[[SqliteTx], Any]) -> Any:
         """Run one job now, outside any event loop (start-up, tools); returns once committed."""
         with self._lock:
+            if self._closed:
+                raise unavailable("the control plane is stopping; retry on another one or shortly")
             self._conn.execute("BEGIN IMMEDIATE")
             answers = self._run_jobs([(fn, None)])
             hooks, self._hooks = self._hooks, []
@@ -357,15 +363,30 @@ class Writer:
         return value
 
     def close(self) -> None:
-        self._commit_thread.shutdown(wait=True)
-        self._conn.close()
+        """After the group in flight (it holds the lock: one connection is never used by two threads at once, which
+        segfaulted a stop met mid-group); groups asked later are answered PROVIDER_UNAVAILABLE."""
+        with self._lock:
+            self._closed = True
+            self._commit_thread.shutdown(wait=True)
+            self._conn.close()
 
     def _start_group(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._closed:
+            group, self._pending = self._pending, []
+            resolve([(fut, None, unavailable("the control plane is stopping; retry on another one or shortly"))
+                     for _, fut in group])
+            self._busy = False
+            return
         group, self._pending = self._pending[:GROUP_MAX], self._pending[GROUP_MAX:]
         if not group:
             self._busy = False
             return
         self._lock.acquire()
+        if self._closed:  # closed while this waited for the lock
+            self._lock.release()
+            self._pending[:0] = group
+            self._start_group(loop)
+            return
         try:
             self._conn.execute("BEGIN IMMEDIATE")
             answers = self._run_jobs(group)

@@ -344,3 +344,62 @@ async def test_a_background_pass_the_database_puts_off_is_a_warning_and_a_fault_
     for what in ("reconciler pass", "node monitor pass"):
         passes = [e for e in logged if e["event"].startswith(what)]
         assert passes and all(e["log_level"] == level and ("exc_info" in e) == traceback for e in passes), logged
+
+
+async def test_a_replica_that_does_not_lead_does_not_spin_on_due_timers(api):
+    """A replica that does not lead takes no timer off the heap, and a due one made its loop wait 0 s: a core at
+    100% on every standby replica once any window started."""
+    res = (await api.create(key="due", start=T0 + 60_000, durationHours=1))[1]["reservation"]
+    assert res["state"] == "placed"
+    api.clock.advance(120_000)  # its start is due; nobody takes it off here
+    passes = 0
+
+    def leads() -> bool:
+        nonlocal passes
+        passes += 1
+        return False
+
+    rec = api.cp.reconciler
+    rec.leads, rec.tick_s = leads, 0.05
+    task = asyncio.ensure_future(rec.run())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert passes <= 2 * (0.3 / 0.05) + 4, passes  # a tick at a time (leads is asked twice a pass)
+
+
+async def test_a_failed_pass_that_wakes_the_loop_is_tried_again_a_tick_later_not_at_once(api):
+    """A failed commit rebuilds the memory, and the rebuild wakes the reconciler: on a full disk the loop retried
+    about 1,200 times a second, each try a whole rebuild."""
+    rec = api.cp.reconciler
+    tries = 0
+
+    async def fails(*_a, **_kw):
+        nonlocal tries
+        tries += 1
+        rec.wake()  # as the rebuild after a failed commit does
+        raise unavailable("the store could not commit: database or disk is full")
+
+    rec.run_once, rec.tick_s = fails, 0.05
+    task = asyncio.ensure_future(rec.run())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert tries <= 0.3 / 0.05 + 2, tries
+
+
+async def test_closing_the_sqlite_store_while_groups_run_waits_for_the_one_in_flight_and_answers_the_rest(api):
+    """A stop (SIGTERM) closed the connection from a worker thread while the loop ran a group on it: two threads
+    on one sqlite3 connection, which segfaulted or hung the server. Close now waits for the group in flight, and
+    later jobs are answered PROVIDER_UNAVAILABLE."""
+    if api.engine != "sqlite":
+        pytest.skip("SQLite's writer")
+    writer = api.cp.store.writer
+    creates = [asyncio.ensure_future(api.create(key=f"c{i}")) for i in range(60)]
+    await asyncio.sleep(0.01)
+    await asyncio.to_thread(writer.close)
+    answers = await asyncio.gather(*creates)
+    assert {s for s, _ in answers} <= {202, 503}, answers
+    assert all(d["error"]["code"] == "PROVIDER_UNAVAILABLE" for s, d in answers if s == 503)
+    status, doc = await api.create(key="after")
+    assert (503, "PROVIDER_UNAVAILABLE") == (status, doc["error"]["code"]), doc
