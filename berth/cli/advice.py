@@ -52,9 +52,36 @@ def exit_code_of(err: BerthError) -> int:
         return EXIT_USAGE if err.details.get("tls") else EXIT_PLATFORM  # a failed handshake: nothing was sent
     if err.status is not None and err.status >= 500:
         return EXIT_PLATFORM
-    if isinstance(err, BadAnswer) or err.status is None:
-        return EXIT_CLI
-    return EXIT_CUSTOMER  # a 4xx code this CLI does not know yet: still the request's
+    if err.status is not None and 400 <= err.status < 500:
+        return EXIT_CUSTOMER  # a 4xx (a proxy's, or a code this CLI does not know yet): still the request's
+    return EXIT_CLI  # no status, or a 2xx answer it cannot read
+
+
+def outcome_unknown(err: BerthError) -> bool:
+    """Whether the request may have been carried out though no answer says so: no answer after every retry, the
+    server's PROVIDER_UNAVAILABLE (a change may still commit), a 5xx or a 2xx the CLI cannot read."""
+    if isinstance(err, TransportError):
+        return not err.details.get("tls") and err.details.get("sent", True)
+    if err.code == "PROVIDER_UNAVAILABLE":
+        return True
+    return error_table.BY_CODE.get(err.code) is None and (err.status is None or err.status >= 500
+                                                           or 200 <= err.status < 300)
+
+
+def _retry(ctx: Context, argv: Sequence[str], retry_same: str, create: bool, later: bool = False) -> list[str]:
+    """The next command after an answer that leaves the outcome unknown. A create is safe to send again with the
+    same key; an extend --by is not (repeated, it extends again): see the end first."""
+    when_ = "retry later" if later else "retry"
+    if create:
+        return ["the request may have been accepted: do not use a new key for it",
+                f"next: {when_} with the same key: " + retry_same]
+    if ctx.args.group == "reservations" and ctx.args.command == "extend" and getattr(ctx.args, "by", None):
+        rid = ctx.args.reservation_id
+        return ["the extend may have been applied, and --by sent again extends again",
+                "next: see its end: " + shlex.join(["berth", "reservations", "get", rid, *connection_flags(ctx)]),
+                "then, if it did not move, extend to the end you want (safe to repeat): "
+                + shlex.join(["berth", "reservations", "extend", rid, "--until", "END", *connection_flags(ctx)])]
+    return [f"next: {when_}: " + retry_same]
 
 
 def events_end(err: BerthError) -> int | None:
@@ -213,7 +240,7 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
     if code == "PROVIDER_UNAVAILABLE":
         return [f"the platform's doing (actor {err.actor or 'platform'}): nothing of yours needs to change",
                 f"reference: {err.reference} (quote it to support if this persists)",
-                ("next: retry later with the same key: " if create else "next: retry later: ") + retry_same]
+                *_retry(ctx, argv, retry_same, create, later=True)]
     if isinstance(err, TransportError) and d.get("tls"):
         return [f"url from {ctx.settings.sources.get('url')}; nothing was sent",
                 "next: fix the connection settings, then: " + retry_same]
@@ -221,10 +248,12 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         lines = [f"no answer from {ctx.settings.url} (url from {ctx.settings.sources.get('url')})"]
         if d.get("hint"):
             lines.append(d["hint"])
-        if create and d.get("sent", True):
-            lines.append("the request may have been accepted: do not use a new key for it")
-        lines.append("next: retry with the same key: " + retry_same if create else "next: retry: " + retry_same)
-        return lines
+        if not d.get("sent", True):  # nothing went out: the same command is safe, whatever it is
+            return lines + [("next: retry with the same key: " if create else "next: retry: ") + retry_same]
+        return lines + _retry(ctx, argv, retry_same, create)
+    if outcome_unknown(err):  # a 5xx or an unreadable answer (a proxy's page, another version's code)
+        return [f"the answer does not say what happened (url from {ctx.settings.sources.get('url')}; a proxy or "
+                "load balancer between may have answered)", *_retry(ctx, argv, retry_same, create, later=True)]
     end = events_end(err)
     if end is not None:  # a cursor from before a restore or a failover: the new events follow the end
         return [f"the control plane's events now end at {end} (its database was restored or failed over)",
@@ -286,6 +315,10 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         if d.get("next") == "release":
             lines.append(f"next: berth reservations release {rid}")
         return lines
+    if code == "NOT_FOUND" and err.message.startswith("no method "):  # the path, not an id, was not found
+        return [f"the URL {ctx.settings.url} (from {ctx.settings.sources.get('url')}) does not reach this method of a "
+                "Berth control plane: give its base URL, with no path (a proxy's prefix included only where the "
+                "proxy strips it), or the control plane is of an earlier release than this CLI (berth --version)"]
     if code == "NOT_FOUND":
         if d.get("field") == "poolId":
             return ["the pool is not yours or offered to you; the pools you may book: "

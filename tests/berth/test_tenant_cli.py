@@ -985,3 +985,49 @@ def test_provider_unavailable_advice_for_a_read_has_no_key_to_keep():
     said = advice.advice(ctx, err, ["reservations", "list"])
     assert "next: retry later: berth reservations list" in said, said
     assert not [line for line in said if "same key" in line]
+
+
+def _ctx(argv: list[str], key: str | None = None):
+    args = build_parser().parse_args(argv)
+    return tenant_cli.Context(args, c.Settings("http://x", "t", {"url": "env BERTH_URL"}), None, sys.stdout,  # type: ignore[arg-type]
+                              sys.stderr, output="table", progress=False, key=key)
+
+
+@pytest.mark.parametrize("err", [
+    c.BadAnswer("BAD_ANSWER", "HTTP 504 without the API's error envelope: '<html>'", {}, 504),
+    c.BadAnswer("BAD_ANSWER", "HTTP 500 without the API's error envelope", {}, 500),
+    c.BadAnswer("BAD_ANSWER", "the answer is not JSON", {}, 202),
+    c.BerthError("INTERNAL", "a code of a newer server", {}, 500),
+])
+def test_a_create_answered_by_a_proxys_5xx_or_an_unreadable_answer_prints_the_key_to_retry_with(err):
+    """A 504 from a balancer after the create was booked printed no key and no next command: run again, it
+    booked twice."""
+    argv = ["reservations", "create", *ONE, "--idempotency-key", "cli-k1"]
+    said = advice.advice(_ctx(argv, "cli-k1"), err, argv)
+    assert "the request may have been accepted: do not use a new key for it" in said, said
+    assert any(line.startswith("next: retry later with the same key: ") and "--idempotency-key cli-k1" in line
+               for line in said), said
+    assert advice.exit_code_of(err) == (1 if err.status == 202 else 5)
+
+
+@pytest.mark.parametrize("err", [
+    c.TransportError("TRANSPORT", "connection dropped", {"sent": True}, None),
+    c.ProviderUnavailable("PROVIDER_UNAVAILABLE", "commit not confirmed", {"actor": "platform", "reference": "r"}, 503),
+    c.BadAnswer("BAD_ANSWER", "HTTP 504 without the API's error envelope", {}, 504),
+])
+def test_an_extend_by_whose_answer_was_lost_is_not_advised_again_as_is(err):
+    """Repeated, an extend --by extends again from the new end: the advice was to run it again (billed twice)."""
+    argv = ["reservations", "extend", "rsv_x", "--by", "30m"]
+    said = advice.advice(_ctx(argv), err, argv)
+    assert not [line for line in said if "--by" in line and line.startswith(("next:", "then"))], said
+    assert "next: see its end: berth reservations get rsv_x" in said, said
+    assert any("extend rsv_x --until END" in line for line in said), said
+
+
+def test_a_proxys_4xx_exits_3_and_an_unknown_method_says_the_url_does_not_reach_the_api():
+    assert 3 == advice.exit_code_of(c.BadAnswer("BAD_ANSWER", "HTTP 429 without the API's error envelope", {}, 429))
+    said = advice.advice(_ctx(["whoami"]), c.NotFound("NOT_FOUND", "no method /berth/api/iam/whoami", {}, 404),
+                         ["whoami"])
+    assert ["the URL http://x (from env BERTH_URL) does not reach this method of a Berth control plane: give its "
+            "base URL, with no path (a proxy's prefix included only where the proxy strips it), or the control "
+            "plane is of an earlier release than this CLI (berth --version)"] == said
