@@ -1,6 +1,7 @@
 """The `berth` command: one entry point; each subcommand is owned by the package it drives."""
 from __future__ import annotations
 
+import os
 import sys
 
 USAGE = """usage: berth <command> [args]
@@ -33,6 +34,19 @@ OWN_COMMANDS = ("controlplane", "agent", "exec", "completion", "version")  # the
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _dispatch(argv)
+        sys.stdout.flush()  # (a closed pipe met here, not at the interpreter's exit)
+        return code
+    except BrokenPipeError:  # `berth completion bash | head`: the reader has all it wanted; end quietly
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the final flush cannot fail again
+        except (OSError, ValueError):
+            pass
+        return 141  # 128 + SIGPIPE, as for every tenant command (berth/cli)
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
         return 0

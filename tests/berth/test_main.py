@@ -1,4 +1,5 @@
 """The `berth` entry point dispatches to the package that owns each command."""
+import os
 import subprocess
 import sys
 
@@ -41,3 +42,15 @@ def test_the_manual_page_names_every_command_the_usage_lists():
     listed = {line.split()[0] for line in USAGE.split("commands:")[1].splitlines()
               if line.startswith("  ") and not line.startswith("   ")}
     assert listed and listed <= named, sorted(listed - named)
+
+
+def test_a_reader_that_goes_away_ends_completion_help_and_version_quietly():
+    """`berth completion bash | head -1` printed a BrokenPipeError traceback and exited 1; the tenant commands
+    already ended quietly with 141 (docs/cli.md)."""
+    for argv in (["completion", "bash"], ["--help"], ["--version"]):
+        r, w = os.pipe()
+        os.close(r)  # the reader is gone before a byte is written
+        out = subprocess.run([sys.executable, "-m", "berth.main", *argv], stdout=w, stderr=subprocess.PIPE,
+                             text=True, timeout=60)
+        os.close(w)
+        assert (141, "") == (out.returncode, out.stderr), (argv, out.stderr)
