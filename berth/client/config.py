@@ -182,6 +182,11 @@ def resolve_settings(url: str | None = None, token: str | None = None, config_pa
     if not values["token"]:
         where = f'to profile {chosen} in {path}' if chosen else f"to {path}"
         raise ConfigError(f'no token: give --token, set BERTH_TOKEN, or write {{"token": "..."}} {where}')
+    token = str(values["token"])
+    if not (token.isascii() and token.isprintable()):  # a header carries printable ASCII (a CRLF file's token)
+        bad = next(ch for ch in token if not (ch.isascii() and ch.isprintable()))
+        raise ConfigError(f"the token (from {sources['token']}) holds {bad!r}, which no token has (a line ending "
+                          "copied with it?): give it as printable ASCII only")
     return Settings(check_url(str(values["url"]), sources["url"]), str(values["token"]), sources, ca_file=values["ca_file"],
                     client_cert=values["client_cert"], client_key=values["client_key"], profile=chosen)
 

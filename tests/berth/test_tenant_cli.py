@@ -469,6 +469,12 @@ def test_no_token_anywhere_exits_2_and_says_where_to_put_one(berth):
     assert 2 == run.code and "no token: give --token, set BERTH_TOKEN" in run.err
 
 
+def test_a_token_with_a_control_character_exits_2_naming_where_it_came_from(berth):
+    """A token file with a CRLF line ending gave 'unexpected ValueError: Forbidden control character ...' (exit 1)."""
+    run = berth("whoami", token="acme-alice-token-0001\r")
+    assert 2 == run.code and "the token (from env BERTH_TOKEN) holds '\\r', which no token has" in run.err, run.err
+
+
 # ---- configuration ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flag, env, file, expected", [
