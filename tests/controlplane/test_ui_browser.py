@@ -216,6 +216,13 @@ async def test_the_page_says_when_it_is_stale_counts_pending_work_and_leaves_key
             driver.get(url)
             driver.execute_script("window.berthErrors = []; window.addEventListener('error', e => "
                                   "window.berthErrors.push(String(e.message)))")
+            # a mistyped token is said to be none of the three this page takes (not "a tenant's only")
+            driver.find_element(By.ID, "token").send_keys(ADMIN + "x")
+            driver.find_element(By.CSS_SELECTOR, "#login button").click()
+            page.wait("return document.getElementById('status').textContent.startsWith('This token is not accepted')")
+            said = driver.find_element(By.ID, "status").text
+            assert "no tenant principal's, no operator's and not the admin token" in said, said
+            driver.find_element(By.ID, "token").clear()
             page.sign_in(ADMIN, "operator")
             head = driver.find_element(By.CSS_SELECTOR, '.row[data-row="pool:h100"]')
             assert ("1", "pool h100 · 1 pending (not placed yet)") == (head.get_attribute("data-pending"), head.text)

@@ -445,8 +445,11 @@ async function signIn(token) {
     state.view = await detectView();
   } catch (err) {
     state.token = null;
-    say(err instanceof ApiError && err.status === 401 ? "This token is not accepted: " + err.message
-                                                      : (err.message || String(err)), true);
+    // (the API's own message speaks of the tenant API the check asked: this page takes operator tokens too)
+    say(err instanceof ApiError && err.status === 401
+        ? "This token is not accepted: it is no tenant principal's, no operator's and not the admin token. " +
+          "Check it (a character missing or added when it was copied?)"
+        : (err.message || String(err)), true);
     return;
   }
   sessionStorage.setItem(TOKEN_KEY, token);
