@@ -29,7 +29,10 @@ Run `berth <command> --help` for the options of one command; `berth --version` p
 
 
 TENANT_GROUPS = ("reservations", "operations", "pools", "whoami", "events", "usage", "confirmations", "admin")  # berth/cli
-OWN_COMMANDS = ("controlplane", "agent", "exec", "completion", "version")  # the others this entry point dispatches
+# the others this entry point dispatches, with their subcommands (for the shells' completion, which must not import
+# their parsers: a shell sources the script at each start; tests/berth/test_main.py holds these to the parsers)
+OWN_COMMANDS = {"controlplane": ("serve", "migrate", "backup", "restore"), "agent": ("discover",), "exec": (),
+                "completion": ("bash", "zsh"), "version": ()}
 
 
 def main(argv: list[str] | None = None) -> int:

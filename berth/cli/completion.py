@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from berth.cli.parser import build_parser
 
@@ -31,10 +31,11 @@ def _flags(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
     return (a for a in parser._actions if a.option_strings)
 
 
-def command_table(parser: argparse.ArgumentParser, top: Sequence[str] = ()) -> tuple[dict[str, list[str]],
-                                                                                     dict[str, list[str]]]:
+def command_table(parser: argparse.ArgumentParser, top: Mapping[str, Sequence[str]] | Sequence[str] = ()
+                  ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """(words, values): the words after each command path, and the choices of each value-taking flag, keyed by
-    `PATH|FLAG` (an empty list: a free value). `top` adds the entry point's commands that are not the parser's."""
+    `PATH|FLAG` (an empty list: a free value). `top` adds the entry point's commands that are not the parser's,
+    with their subcommands (a word after one of them is never taken for a tenant command)."""
     words: dict[str, list[str]] = {}
     values: dict[str, list[str]] = {}
 
@@ -52,6 +53,10 @@ def command_table(parser: argparse.ArgumentParser, top: Sequence[str] = ()) -> t
     walk(ROOT, parser)
     groups = list(_subcommands(parser))
     words[ROOT] = groups + list(top) + words[ROOT][len(groups):]  # the entry point's own commands beside the CLI's
+    for command, subs in (top.items() if isinstance(top, Mapping) else ((c, ()) for c in top)):
+        words[f"{ROOT} {command}"] = list(subs)
+        for sub in subs:
+            words[f"{ROOT} {command} {sub}"] = []
     words[f"{ROOT} completion"] = list(SHELLS)
     return words, values
 
@@ -132,7 +137,7 @@ fi
 SHELLS = {"bash": (BASH, "    [{key}]={value}"), "zsh": (ZSH, "    {key} {value}")}
 
 
-def script(shell: str, top: Sequence[str] = ()) -> str:
+def script(shell: str, top: Mapping[str, Sequence[str]] | Sequence[str] = ()) -> str:
     """The completion script for `shell` (bash or zsh)."""
     template, form = SHELLS[shell]
     words, values = command_table(build_parser(), top)
@@ -146,7 +151,7 @@ USAGE = """usage: berth completion bash|zsh
 """
 
 
-def main(argv: Sequence[str], top: Sequence[str] = ()) -> int:
+def main(argv: Sequence[str], top: Mapping[str, Sequence[str]] | Sequence[str] = ()) -> int:
     """`berth completion bash|zsh`: print the script; anything else is a usage error (exit 2)."""
     if list(argv) in (["-h"], ["--help"]):
         print(USAGE, end="")

@@ -54,3 +54,24 @@ def test_a_reader_that_goes_away_ends_completion_help_and_version_quietly():
                              text=True, timeout=60)
         os.close(w)
         assert (141, "") == (out.returncode, out.stderr), (argv, out.stderr)
+
+
+def test_the_entry_points_own_subcommands_are_the_parsers_and_completion_offers_them():
+    """Completion after `berth controlplane` offered the tenant commands again; it names each own command's
+    subcommands from berth.main.OWN_COMMANDS (no parser import at a shell's start), held here to the parsers."""
+    import argparse
+
+    from agent import cli as agent_cli
+    from berth.main import OWN_COMMANDS
+    from controlplane import server
+
+    def subcommands(p: argparse.ArgumentParser) -> tuple[str, ...]:
+        return tuple(name for a in p._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices)
+
+    assert OWN_COMMANDS["controlplane"] == subcommands(server.build_parser())
+    assert OWN_COMMANDS["agent"] == ("discover",) and "discover" in agent_cli.main.__code__.co_consts
+    script = subprocess.run([sys.executable, "-m", "berth.main", "completion", "bash"], capture_output=True,
+                            text=True, timeout=60).stdout
+    offered = subprocess.run(["bash", "-c", script + '\nCOMP_WORDS=(berth controlplane ""); COMP_CWORD=2; _berth; '
+                              'echo "${COMPREPLY[*]}"'], capture_output=True, text=True, timeout=60).stdout.split()
+    assert ["serve", "migrate", "backup", "restore"] == offered
