@@ -22,7 +22,7 @@ from berth.cli.advice import (EXIT_OF_ACTOR, EXIT_OK, EXIT_TIMEOUT, events_end, 
                               report_refusal)
 from berth.cli.context import Context, connection_flags, same_command, without
 from berth.cli.parser import DEFAULT_WAIT_S, request_of
-from berth.cli.render import (LISTED_STATES, column_widths, condition_text, list_headers, list_row, raised_notes, render_confirmation,
+from berth.cli.render import (LISTED_STATES, condition_text, layout, list_headers, list_row, raised_notes, render_confirmation,
                               render_events, render_list, render_node, render_node_action, render_nodes,
                               render_offered_pool, render_offered_pools, render_operation, render_pool, render_pools,
                               render_quote, render_reservation, render_tenant, render_tenants, render_usage,
@@ -146,12 +146,13 @@ async def _watch(ctx: Context, page: ReservationPage, cursor: int | None) -> int
     """The list, then each reservation again as events touch it (one long poll after another), until Ctrl-C."""
     headers = list_headers(ctx.wide)
     rows = [list_row(r, ctx.wide) for r in page.reservations]
-    widths = column_widths(headers, rows, at_least=(0, max(map(len, LISTED_STATES))))  # later rows line up
+    # later rows line up under these columns (on a terminal, exactly: the first table's fit, the last column the rest)
+    widths = layout(headers, rows, ctx.width, at_least=(0, max(map(len, LISTED_STATES))))
     if ctx.structured:
         for r in page.reservations:
             ctx.emit_record({"reservation": wire(r)}, "")
     else:
-        print(table(headers, rows, width=ctx.width, at_least=widths), file=ctx.out, flush=True)
+        print(table(headers, rows, width=ctx.width, at_least=widths, fixed=True), file=ctx.out, flush=True)
     if ctx.progress:
         ctx.say("watching for changes (Ctrl-C to stop)")
     view = _View(ctx, page)
@@ -167,7 +168,8 @@ async def _watch(ctx: Context, page: ReservationPage, cursor: int | None) -> int
                 continue
             if await view.shows(r):
                 ctx.emit_record({"event": wire(event), "reservation": wire(r)},
-                                table(headers, [list_row(r, ctx.wide)], width=ctx.width, header=False, at_least=widths))
+                                table(headers, [list_row(r, ctx.wide)], width=ctx.width, header=False, at_least=widths,
+                                      fixed=True))
 
 
 async def cmd_operation_get(ctx: Context, argv: Sequence[str]) -> int:
@@ -345,7 +347,7 @@ async def cmd_events_list(ctx: Context, argv: Sequence[str]) -> int:
         for e in page.events:
             if not mine(e):
                 continue
-            ctx.emit_record(wire(e), render_events([e], header=header, width=ctx.width))
+            ctx.emit_record(wire(e), render_events([e], header=header, width=ctx.width, fixed=True))
             header = False
         if page.next_cursor is not None:
             cursor = page.next_cursor

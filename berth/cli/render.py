@@ -118,14 +118,25 @@ def _cells(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[list[s
     return [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, width: int | None = None, header: bool = True,
-          at_least: Sequence[int] = ()) -> str:
-    """Rows under their headers in columns as wide as their widest cell (at least `at_least`, so rows printed
-    apart line up), then narrowed to the terminal's `width` by wrapping the widest column of words."""
-    cells = _cells(headers, rows)
+def layout(headers: Sequence[str], rows: Sequence[Sequence[Any]], width: int | None,
+           at_least: Sequence[int] = ()) -> list[int]:
+    """The column widths `table` gives these rows: to print later rows under them (table(..., fixed=True))."""
     widths = column_widths(headers, rows, at_least)
-    if width:
-        widths = _fit(widths, cells, width)
+    return _fit(widths, _cells(headers, rows), width) if width else widths
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, width: int | None = None, header: bool = True,
+          at_least: Sequence[int] = (), fixed: bool = False) -> str:
+    """Rows under their headers in columns as wide as their widest cell (at least `at_least`, so rows printed
+    apart line up), then narrowed to the terminal's `width` by wrapping the widest column of words. `fixed` (rows
+    printed one at a time, --follow, --watch): on a terminal every column is exactly its `at_least` and the last
+    takes the rest of the width, whatever the row holds, so each row lines up under the header."""
+    cells = _cells(headers, rows)
+    if width and fixed:
+        widths = [*at_least[:len(headers) - 1]]
+        widths.append(max(MIN_COLUMN, width - sum(widths) - 2 * (len(headers) - 1)))
+    else:
+        widths = layout(headers, rows, width, at_least)
     return "\n".join(line for r in (cells if header else cells[1:]) for line in _lines_of_row(r, widths))
 
 
@@ -348,15 +359,15 @@ def render_whoami(w: Whoami) -> str:
 EVENT_COLUMNS = (6, 32, 30, 28, 10)  # SEQ, AT, RESERVATION, EVENT, STATE: at least, so --follow's rows line up
 
 
-def render_events(events: Sequence[Event], header: bool = True, width: int | None = None) -> str:
+def render_events(events: Sequence[Event], header: bool = True, width: int | None = None, fixed: bool = False) -> str:
     """Events as rows (SEQ AT RESERVATION EVENT STATE DETAILS) of columns at least EVENT_COLUMNS wide: the same
-    with one row at a time."""
+    with one row at a time (`fixed`: exactly so, on a terminal)."""
     rows = []
     for e in events:
         details = " ".join(f"{k}={_detail(k, v)}" for k, v in e.data.items() if k not in ("state", "poolId"))
         rows.append((e.seq, when(e.at), e.reservation_id or "-", e.type, e.data.get("state", ""), details))
     return table(("SEQ", "AT", "RESERVATION", "EVENT", "STATE", "DETAILS"), rows, width=width, header=header,
-                 at_least=EVENT_COLUMNS)
+                 at_least=EVENT_COLUMNS, fixed=fixed)
 
 
 def _detail(key: str, value: Any) -> str:

@@ -102,3 +102,20 @@ def test_a_tenant_row_without_a_limit_reads_0_not_none():
     rows = [line.split() for line in render_tenant(t).splitlines()[-2:]]
     assert [["gpu:H100_80GB", "2", "0"], ["offer:h100:vcpu", "8", "8"]] == rows
     assert "gpu:H100_80GB 2/0, offer:h100:vcpu 8/8" in render_tenants([t])
+
+
+def test_followed_events_line_up_under_the_header_on_a_terminal_whatever_their_details():
+    """Each followed event is rendered on its own: one with long details was fitted apart (its AT column cut to 12
+    and the time broken mid-word) and stood out of line with the header and the others."""
+    from berth.client.answers import Event
+
+    now = 1_796_573_474_499
+    plain = Event(seq=5, at=now, type="reservation.placed", reservation_id="rsv_" + "a" * 26,
+                  data={"state": "placed"})
+    detailed = Event(seq=6, at=now, type="reservation.extended", reservation_id="rsv_" + "b" * 26,
+                     data={"state": "active", "end": now + 3_600_000, "reason": "x " * 40})
+    header, *_ = render.render_events([plain], header=True, width=120, fixed=True).splitlines()
+    rows = [render.render_events([e], header=False, width=120, fixed=True).splitlines()[0] for e in (plain, detailed)]
+    for name in ("AT", "RESERVATION", "EVENT", "STATE"):
+        col = header.index(name)
+        assert all(row[col - 1] == " " and row[col] != " " for row in rows), (name, header, rows)
