@@ -30,6 +30,21 @@ def cluster():
     yield from cluster_or_skip()
 
 
+GET = "/api/compute/reservations/get"
+
+
+def bootstrap_in(tmp_path):
+    boot = tmp_path / "b.json"
+    boot.write_text(json.dumps(bootstrap_doc()))
+    return boot
+
+
+def timed(call):
+    """(call's answer, the seconds it took)."""
+    started = time.monotonic()
+    return call(), time.monotonic() - started
+
+
 def unavailable(status: int, doc: dict) -> bool:
     return (status, doc.get("error", {}).get("code"), doc.get("error", {}).get("details", {}).get("actor")) == (
         503, "PROVIDER_UNAVAILABLE", "platform")
@@ -188,15 +203,7 @@ def test_a_database_that_stops_answering_holds_no_request_longer_than_the_read_b
     from controlplane.store.postgres import READ_ON_LOOP_S
 
     db = cluster.createdb(f"berth_{uuid.uuid4().hex[:12]}")
-    boot = tmp_path / "b.json"
-    boot.write_text(json.dumps(bootstrap_doc()))
-    get = "/api/compute/reservations/get"
-
-    def timed(call):
-        started = time.monotonic()
-        return call(), time.monotonic() - started
-
-    with ServerProcess(db, boot, ["--commit-wait", "2"]) as a:
+    with ServerProcess(db, bootstrap_in(tmp_path), ["--commit-wait", "2"]) as a:
         status, created = a.post(CREATE, ALICE, create_body("before"))
         assert status == 202, created
         rid = created["reservation"]["id"]
@@ -205,11 +212,11 @@ def test_a_database_that_stops_answering_holds_no_request_longer_than_the_read_b
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         try:
-            (status, doc), took = timed(lambda: a.post(get, ALICE, {"reservationId": rid}, timeout=40))
+            (status, doc), took = timed(lambda: a.post(GET, ALICE, {"reservationId": rid}, timeout=40))
             assert (True, True) == (unavailable(status, doc), took < READ_ON_LOOP_S + 2), (took, doc)
             with urllib.request.urlopen(a.url + "/healthz", timeout=2) as answer:
                 assert 200 == answer.status
-            (status, doc), took = timed(lambda: a.post(get, ALICE, {"reservationId": rid}, timeout=40))
+            (status, doc), took = timed(lambda: a.post(GET, ALICE, {"reservationId": rid}, timeout=40))
             assert (True, "the database is not answering; retry shortly", True) == (
                 unavailable(status, doc), doc["error"]["message"], took < 1), (took, doc)
             (status, doc), took = timed(lambda: a.post(CREATE, ALICE, create_body("frozen"), timeout=40))
@@ -217,7 +224,7 @@ def test_a_database_that_stops_answering_holds_no_request_longer_than_the_read_b
         finally:
             for pid in frozen:
                 os.kill(pid, signal.SIGCONT)
-        status, doc = wait_for(lambda: (got := a.post(get, ALICE, {"reservationId": rid}, timeout=40))[0] == 200
+        status, doc = wait_for(lambda: (got := a.post(GET, ALICE, {"reservationId": rid}, timeout=40))[0] == 200
                                and got, timeout=20, interval=0.2)
         assert "before" == doc["reservation"]["idempotencyKey"]
     tracebacks = [line for line in a.lines if "Traceback" in line]
@@ -234,15 +241,7 @@ def test_a_table_locked_whole_holds_no_request_and_reads_come_back_after_it(pg_c
 
     name = f"berth_{uuid.uuid4().hex[:12]}"
     db = pg_cluster.createdb(name)
-    boot = tmp_path / "b.json"
-    boot.write_text(json.dumps(bootstrap_doc()))
-    get = "/api/compute/reservations/get"
-
-    def timed(call):
-        started = time.monotonic()
-        return call(), time.monotonic() - started
-
-    with ServerProcess(db, boot) as a:
+    with ServerProcess(db, bootstrap_in(tmp_path)) as a:
         status, created = a.post(CREATE, ALICE, create_body("before"))
         assert status == 202, created
         rid = created["reservation"]["id"]
@@ -257,7 +256,7 @@ def test_a_table_locked_whole_holds_no_request_and_reads_come_back_after_it(pg_c
                                              "mode = 'AccessExclusiveLock' AND granted", name) != "0", timeout=10)
             took = []
             for _ in range(4):
-                (status, doc), t = timed(lambda: a.post(get, ALICE, {"reservationId": rid}, timeout=40))
+                (status, doc), t = timed(lambda: a.post(GET, ALICE, {"reservationId": rid}, timeout=40))
                 assert unavailable(status, doc) and "locked whole" in doc["error"]["message"], doc
                 took.append(t)
                 (_, t) = timed(lambda: urllib.request.urlopen(a.url + "/healthz", timeout=5).read())
@@ -265,7 +264,7 @@ def test_a_table_locked_whole_holds_no_request_and_reads_come_back_after_it(pg_c
             assert max(took) < 1.0, took  # (the lock wait is 0.1 s; the read bound 5 s)
         finally:
             locker.join()
-        status, doc = wait_for(lambda: (got := a.post(get, ALICE, {"reservationId": rid}, timeout=40))[0] == 200
+        status, doc = wait_for(lambda: (got := a.post(GET, ALICE, {"reservationId": rid}, timeout=40))[0] == 200
                                and got, timeout=20, interval=0.2)
         assert "before" == doc["reservation"]["idempotencyKey"]
     tracebacks = [line for line in a.lines if "Traceback" in line]
