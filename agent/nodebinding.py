@@ -78,12 +78,15 @@ class Handed(msgspec.Struct):
 
 
 class NotClean(msgspec.Struct):
-    """A cleaning that found the node not as the hand-over's record: no one is handed the node until a cleaning
-    against that record passes (an operator mends the node, then the next hand-over checks again)."""
+    """The node may not go to the next tenant yet: an in-band cleaning found it not as the hand-over's record (no
+    one is handed it until a cleaning against that record passes: an operator mends it, then the next hand-over
+    checks again), or, with `cleaning: redfish`, the control plane's reset has not happened yet (`resetFrom`: the
+    boot the hand-back was made in; a hand-over waits for another boot)."""
 
     after: str  # the reservation whose hand-back it followed
     handed: Handed
     differences: list[str]
+    resetFrom: str | None = None
 
 
 @dataclass
@@ -213,8 +216,17 @@ class NodeBindings:
         inv = self.inventory()
         if inv is None:
             return []  # no discovery yet: the next pass hands over
-        if self.not_clean is not None:  # the last cleaning failed: only a node clean again goes to anyone
-            found = self.not_clean
+        found = self.not_clean
+        if found is not None and found.resetFrom is not None:  # cleaning: redfish, the control plane's reset
+            if found.resetFrom == inv.bootId:
+                if not self.deferred:
+                    log.info("node hand-over waits for the reset after the last tenant (cleaning: redfish)",
+                             reservation_id=rid, after=found.after, boot_id=inv.bootId)
+                self.deferred = True
+                return []
+            log.info("node reset since the last tenant", after=found.after, boot_id=inv.bootId)
+            self._set_not_clean(None)
+        elif found is not None:  # the last cleaning failed: only a node clean again goes to anyone
             check = self._clean(found.after, found.handed)
             if not check.ok:
                 return self._fail(b, f"the node is not clean since reservation {found.after} ended ("
@@ -278,6 +290,9 @@ class NodeBindings:
         # nor the cleaning, nor, for redfish, the reset it leads to. An in-band cleaning comes after the `unbound`
         # report is sent (clean_handed_back), so the node shows `cleaning` while it is emptied.
         (self.to_clean if handed.cleaning == "inband" else self.handed_back).add(rid)
+        boot = (self.inventory() or Inventory.from_wire(handed.inventory)).bootId
+        if handed.cleaning != "inband" and boot:  # the control plane resets the node: nobody gets it before a boot
+            self._set_not_clean(NotClean(rid, handed, ["awaiting the node's reset (cleaning: redfish)"], boot))
         return [Report(reservationId=rid, status="unbound")]
 
     def clean_handed_back(self) -> list[Report]:

@@ -36,12 +36,13 @@ a process that is in uninterruptible sleep beyond the wait: it is reported
 Scans alone can miss a process that forks its successor and exits faster
 than one scan reads /proc (a chain that re-forks every few milliseconds: the
 one a scan lists is gone when it is read, its successor born after the
-listing). So for a user other than root with no baseline process still
-alive, the rounds end with a sweep: `kill -KILL -1` run as that user, which
-the kernel delivers to every process of the user under the process table's
-lock (a process being killed cannot fork), then the rounds scan once more.
-(With a baseline process alive the sweep would end it too, so it is left out;
-root never sweeps.)
+listing). So for a user other than root, the rounds end with a sweep:
+`kill -KILL -1` run as that user, which the kernel delivers to every process
+whose real or saved uid is the user's under the process table's lock (a
+process being killed cannot fork), then the rounds scan once more. The sweep
+cannot leave a process out, so it is made only when none of those is to be
+spared (a baseline process still alive, a protected pid's family); root never
+sweeps.
 
 Every /proc read goes through a `proc: Path` parameter, so the selection
 (`plan`) is tested on a hand-made tree; `end_sessions` signals only with the
@@ -298,10 +299,15 @@ def _open_and_kill(proc: Path, target: Ended) -> int | None:
     return fd
 
 
-def _alive(baseline: frozenset[tuple[int, int]], proc: Path) -> bool:
-    """Does a baseline process still run (the same pid and starttime)?"""
+def _sweep_spares_all(uid: int, baseline: frozenset[tuple[int, int]], protect: set[int], proc: Path) -> bool:
+    """May the sweep run: would kill(-1) as uid hit no process the hand-back must spare? It hits every process
+    whose real or saved uid is uid (the kernel's rule for a signal), and cannot leave any out: so none of those
+    may be in the baseline, nor in the protected pids' family (an operator's session as the pool's user, from
+    which the agent was started)."""
     table = processes(proc)
-    return any(pid in table and table[pid].starttime == start and not table[pid].dead for pid, start in baseline)
+    spared = _family(table, protect) | {1}
+    return not any((p.pid in spared or (p.pid, p.starttime) in baseline) and uid in (p.uids[0], p.uids[2])
+                   for p in table.values() if not p.dead and not p.kernel_thread)
 
 
 def _sweep(uid: int) -> None:
@@ -351,7 +357,7 @@ def end_sessions(user: str, baseline: frozenset[tuple[int, int]], *, protect: se
 
     try:
         rounds()
-        if uid != 0 and not _alive(baseline, proc):  # then the sweep no fork escapes, and the scans once more
+        if uid != 0 and _sweep_spares_all(uid, baseline, protect, proc):  # the sweep no fork escapes, and scans
             _sweep(uid)
             rounds()
         poller = select.poll()

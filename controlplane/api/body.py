@@ -141,10 +141,13 @@ async def read_checked(request: web.Request) -> bytes:
     ctype = request.content_type if request.headers.get("Content-Type") else ""
     if ctype not in JSON_TYPES or (ctype == "" and request.can_read_body):
         raise web.HTTPUnsupportedMediaType(reason=f"Content-Type: {ctype or 'none'} is not application/json")
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("identity", ""):  # bodies are small (1 MiB at most): none is taken compressed
-        raise web.HTTPUnsupportedMediaType(reason=f"Content-Encoding: {encoding[:32]!r} is not taken; send the body "
-                                                  "uncompressed, without the header")
+    # bodies are small (1 MiB at most): none is taken compressed (every header of the name: a proxy and the server
+    # may read different ones)
+    encodings = [e.strip().lower() for h in request.headers.getall("Content-Encoding", []) for e in h.split(",")]
+    coded = [e for e in encodings if e not in ("identity", "")]
+    if coded:
+        raise web.HTTPUnsupportedMediaType(reason=f"Content-Encoding: {', '.join(coded)[:32]!r} is not taken; send "
+                                                  "the body uncompressed, without the header")
     if request.content.is_eof():  # all of it came with the headers (no timer, no task: it is there)
         raw = await request.read()
     else:

@@ -188,6 +188,28 @@ def test_a_node_not_clean_is_handed_to_no_one_until_a_cleaning_passes_even_acros
     restarted.forget_handed_back()
 
 
+def test_with_redfish_cleaning_the_next_tenant_waits_for_the_nodes_reset_another_boot(handover, sshd_server,
+                                                                                      tenant_key):
+    """cleaning: redfish is the control plane's BMC reset after it hears `unbound`: the agent handed the next
+    tenant the node in the same pass as the hand-back (and the reset then came under that tenant). A hand-over now
+    waits for another boot than the hand-back's, across a restart too."""
+    end = int(time.time() * 1000) + HOUR_MS
+    handover.reconcile([node_binding("rsv-r1", tenant_key[1], sshd_server.user, end, cleaning="redfish")])
+    nxt = [node_binding("rsv-r2", tenant_key[1], sshd_server.user, end + HOUR_MS, cleaning="redfish")]
+    assert [("rsv-r1", "unbound")] == [(r.reservationId, r.status) for r in handover.reconcile(nxt)]
+    handover.forget_handed_back()
+    assert [] == handover.reconcile(nxt) and handover.deferred  # the same boot: no reset yet
+    assert not handover.keys.listed(sshd_server.user)
+    before = handover.inventory()
+    rebooted = msgspec.structs.replace(before, bootId="0" * 32 if before.bootId != "0" * 32 else "1" * 32)
+    restarted = NodeBindings(handover.state_path, handover.config, inventory=lambda: rebooted,
+                             rediscover=lambda: rebooted, simulated_hugepages=True)
+    [bound] = restarted.reconcile(nxt)  # the agent of the new boot hands it over
+    assert ("rsv-r2", "bound") == (bound.reservationId, bound.status) and restarted.not_clean is None
+    restarted.reconcile([])
+    restarted.forget_handed_back()
+
+
 def test_a_damaged_record_file_stops_the_agent_naming_the_file_and_what_to_do(tmp_path):
     from agent.nodebinding import NodeRecordsError
 

@@ -398,6 +398,22 @@ def test_a_process_chain_that_reforks_faster_than_a_scan_is_ended_too(tenant_use
         time.sleep(0.1)
 
 
+def test_the_sweep_is_not_made_when_it_would_end_a_protected_process_of_the_user(tenant_user):
+    """kill(-1) cannot leave a process out: a protected one of the user (an operator's session as the pool's
+    account, from which the agent was started) would go with it, so then there is no sweep."""
+    base = baseline(tenant_user.pw_uid)
+    guarded = subprocess.Popen(["sleep", "300"], user=tenant_user.pw_uid, group=tenant_user.pw_gid, extra_groups=[])
+    try:
+        wait_for(lambda: Path(f"/proc/{guarded.pid}/cmdline").read_bytes().startswith(b"sleep"), 5, "the exec")
+        later = detached_as(tenant_user, "sleep", "301")
+        ended = end_sessions(tenant_user.pw_name, base, protect={os.getpid(), guarded.pid})
+        assert [later[0]] == [e.pid for e in ended] and gone(*later)
+        assert guarded.poll() is None  # spared, as protect promises
+    finally:
+        guarded.kill()
+        guarded.wait()
+
+
 # -- the real sshd ---------------------------------------------------------------------------------------------
 
 

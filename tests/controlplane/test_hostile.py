@@ -178,7 +178,8 @@ def test_a_nul_character_is_400_naming_the_field_and_fails_no_one_elses_request(
 
 @pytest.mark.parametrize("encoding, body", [
     (b"gzip", b"{}"), (b"deflate", b"0123456789"), (b"deflate", b'{"limit": 1}'), (b"br", b"{}"),
-    (b"gzip", __import__("gzip").compress(b'{"limit": 1}'))])
+    (b"gzip", __import__("gzip").compress(b'{"limit": 1}')),
+    (b"identity\r\nContent-Encoding: gzip", __import__("gzip").compress(b"{}"))])  # (two headers)
 def test_a_compressed_body_is_415_naming_the_content_encoding_in_the_error_document(server, encoding, body):
     """aiohttp decoded bodies itself: one that was not what its header said was its plain-text 400 (deflate, br:
     Brotli is not installed) or a 400 with an error-level traceback and the connection closed (gzip). No body is
