@@ -201,6 +201,8 @@ class ControlPlaneLink:
             try:
                 ans = await self.client.heartbeat(send)
                 self._takes_reports(ans.reportStatuses)
+                if ans.nodeState and self.controller.nodes is not None:
+                    await asyncio.to_thread(self.controller.nodes.heard_node_state, ans.nodeState)
                 self.metrics.heartbeats_ok += 1
                 self.metrics.last_heartbeat = time.monotonic()
                 if send is not None and self.inventory() is inv:

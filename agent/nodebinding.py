@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,9 @@ class NotClean(msgspec.Struct):
     handed: Handed
     differences: list[str]
     resetFrom: str | None = None
+    # the control plane took the node out of placement since (cleaning, maintenance): once it puts it back (an
+    # operator's `clear`, or its reset done) the node goes to the next tenant as the control plane decided
+    outSeen: bool = False
 
 
 @dataclass
@@ -119,6 +123,7 @@ class NodeBindings:
         self.records: dict[str, Handed] = self._load()
         self.handed_back: set[str] = set()  # handed back by the last pass, their records kept until forgotten
         self.to_clean: set[str] = set()  # of those, the ones whose in-band cleaning is still to run
+        self._marking = threading.RLock()  # the heartbeat's thread and the pass's change the mark
         self.not_clean: NotClean | None = self._load_not_clean()
         self.deferred = False  # the last pass left a hand-over for later: a hand-back or cleaning came first
 
@@ -149,11 +154,29 @@ class NodeBindings:
 
     def _set_not_clean(self, found: NotClean | None) -> None:
         path = Path(self.state_dir) / NOT_CLEAN_FILE
-        if found is None:
-            path.unlink(missing_ok=True)
-        else:
-            _write_atomic(path, msgspec.json.encode(found))
-        self.not_clean = found
+        with self._marking:
+            if found is None:
+                path.unlink(missing_ok=True)
+            else:
+                _write_atomic(path, msgspec.json.encode(found))
+            self.not_clean = found
+
+    def heard_node_state(self, state: str) -> None:
+        """The node's state as the control plane has it (each heartbeat's answer). After a cleaning that failed (or
+        a hand-back awaiting its reset) the control plane takes the node out of placement; once it puts it back
+        (an operator mended and cleared it: what was changed while mending is the operator's to judge), the mark
+        goes, and hand-overs follow the control plane's word again."""
+        with self._marking:
+            found = self.not_clean
+            if found is None:
+                return
+            if state in ("cleaning", "maintenance"):
+                if not found.outSeen:
+                    self._set_not_clean(msgspec.structs.replace(found, outSeen=True))
+            elif found.outSeen:
+                log.info("node back in placement after the last tenant: hand-overs go on", after=found.after,
+                         state=state)
+                self._set_not_clean(None)
 
     # ---- the pass -------------------------------------------------------------------------------
     def reconcile(self, wanted: Sequence[Binding]) -> list[Report]:

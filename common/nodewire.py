@@ -77,6 +77,9 @@ class HeartbeatAnswer(Answer):
     resourceVersion: int = 0
     graceSeconds: float | None = None
     reportStatuses: tuple[str, ...] = ()
+    # The node's state as the control plane has it (ready, cordoned, draining, cleaning, maintenance): an
+    # operator's clear after a cleaning that failed reaches the agent so ("" from a control plane that does not say)
+    nodeState: str = ""
 
 
 # -- watch -------------------------------------------------------------------------------------

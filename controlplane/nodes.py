@@ -428,7 +428,8 @@ class NodeService:
             await self.update_inventory(node, inventory)
         if self._is_lost(node.id):
             await self._found(node.id)
-        return HeartbeatAnswer(live.rv, self.grace_s, REPORT_STATUSES)
+        current = self.catalog.current.nodes.get(node.id, node)
+        return HeartbeatAnswer(live.rv, self.grace_s, REPORT_STATUSES, nodeState=current.state)
 
     def _is_lost(self, node_id: str) -> bool:
         """Lost here, or by another replica (the catalog, as the database has it, says so)."""

@@ -188,6 +188,34 @@ def test_a_node_not_clean_is_handed_to_no_one_until_a_cleaning_passes_even_acros
     restarted.forget_handed_back()
 
 
+def test_a_node_the_control_plane_took_out_and_put_back_goes_to_the_next_tenant_though_it_changed(
+        handover, sshd_server, tenant_key):
+    """A node mended and cleared by an operator (a driver upgraded while mending) was refused to every tenant for
+    good: the re-check compared it with the last tenant's record. The control plane's word (its node state, on
+    each heartbeat's answer) decides: out of placement (maintenance) and back (clear), the mark goes."""
+    end = int(time.time() * 1000) + HOUR_MS
+    handover.reconcile([node_binding("rsv-m1", tenant_key[1], sshd_server.user, end)])
+    recorded = handover.inventory()
+    handover.box["after"] = msgspec.structs.replace(recorded, gpus=recorded.gpus[1:])
+    handover.reconcile([])
+    [report] = handover.clean_handed_back()
+    handover.forget_handed_back()
+    assert not report.clean.ok
+    handover.heard_node_state("ready")  # (a heartbeat answered before the cleaned report was heard: nothing)
+    assert handover.not_clean is not None
+    handover.heard_node_state("maintenance")
+    restarted = NodeBindings(handover.state_path, handover.config, inventory=handover.inventory,
+                             rediscover=handover.rediscover, simulated_hugepages=True)
+    assert restarted.not_clean is not None and restarted.not_clean.outSeen  # kept across a restart
+    restarted.heard_node_state("ready")  # the operator mended (differently) and cleared it
+    assert restarted.not_clean is None and not (handover.state_path / "node-not-clean.json").exists()
+    [bound] = restarted.reconcile([node_binding("rsv-m2", tenant_key[1], sshd_server.user, end + HOUR_MS)])
+    assert "bound" == bound.status  # no re-check against the last tenant's record any more
+    restarted.reconcile([])
+    restarted.clean_handed_back()
+    restarted.forget_handed_back()
+
+
 def test_with_redfish_cleaning_the_next_tenant_waits_for_the_nodes_reset_another_boot(handover, sshd_server,
                                                                                       tenant_key):
     """cleaning: redfish is the control plane's BMC reset after it hears `unbound`: the agent handed the next

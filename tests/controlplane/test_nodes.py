@@ -163,6 +163,17 @@ async def test_bound_reports_from_every_node_make_it_active_and_get_shows_them(a
     assert api.cp.store.billing("acme")[0][0] == res["id"]  # billing started at confirmed readiness
 
 
+async def test_a_heartbeat_answer_says_the_nodes_state(api):
+    """An agent learns so that an operator cleared its node after a cleaning that failed (agent/nodebinding.py)."""
+    node = await register(api, "h1.test")
+    status, doc = await node_call(api, "heartbeat", node["nodeToken"], {})
+    assert (200, "ready") == (status, doc["nodeState"])
+    status, _ = await api.post("/api/admin/nodes/cordon", ADMIN, {"nodeId": node["nodeId"]})
+    assert status == 200
+    status, doc = await node_call(api, "heartbeat", node["nodeToken"], {})
+    assert "cordoned" == doc["nodeState"]
+
+
 async def test_a_binding_says_whether_its_node_was_heard_bound_at_its_end(api):
     """A `bound` lost with a killed agent (or by a restore) left the reservation binding for good: each binding now
     says whether the control plane heard this node report it bound at its end, so the node's holder says it again."""
