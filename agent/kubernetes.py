@@ -356,6 +356,14 @@ class KubernetesBindings:
 
         return (NodeTaints(node_name, kubeconfig=self.kubeconfig), PodEvictions(kubeconfig=self.kubeconfig))
 
+    def remember_bound(self, entries: Iterable[BindingEntry]) -> None:
+        """At start: the kubernetes bindings the checkpoint has as bound, with their device ids, so that pods of
+        one that ended while this agent was away, evicted for a new booking now, are still told to it
+        (reservation.pods-evicted)."""
+        for entry in entries:
+            if entry.kind == "kubernetes" and entry.reservationId not in self.recent:
+                self.recent[entry.reservationId] = frozenset(entry.devices)
+
     def _remember(self, b: Binding) -> None:
         self.recent.pop(b.reservationId, None)
         self.recent[b.reservationId] = frozenset(u.uuid for u in b.units)

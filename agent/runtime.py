@@ -168,6 +168,7 @@ class Agent:
                       without_record=sorted(r for r, h in found.items() if h.share is None) or None)
         self.kubernetes = KubernetesBindings(cfg.kubelet_root, on_change=self._kubelet_changed, kubeconfig=cfg.kubeconfig,
                                              node_name=cfg.kubernetes_node_name)
+        self.kubernetes.remember_bound(self.checkpoint.bindings.values())
         nodes = None
         if cfg.tenant_root is not None:
             reset: Callable[[Inventory], list[str]] | None = None

@@ -82,3 +82,25 @@ async def test_a_booking_that_pods_are_in_the_way_of_is_reported_waiting_with_wh
     assert report.message.endswith("team-a/trainer-0: evicted, stopping.")
     assert [] == await pods._evict_for([new], [], {"rsv_new"})  # gone: nothing in the way
     assert ({}, None) == (pods.blocked, pods._retry_at)
+
+
+async def test_pods_evicted_for_a_new_booking_are_told_to_the_ended_one_after_an_agent_restart_too(standin):
+    """Which ended booking a pod in the way belonged to was in memory only: an agent restarted meanwhile evicted
+    the pods but sent no `unbound` naming them, so no reservation.pods-evicted. The checkpoint's bound kubernetes
+    entries now seed it at start."""
+    from agent.checkpoint import BindingEntry
+    from agent.kubelet.podresources import PodDevices
+    from agent.kubernetes import KubernetesBindings
+    from common.nodewire import Binding, BindingUnit
+
+    api, port, tmp = standin
+    api.pods.add(("team-a", "trainer-0"))
+    restarted = KubernetesBindings(tmp, kubeconfig=kubeconfig_for(tmp / "kc", port), node_name="n1")
+    restarted.remember_bound([BindingEntry(reservationId="rsv_old", state="completed", spec="berth.dev/gpu",
+                                           cgroup="", kind="kubernetes", devices=["GPU-1"])])
+    new = Binding("rsv_new", "kubernetes", "t", "p", 0, 1, (BindingUnit("u0", 0, "GPU-1"),),
+                  resourceName="berth.dev/gpu")
+    held = [PodDevices("team-a", "trainer-0", "main", "berth.dev/gpu", ("GPU-1",))]
+    assert [] == await restarted._evict_for([new], held, {"rsv_new"})  # evicted; the kubelet still lists it
+    [told] = await restarted._evict_for([new], [], {"rsv_new"})  # gone
+    assert ("rsv_old", "unbound", ("team-a/trainer-0",)) == (told.reservationId, told.status, told.evicted)
