@@ -123,8 +123,10 @@ class AsyncClient:
         url = f"{self.url}/api/{path}"
         headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json",
                    "Accept": "application/json", "User-Agent": self.user_agent}
-        if idempotency_key is not None:
+        if idempotency_key is not None and idempotency_key.isascii() and idempotency_key.isprintable():
             headers["Idempotency-Key"] = idempotency_key
+        elif idempotency_key is not None:  # a header carries printable ASCII only; the body takes any text
+            body = {**(body or {}), "idempotencyKey": idempotency_key}
         data = msgspec.json.encode(dict(body or {}))
         attempt = 0
         while True:
