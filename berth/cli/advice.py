@@ -52,6 +52,8 @@ def exit_code_of(err: BerthError) -> int:
         return EXIT_USAGE if err.details.get("tls") else EXIT_PLATFORM  # a failed handshake: nothing was sent
     if err.status is not None and err.status >= 500:
         return EXIT_PLATFORM
+    if err.status is not None and 300 <= err.status < 400:
+        return EXIT_USAGE  # a redirect: the URL is not the control plane's (the request did not reach it)
     if err.status is not None and 400 <= err.status < 500:
         return EXIT_CUSTOMER  # a 4xx (a proxy's, or a code this CLI does not know yet): still the request's
     return EXIT_CLI  # no status, or a 2xx answer it cannot read
@@ -251,6 +253,9 @@ def advice(ctx: Context, err: BerthError, argv: Sequence[str]) -> list[str]:
         if not d.get("sent", True):  # nothing went out: the same command is safe, whatever it is
             return lines + [("next: retry with the same key: " if create else "next: retry: ") + retry_same]
         return lines + _retry(ctx, argv, retry_same, create)
+    if err.status is not None and 300 <= err.status < 400:
+        return [f"url from {ctx.settings.sources.get('url')}: give the control plane's own base URL (--url, BERTH_URL "
+                "or the config file)" + (f"; it redirects to {d['redirect']}" if d.get("redirect") else "")]
     if outcome_unknown(err):  # a 5xx or an unreadable answer (a proxy's page, another version's code)
         return [f"the answer does not say what happened (url from {ctx.settings.sources.get('url')}; a proxy or "
                 "load balancer between may have answered)", *_retry(ctx, argv, retry_same, create, later=True)]

@@ -106,12 +106,16 @@ class AsyncClient:
         delay = base * (0.5 + random.random() / 2)
         return min(self.max_backoff, max(delay, after or 0.0))
 
-    async def _post(self, url: str, data: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
+    async def _post(self, url: str, data: bytes, headers: dict[str, str],
+                    timeout: float) -> tuple[int, bytes, str | None]:
+        """(status, body, where a redirect points). A redirect is not followed: the API never redirects, so one is a
+        proxy's (a login page, http to https), where a POST would turn into a GET and the token go along."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
         async with self._session.post(url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout),
-                                      ssl=self.ssl_context if self.ssl_context is not None else True) as resp:
-            return resp.status, await resp.read()
+                                      ssl=self.ssl_context if self.ssl_context is not None else True,
+                                      allow_redirects=False) as resp:
+            return resp.status, await resp.read(), resp.headers.get("Location")
 
     async def call(self, path: str, body: Mapping[str, Any] | None = None, *, idempotency_key: str | None = None,
                    idempotent: bool = True, wait_s: float = 0.0) -> dict[str, Any]:
@@ -132,7 +136,7 @@ class AsyncClient:
         while True:
             attempt += 1
             try:
-                status, raw = await self._post(url, data, headers, self.timeout + wait_s)
+                status, raw, location = await self._post(url, data, headers, self.timeout + wait_s)
             except _SENT_MAYBE as exc:
                 err: BerthError = self._no_answer(exc, url, attempt, idempotency_key)
                 if isinstance(exc, _TLS_REFUSED):
@@ -148,8 +152,13 @@ class AsyncClient:
             if 200 <= status < 300 and isinstance(doc, dict):
                 self.last_answer = doc
                 return doc
-            err = error_of(status, doc, raw) if status >= 300 else BadAnswer(
-                "BAD_ANSWER", f"HTTP {status} with a body that is not a JSON object", {}, status)
+            if 300 <= status < 400:
+                err = BadAnswer("BAD_ANSWER", f"HTTP {status}: {url} redirects to {location or '(nowhere said)'}; the "
+                                "API never redirects, so the URL is not the control plane's (a proxy's login page? "
+                                "http for https?)", {"redirect": location}, status)
+            else:
+                err = error_of(status, doc, raw) if status >= 300 else BadAnswer(
+                    "BAD_ANSWER", f"HTTP {status} with a body that is not a JSON object", {}, status)
             err.idempotency_key = idempotency_key
             transient = err.code == "PROVIDER_UNAVAILABLE" or (isinstance(err, BadAnswer) and status in (502, 503, 504))
             if transient and idempotent and attempt <= self.retries:

@@ -427,6 +427,33 @@ def test_an_unreachable_server_is_retried_then_exits_5_with_the_key_to_retry(ber
     assert "--idempotency-key cli-" in run.line("next: retry with the same key:")
 
 
+def test_a_redirect_is_not_followed_and_exits_2_saying_where_it_points(berth):
+    """A proxy's 302 (a login page, http to https) exited 1 with no advice; followed, a POST would turn into a GET
+    and the token go along. The API never redirects: the URL is wrong, said as a configuration error."""
+    import http.server
+    import threading
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (the stdlib's name)
+            self.send_response(302)
+            self.send_header("Location", "https://login.example/sso")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    proxy = http.server.HTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        run = berth("whoami", url=f"http://127.0.0.1:{proxy.server_port}")
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+    assert 2 == run.code, run.err
+    assert "redirects to https://login.example/sso" in run.err and "give the control plane's own base URL" in run.err
+
+
 def test_on_a_terminal_a_retry_notice_clears_the_line_a_spinner_may_be_drawing(berth, unused_tcp_port):
     """operations wait draws its spinner on one line without a newline: a retry notice printed after it must not
     run on from it (the line grew past the terminal's width)."""
