@@ -185,6 +185,8 @@ class ControlPlaneLink:
             if backoff.n:
                 self.log.info("watch resumed", resource_version=rv, now=ans.resourceVersion)
             backoff.reset()
+            if ans.nodeState and self.controller.nodes is not None:  # before the pass: an operator's clear first
+                await asyncio.to_thread(self.controller.nodes.heard_node_state, ans.nodeState)
             if ans.changed or not self.controller.started or ans.resourceVersion != rv:
                 await self.controller.reconcile(list(ans.bindings), seen, resource_version=ans.resourceVersion,
                                                 why="watch" if self.controller.started else "start-up pass")

@@ -139,6 +139,7 @@ class WatchAnswer(Answer):
     resourceVersion: int
     changed: bool = True
     bindings: tuple[Binding, ...] = ()
+    nodeState: str = ""  # as on a heartbeat's answer, as it stands with these bindings ("": not said)
 
 
 # -- report -------------------------------------------------------------------------------------

@@ -97,6 +97,13 @@ class Cleaner:
         node = self.catalog.current.nodes.get(node_id)
         cleaning = node.cleaning if node is not None else None
         if node is None or cleaning is None or cleaning.reservation_id != reservation_id:
+            if node is not None and check is not None and not check.ok and node.state != node_states.MAINTENANCE:
+                # Late (its cleaning timed out, or an operator cleared the node first): the agent found the node
+                # not clean, and refuses it to anyone until the control plane takes it out and an operator clears it
+                found = "; ".join(check.differences[:MAX_SHOWN]) or "the agent's clean check failed"
+                self.moves.to_maintenance(tx, node_id, "CleaningFailed", f"after reservation {reservation_id}, "
+                                          f"reported after its cleaning had ended: {found}", now)
+                return None
             return f"node {node_id} is not being cleaned after this reservation"
         if cleaning.mode != "inband":
             return f"node {node_id} is cleaned out of band ({cleaning.mode}): it returns after the reset and a new boot"

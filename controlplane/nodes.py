@@ -558,15 +558,15 @@ class NodeService:
             await self.caught_up()
         live = self._node(node.id)
         if rv is None or rv != live.rv or timeout_ms <= 0 or self.closing:
-            return self._watch_answer(live, changed=rv != live.rv)
+            return self._watch_answer(node.id, live, changed=rv != live.rv)
         if live.changed is None:
             live.changed = asyncio.Event()
         event = live.changed
         try:
             await asyncio.wait_for(event.wait(), timeout_ms / 1000)
         except asyncio.TimeoutError:
-            return self._watch_answer(live, changed=False)
-        return self._watch_answer(live, changed=rv != live.rv)  # (changed, and back again: no change)
+            return self._watch_answer(node.id, live, changed=False)
+        return self._watch_answer(node.id, live, changed=rv != live.rv)  # (changed, and back again: no change)
 
     def close(self) -> None:
         """Answer every long poll now (the control plane is stopping)."""
@@ -576,9 +576,10 @@ class NodeService:
                 live.changed.set()
                 live.changed = None
 
-    @staticmethod
-    def _watch_answer(live: NodeLive, changed: bool) -> WatchAnswer:
-        return WatchAnswer(live.rv, changed, tuple(sorted(live.bindings.values(), key=lambda b: b.reservationId)))
+    def _watch_answer(self, node_id: str, live: NodeLive, changed: bool) -> WatchAnswer:
+        node = self.catalog.current.nodes.get(node_id)
+        return WatchAnswer(live.rv, changed, tuple(sorted(live.bindings.values(), key=lambda b: b.reservationId)),
+                           nodeState=node.state if node is not None else "")
 
     # ---- reports ----------------------------------------------------------------------------------
     async def report(self, node: Node, reports: tuple[Report, ...]) -> ReportAnswer:

@@ -269,10 +269,32 @@ async def test_the_hand_back_cleans_the_node_and_a_good_check_returns_it(api):
         "placements"]]
     types = [(e["type"], e["data"]["state"]) for e in await fleet_events(api) if e["data"].get("nodeId") == node_id]
     assert [("node.cleaning", "cleaning"), ("node.cleaned", "ready")] == types
-    # a repeated check, or one for a node not being cleaned, changes nothing
+    # a repeated good check for a node not being cleaned changes nothing
     status, rep = await node_call(api, "report", node["nodeToken"], {"reports": [
-        {"reservationId": res["id"], "status": "cleaned", "clean": {"ok": False, "differences": ["x"]}}]})
+        {"reservationId": res["id"], "status": "cleaned", "clean": {"ok": True}}]})
     assert ([], "ready") == (rep["accepted"], (await node_state(api, node_id))["state"])
+
+
+async def test_a_bad_check_that_comes_after_the_cleaning_ended_still_takes_the_node_out(api):
+    """The cleaning timed out (maintenance) and an operator cleared the node before the agent's check came, which
+    found it not clean: the control plane ignored it, the node stayed ready, and the agent (which refuses a node it
+    found not clean until the control plane takes it out and puts it back) refused every booking placed there."""
+    res, node = await bound_node(api)
+    node_id = node["nodeId"]
+    await hand_back(api, res, node)
+    await api.settle(TURNAROUND)
+    assert "maintenance" == (await node_state(api, node_id))["state"]
+    status, _ = await api.post("/api/admin/nodes/clear", ADMIN, {"nodeId": node_id})
+    assert (200, "ready") == (status, (await node_state(api, node_id))["state"])
+    status, rep = await node_call(api, "report", node["nodeToken"], {"reports": [
+        {"reservationId": res["id"], "status": "cleaned", "clean": {"ok": False, "differences": ["scratch: x"]}}]})
+    seen = await node_state(api, node_id)
+    assert ([res["id"]], "maintenance") == (rep["accepted"], seen["state"]), rep
+    assert "reported after its cleaning had ended: scratch: x" in seen["stateReason"]
+    status, doc = await node_call(api, "heartbeat", node["nodeToken"], {})
+    assert "maintenance" == doc["nodeState"]  # what the agent hears, and then the operator's clear
+    status, doc = await node_call(api, "watch", node["nodeToken"], {"timeoutMs": 0})
+    assert "maintenance" == doc["nodeState"]
 
 
 async def test_a_bad_check_puts_the_node_in_maintenance_until_an_operator_clears_it(api):
