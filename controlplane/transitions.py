@@ -336,7 +336,8 @@ class Transitions:
             tx.touch()
             self.state.ledger.refund(res.tenant_id, res.charge)
         states.move(res, target, now, reason)
-        for cond in ("Unschedulable", "Queued"):
+        # what it waited for, and a lost node it held (the node's return clears NodeLost only on live ones)
+        for cond in ("Unschedulable", "Queued", "NodeLost"):
             res.clear_condition(cond)
         res.pending_change = None
         if res.bound:

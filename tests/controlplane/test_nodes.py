@@ -273,6 +273,46 @@ async def test_a_silent_node_is_lost_after_the_grace_and_back_on_its_heartbeat(a
     assert [] == api.cp.store.billing("acme")  # a late report of the failed create bills nothing
 
 
+async def test_a_reservation_whose_node_was_lost_before_its_window_fails_at_its_start_as_node_lost(api):
+    """A gang placed ahead whose node was lost before its window went binding at the start and stayed so for its
+    whole window (the other node holding the devices), and failed devices_not_bound at the end. It now fails at its
+    start as one lost while binding does: released, node-lost, nothing billed."""
+    n1, n2 = await register(api, "h1.test"), await register(api, "h2.test")
+    res = (await api.create(key="gang", gpuCount=8, nodeCount=2, start=T0 + HOUR, durationHours=1))[1]["reservation"]
+    assert "placed" == res["state"]
+    api.clock.advance(20_000)
+    await node_call(api, "heartbeat", n1["nodeToken"], {})
+    api.clock.advance(15_000)  # h2 silent 35 s
+    assert [n2["nodeId"]] == await api.cp.nodes.check_lost()
+    assert "placed" == (await api.ok("get", "alice", {"reservationId": res["id"]}))["state"]
+    await node_call(api, "heartbeat", n1["nodeToken"], {})
+    await api.settle(HOUR)  # the window starts (h1 still heard)
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert ("released", "node-lost") == (got["state"], got["reason"]), got
+    op = api.cp.store.operation(res["operation"]["id"])
+    assert ("failed", "platform", "node_lost") == (op.status, op.failure.actor, op.failure.code)
+    assert [] == api.cp.store.billing("acme")
+
+
+async def test_a_reservation_ended_while_its_node_is_lost_does_not_say_so_for_ever(api):
+    nodes = {n["nodeId"]: n for n in [await register(api, "h1.test"), await register(api, "h2.test")]}
+    res = (await api.create(key="nl", gpuCount=8))[1]["reservation"]
+    await api.settle()
+    holder = nodes[res["placements"][0]["nodeId"]]
+    other = next(n for n in nodes.values() if n is not holder)
+    await node_call(api, "report", holder["nodeToken"], {"reports": [{"reservationId": res["id"], "status": "bound"}]})
+    api.clock.advance(20_000)
+    await node_call(api, "heartbeat", other["nodeToken"], {})
+    api.clock.advance(15_000)
+    await api.cp.nodes.check_lost()
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert ["NodeLost"] == [c["type"] for c in got["conditions"] if c["type"] == "NodeLost"]
+    await api.ok("release", "alice", {"reservationId": res["id"]})
+    await node_call(api, "heartbeat", holder["nodeToken"], {})  # back
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert not [c for c in got["conditions"] if c["type"] == "NodeLost"], got["conditions"]
+
+
 async def test_a_pool_whose_every_node_is_lost_refuses_with_provider_unavailable(api):
     n1, n2 = await register(api, "h1.test"), await register(api, "h2.test")
     api.clock.advance(31_000)
