@@ -185,8 +185,7 @@ class ControlPlaneLink:
             if backoff.n:
                 self.log.info("watch resumed", resource_version=rv, now=ans.resourceVersion)
             backoff.reset()
-            if ans.nodeState and self.controller.nodes is not None:  # before the pass: an operator's clear first
-                await asyncio.to_thread(self.controller.nodes.heard_node_state, ans.nodeState)
+            await self._heard_node_state(ans.nodeState)  # before the pass: an operator's clear first
             if ans.changed or not self.controller.started or ans.resourceVersion != rv:
                 await self.controller.reconcile(list(ans.bindings), seen, resource_version=ans.resourceVersion,
                                                 why="watch" if self.controller.started else "start-up pass")
@@ -203,8 +202,7 @@ class ControlPlaneLink:
             try:
                 ans = await self.client.heartbeat(send)
                 self._takes_reports(ans.reportStatuses)
-                if ans.nodeState and self.controller.nodes is not None:
-                    await asyncio.to_thread(self.controller.nodes.heard_node_state, ans.nodeState)
+                await self._heard_node_state(ans.nodeState)
                 self.metrics.heartbeats_ok += 1
                 self.metrics.last_heartbeat = time.monotonic()
                 if send is not None and self.inventory() is inv:
@@ -217,6 +215,11 @@ class ControlPlaneLink:
                 self.metrics.heartbeat_failures += 1
                 self.log.warning("heartbeat failed", error=str(exc))
             await asyncio.sleep(self.heartbeat_s)
+
+    async def _heard_node_state(self, state: str) -> None:
+        """The node's state as the control plane answered it (a heartbeat, a watch): node bindings take it."""
+        if state and self.controller.nodes is not None:
+            await asyncio.to_thread(self.controller.nodes.heard_node_state, state)
 
     def _takes_reports(self, statuses: tuple[str, ...]) -> None:
         """What the control plane's release takes: `waiting` only where it says so (an older one refuses the

@@ -463,9 +463,6 @@ class NodeService:
         await self._merge_heard_elsewhere()
         now = self.clock.monotonic()
         nodes = self.catalog.current.nodes
-        for nid, live in self.live.items():  # lost or found by another replica meanwhile
-            node = nodes.get(nid)
-            live.lost = node is not None and not node.schedulable
         # The grace counts from this replica's taking the lead too: agents silent while no control plane ran (a
         # restart, a whole cluster down longer than the grace) get their grace to speak again, and one that never
         # does is lost after it, like one that stops speaking later. A node no agent holds a token for (declared,
@@ -473,8 +470,10 @@ class NodeService:
         since = self.watching_since if self.watching_since is not None else now
         registered = self.tokens.holders("node")
         for node_id in registered & nodes.keys():
-            live = self._node(node_id)
-            live.lost = not nodes[node_id].schedulable
+            self._node(node_id)  # watched whether heard since or not
+        for nid, live in self.live.items():  # lost or found by another replica meanwhile
+            node = nodes.get(nid)
+            live.lost = node is not None and not node.schedulable
         lost = [nid for nid, live in self.live.items()
                 if not live.lost and (live.last_seen is not None or nid in registered)
                 and now - max(since, live.last_seen or since) > self.grace_s]

@@ -213,13 +213,7 @@ class Reconciler:
             if res.state == states.PLACED and res.start is not None and res.start <= now:
                 if res.end is not None and res.end <= now:
                     return self._end_window(tx, res, now)
-                if not self.moves.start_binding(tx, res, now):
-                    return False
-                nodes = self.moves.catalog.current.nodes
-                lost = [p.node_id for p in res.placements if p.node_id in nodes and not nodes[p.node_id].schedulable]
-                if lost:  # lost while it waited for its window: as one lost while binding (nothing binds there)
-                    self.moves.end(tx, res, now, "node-lost", actor="platform", nodeId=lost[0])
-                return True
+                return self.moves.start_binding(tx, res, now)
             return False
         if kind == END:
             if res.state in states.BOOKED and res.end is not None and res.end <= now:

@@ -271,7 +271,8 @@ class Transitions:
             self.save(tx, res)
 
     def start_binding(self, tx: Tx, res: Reservation, now: int) -> bool:
-        """placed -> binding at the window's start; the nodes' agents are to bind the devices."""
+        """placed -> binding at the window's start; the nodes' agents are to bind the devices (or, where a node of
+        it is lost, it ends at once as one lost while binding does)."""
         catalog = self.catalog.current
         states.move(res, states.BINDING, now)
         without_agent = [p.node_id for p in res.placements if catalog.nodes.get(p.node_id) and catalog.nodes[p.node_id].declared]
@@ -284,6 +285,10 @@ class Transitions:
         if not self.save(tx, res, states.PLACED):
             return False
         self.event(tx, res, states.EVENT_OF_STATE[states.BINDING], now)
+        lost = [p.node_id for p in res.placements
+                if catalog.nodes.get(p.node_id) and not catalog.nodes[p.node_id].schedulable]
+        if lost:  # lost while it waited for its window: as one lost while binding (nothing binds there)
+            self.end(tx, res, now, "node-lost", actor="platform", nodeId=lost[0])
         return True
 
     def mark_active(self, tx: Tx, res: Reservation, now: int) -> bool:
