@@ -310,7 +310,7 @@ def _sweep_spares_all(uid: int, baseline: frozenset[tuple[int, int]], protect: s
                    for p in table.values() if not p.dead and not p.kernel_thread)
 
 
-def _sweep(uid: int) -> None:
+def sweep(uid: int) -> None:
     """SIGKILL every process of uid at once: kill(-1) run as uid (real, effective and saved), which the kernel
     delivers to every process that uid may signal under the process table's lock, so none forks meanwhile."""
     try:
@@ -358,7 +358,7 @@ def end_sessions(user: str, baseline: frozenset[tuple[int, int]], *, protect: se
     try:
         rounds()
         if uid != 0 and _sweep_spares_all(uid, baseline, protect, proc):  # the sweep no fork escapes, and scans
-            _sweep(uid)
+            sweep(uid)
             rounds()
         poller = select.poll()
         for fd in waiting:

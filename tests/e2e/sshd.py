@@ -143,9 +143,9 @@ def tenant_user():
         except KeyError:
             uid = None
         if uid is not None:
-            from agent.tenantroot.sessions import _sweep
+            from agent.tenantroot.sessions import sweep
 
-            _sweep(uid)  # kill(-1) as the user: what forks faster than a scan goes too
+            sweep(uid)  # kill(-1) as the user: what forks faster than a scan goes too
             _kill_all(_pids_of_uid(uid))
         subprocess.run(["userdel", name], capture_output=True, timeout=20)
         try:
