@@ -503,10 +503,18 @@ class NodeService:
 
     def _lose(self, tx: Tx, node_id: str) -> set[str]:
         """The node is lost: its bindings not yet active fail their create (the reservation ends: nothing may bill
-        behind a failed create); active ones carry NodeLost. The pools whose capacity this freed."""
+        behind a failed create); active ones carry NodeLost; those placed on it whose window is still ahead move to
+        other nodes, or back to pending, as on a drain. The pools whose capacity this freed."""
         now = self.clock.compute_now()
         self._set_schedulable(tx, node_id, False)
         freed: set[str] = set()
+        node = self.catalog.current.nodes.get(node_id)
+        if node is not None:
+            moved, pending = self.moves.move_off(tx, node, now, "lost")
+            if moved or pending:
+                freed.add(node.pool_id)  # a gang moved whole freed its other nodes
+                log.warning("placed reservations moved off a lost node", node_id=node_id, moved=len(moved),
+                            pending=len(pending))
         for res in self._reservations_on(tx, node_id):
             message = f"node {node_id} has not been heard from for more than {self.grace_s:g} s"
             if res.state == states.BINDING:

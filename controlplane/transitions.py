@@ -43,6 +43,9 @@ log = structlog.get_logger("berth.reservations")
 WAKE_ATTEMPTS = 64  # pending reservations tried per wake or retry of a pool
 CARRY_STEP_MS = 5 * 60_000  # a held kubernetes booking is carried on past its window in steps of this
 CARRY_MAX_MS = 24 * 3_600_000  # and for this long at most
+# why placed reservations move off a node: what happened to it, the Unschedulable reason where nothing else fits
+MOVES_OFF = {"drain": ("was drained", "NodeDrained"), "maintenance": ("went to maintenance", "NodeMaintenance"),
+             "lost": ("was lost", "NodeLost")}
 
 
 class CatalogRef:
@@ -486,7 +489,7 @@ class Transitions:
     def move_off(self, tx: Tx, node: Node, now: int, why: str) -> tuple[list["Moved"], list[str]]:
         """Move the node's placed reservations that have not started to other nodes (the placement of a create:
         gangs whole, spot work preempted for work that is not spot), or back to pending where nothing fits; `why`:
-        drain or maintenance."""
+        drain, maintenance or lost."""
         cal = self.state.calendar.pool(node.pool_id).nodes.get(node.id)
         if cal is None:
             return [], []
@@ -520,14 +523,14 @@ class Transitions:
     def _back_to_pending(self, tx: Tx, res: Reservation, node: Node, now: int, why: str) -> None:
         states.move(res, states.PENDING, now)
         res.lease_deadline = None  # the lease runs from placement
-        happened = "was drained" if why == "drain" else "went to maintenance"
+        happened, reason = MOVES_OFF[why]
         if self.placer_of(res) == "pool-lease":
             position = len(self.state.queue(res.pool_id)) + 1
             res.set_condition("Queued", "True", "WaitingForCapacity",
                               f"number {position} in pool {res.pool_id}'s queue (node {node.id} {happened}); placed "
                               "in order as capacity frees", now)
         else:
-            res.set_condition("Unschedulable", "True", "NodeDrained" if why == "drain" else "NodeMaintenance",
+            res.set_condition("Unschedulable", "True", reason,
                               f"node {node.id} {happened} and no other node of pool {res.pool_id} fits the window; "
                               "retried every 30 s and when capacity frees", now)
         self.save(tx, res, states.PLACED)

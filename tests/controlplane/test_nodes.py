@@ -273,25 +273,66 @@ async def test_a_silent_node_is_lost_after_the_grace_and_back_on_its_heartbeat(a
     assert [] == api.cp.store.billing("acme")  # a late report of the failed create bills nothing
 
 
-async def test_a_reservation_whose_node_was_lost_before_its_window_fails_at_its_start_as_node_lost(api):
-    """A gang placed ahead whose node was lost before its window went binding at the start and stayed so for its
-    whole window (the other node holding the devices), and failed devices_not_bound at the end. It now fails at its
-    start as one lost while binding does: released, node-lost, nothing billed."""
+async def test_a_reservation_whose_node_is_lost_as_its_window_starts_fails_at_its_start_as_node_lost(api):
+    """A gang whose node was lost as its window started went binding at the start and stayed so for its whole window
+    (the other node holding the devices), and failed devices_not_bound at the end. It now fails at its start as one
+    lost while binding does: released, node-lost, nothing billed."""
     n1, n2 = await register(api, "h1.test"), await register(api, "h2.test")
-    res = (await api.create(key="gang", gpuCount=8, nodeCount=2, start=T0 + HOUR, durationHours=1))[1]["reservation"]
+    res = (await api.create(key="gang", gpuCount=8, nodeCount=2, start=T0 + 35_000, durationHours=1))[1]["reservation"]
     assert "placed" == res["state"]
     api.clock.advance(20_000)
     await node_call(api, "heartbeat", n1["nodeToken"], {})
-    api.clock.advance(15_000)  # h2 silent 35 s
+    api.clock.advance(15_000)  # h2 silent 35 s, and the window starts now: too late to move it
     assert [n2["nodeId"]] == await api.cp.nodes.check_lost()
     assert "placed" == (await api.ok("get", "alice", {"reservationId": res["id"]}))["state"]
-    await node_call(api, "heartbeat", n1["nodeToken"], {})
-    await api.settle(HOUR)  # the window starts (h1 still heard)
+    await api.settle()
     got = await api.ok("get", "alice", {"reservationId": res["id"]})
     assert ("released", "node-lost") == (got["state"], got["reason"]), got
     op = api.cp.store.operation(res["operation"]["id"])
     assert ("failed", "platform", "node_lost") == (op.status, op.failure.actor, op.failure.code)
     assert [] == api.cp.store.billing("acme")
+
+
+async def test_a_reservation_placed_ahead_on_a_node_that_is_lost_moves_to_another_node(api):
+    """A reservation placed ahead stayed on its lost node until its window started, and then failed node-lost while
+    another node was free all along: it moves at once, as on a drain."""
+    nodes = {n["nodeId"]: n for n in [await register(api, "h1.test"), await register(api, "h2.test")]}
+    res = (await api.create(key="ahead", gpuCount=8, start=T0 + HOUR, durationHours=1))[1]["reservation"]
+    lost = res["placements"][0]["nodeId"]
+    other = next(nid for nid in nodes if nid != lost)
+    api.clock.advance(20_000)
+    await node_call(api, "heartbeat", nodes[other]["nodeToken"], {})
+    api.clock.advance(15_000)
+    assert [lost] == await api.cp.nodes.check_lost()
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert ("placed", [other]) == (got["state"], [p["nodeId"] for p in got["placements"]]), got
+    moved = [e for e in await api.events() if e["type"] == "reservation.moved"]
+    assert [(lost, [lost], [other], "lost")] == [
+        (e["data"]["nodeId"], e["data"]["fromNodes"], e["data"]["nodes"], e["data"]["reason"]) for e in moved]
+    api.clock.advance(HOUR - 35_000 - 5_000)
+    await node_call(api, "heartbeat", nodes[other]["nodeToken"], {})
+    await api.settle(5_000)  # the window starts on the node that is heard
+    await node_call(api, "report", nodes[other]["nodeToken"],
+                    {"reports": [{"reservationId": res["id"], "status": "bound"}]})
+    assert "active" == (await api.ok("get", "alice", {"reservationId": res["id"]}))["state"]
+
+
+async def test_a_gang_placed_ahead_on_a_lost_node_waits_pending_and_is_placed_again_when_the_node_is_back(api):
+    n1, n2 = await register(api, "h1.test"), await register(api, "h2.test")
+    res = (await api.create(key="gang", gpuCount=8, nodeCount=2, start=T0 + HOUR, durationHours=1))[1]["reservation"]
+    api.clock.advance(20_000)
+    await node_call(api, "heartbeat", n1["nodeToken"], {})
+    api.clock.advance(15_000)  # h2 silent 35 s
+    assert [n2["nodeId"]] == await api.cp.nodes.check_lost()
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    cond = {c["type"]: c for c in got["conditions"]}["Unschedulable"]
+    assert ("pending", "NodeLost") == (got["state"], cond["reason"]), got
+    assert "node h2 was lost and no other node of pool h100" in cond["message"]
+    assert not got.get("placements"), got  # its bookings on h1 freed too
+    await node_call(api, "heartbeat", n2["nodeToken"], {})  # back: its capacity wakes the pool's pending work
+    await api.settle()
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert ("placed", ["h1", "h2"]) == (got["state"], sorted(p["nodeId"] for p in got["placements"])), got
 
 
 async def test_a_reservation_ended_while_its_node_is_lost_does_not_say_so_for_ever(api):
