@@ -8,6 +8,7 @@ not land (forget).
 """
 from __future__ import annotations
 
+import sys
 from typing import Iterable
 
 from controlplane.catalog import Catalog
@@ -22,7 +23,9 @@ class WriterState:
     def __init__(self) -> None:
         self.calendar = Calendar()
         self.ledger = QuotaLedger()
-        self.pending: dict[str, dict[str, None]] = {}  # pool -> pending reservation ids, oldest first
+        # pool -> pending reservation ids, oldest (by creation: seq) first, each with its key: one sent back to
+        # pending (a drain) takes its place again, so every replica and every rebuild keeps one order
+        self.pending: dict[str, dict[str, QueueKey]] = {}
         self.spot: dict[str, dict[str, None]] = {}  # pool -> booked spot reservation ids, oldest first
         self.charged: dict[str, dict[str, Reservation]] = {}  # tenant -> its reservations holding a charge
         self.timers = Timers()
@@ -101,7 +104,14 @@ class WriterState:
         """Keep the indexes (pending queue, spot set, timers) in step with the reservation's state."""
         queue = self.queue(res.pool_id)
         if res.state == states.PENDING:
-            queue.setdefault(res.id, None)
+            if res.id not in queue:
+                key = queue_key(res)
+                behind = bool(queue) and next(reversed(queue.values())) > key
+                queue[res.id] = key
+                if behind:  # older than the tail: to its place (the dict itself, which callers hold)
+                    ordered = sorted(queue.items(), key=lambda item: item[1])
+                    queue.clear()
+                    queue.update(ordered)
         else:
             queue.pop(res.id, None)
         spot = self.spot.setdefault(res.pool_id, {})
@@ -120,5 +130,18 @@ class WriterState:
         """The tenant's reservations that hold a charge, including those admitted by jobs not yet committed."""
         return list(self.charged.get(tenant_id, {}).values())
 
-    def queue(self, pool_id: str) -> dict[str, None]:
+    def queue(self, pool_id: str) -> dict[str, QueueKey]:
         return self.pending.setdefault(pool_id, {})
+
+    def queue_position(self, res: Reservation) -> int:
+        """Where a reservation is, or would be, in its pool's pending queue, from 1."""
+        key = queue_key(res)
+        return 1 + sum(1 for other in self.queue(res.pool_id).values() if other < key)
+
+
+QueueKey = int
+
+
+def queue_key(res: Reservation) -> QueueKey:
+    """Creation order: the store's seq (a rebuild's order), one not yet stored last."""
+    return res.seq or sys.maxsize

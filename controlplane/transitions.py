@@ -25,7 +25,7 @@ from controlplane.domain.model import Failure, Hold, Node, Operation, Placement,
 from controlplane.domain.placement import Ask, place
 from controlplane.domain.preemption import preempt, would_preempt
 from controlplane.domain.timers import RETRY_MS
-from controlplane.state import WriterState
+from controlplane.state import QueueKey, WriterState
 from controlplane.store.port import Tx
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +210,7 @@ class Transitions:
             return
         states.move(res, states.PENDING, now)
         if pool_lease:
-            position = len(self.state.queue(res.pool_id)) + 1
+            position = self.state.queue_position(res)
             res.set_condition("Queued", "True", "WaitingForCapacity",
                               f"number {position} in pool {res.pool_id}'s queue; placed in order as capacity frees", now)
             event = "reservation.queued"
@@ -262,7 +262,7 @@ class Transitions:
             self.state.timers.retry_pool(pool_id, now + RETRY_MS)
         return placed
 
-    def _renumber(self, tx: Tx, queue: dict[str, None], now: int) -> None:
+    def _renumber(self, tx: Tx, queue: dict[str, QueueKey], now: int) -> None:
         for position, rid in enumerate(list(queue)[:WAKE_ATTEMPTS], start=1):
             res = tx.reservation(rid)
             if res is None or res.state != states.PENDING:
@@ -525,7 +525,7 @@ class Transitions:
         res.lease_deadline = None  # the lease runs from placement
         happened, reason = MOVES_OFF[why]
         if self.placer_of(res) == "pool-lease":
-            position = len(self.state.queue(res.pool_id)) + 1
+            position = self.state.queue_position(res)
             res.set_condition("Queued", "True", "WaitingForCapacity",
                               f"number {position} in pool {res.pool_id}'s queue (node {node.id} {happened}); placed "
                               "in order as capacity frees", now)

@@ -3,9 +3,12 @@ pools, tenants, the fleet's events, operators decided by Cedar; the tenant's poo
 calendar page's files. Every refusal names the field and the rule, with the documented code."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
+
+from controlplane.state import WriterState
 
 from tests.controlplane.conftest import HOUR, T0, TOKENS, bootstrap_doc, check_memory
 from tests.controlplane.test_fleet import OPERATOR_POLICIES, OPERATORS
@@ -329,3 +332,40 @@ async def test_a_partial_bootstrap_that_moves_a_user_away_from_its_agent_is_refu
         {"id": "agent", "tenant": "globex", "kind": "agent", "delegatedBy": "alice", "token": TOKENS["agent"]}]}
     await ok(api, "bootstrap", moved)
     assert ("globex", "globex") == tuple(api.cp.catalog.current.principals[p].tenant_id for p in ("alice", "agent"))
+
+
+async def test_a_drained_reservation_takes_its_place_in_the_pool_lease_queue_again(api):
+    """A reservation a drain sent back to a pool-lease queue went to its tail, while a restart's rebuild put it by
+    creation (and a newer one at the head was placed first until then, another after): it takes its place by
+    creation, as the rebuild does, so the order is one across restarts and replicas."""
+    cp = api.cp
+    pool = cp.catalog.current.pools["h100"]
+    cp.catalog.current = cp.catalog.current.with_changes(pools={
+        **cp.catalog.current.pools, "h100": dataclasses.replace(pool, policy=dataclasses.replace(pool.policy, placer="pool-lease"))})
+    for host in ("h1.test", "h2.test"):
+        await register(api, host)
+    window = dict(gpuCount=8, start=T0 + 3 * HOUR, end=T0 + 4 * HOUR)
+    first = (await api.create(key="first", **window))[1]["reservation"]
+    await api.create(key="beside", **window)
+    later = (await api.create(key="later", **window))[1]["reservation"]
+    assert "pending" == later["state"] and "number 1" in later["conditions"][0]["message"]
+    drained = await ok(api, "nodes/drain", {"nodeId": first["placements"][0]["nodeId"]})
+    assert [first["id"]] == drained["pending"]
+    got = await api.ok("get", "alice", {"reservationId": first["id"]})
+    assert "number 1 in pool h100's queue" in got["conditions"][0]["message"], got["conditions"]
+    assert [first["id"], later["id"]] == list(cp.state.queue("h100"))
+
+    def rebuilt(tx):
+        now = cp.clock.compute_now()
+        state = WriterState()
+        state.rebuild(cp.catalog.current, tx.live_reservations(now), tx.live_bookings(now), now)
+        return list(state.queue("h100"))
+
+    assert list(cp.state.queue("h100")) == await cp.store.call(rebuilt)  # one order, whatever the memory's history
+    await api.settle()
+    got = await api.ok("get", "alice", {"reservationId": later["id"]})
+    assert "number 2 in pool h100's queue" in got["conditions"][0]["message"], got["conditions"]
+    await ok(api, "nodes/uncordon", {"nodeId": first["placements"][0]["nodeId"]})
+    await api.settle()
+    states_now = [(await api.ok("get", "alice", {"reservationId": r["id"]}))["state"] for r in (first, later)]
+    assert ["placed", "pending"] == states_now  # the head, not the one behind it
