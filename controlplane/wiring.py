@@ -17,7 +17,7 @@ from controlplane import bootstrap as bootstrap_file
 from controlplane import catalog as catalog_mod
 from controlplane.catalog import Catalog
 from controlplane.domain.clock import Clock
-from controlplane.domain.errors import INVALID_INPUT, INVALID_STATE, DomainError, invalid, not_found
+from controlplane.domain.errors import INVALID_INPUT, INVALID_STATE, PROVIDER_UNAVAILABLE, DomainError, invalid, not_found
 from controlplane.domain.ids import token_hash
 from controlplane.iam.cedar import CedarAuthorizer
 from controlplane.billing import Billing
@@ -299,7 +299,11 @@ class ControlPlane:
         logs.add_secrets(secrets_of(tokens, admin))
         try:
             self.store.call_sync(self._bootstrap_job(declared, tokens, admin))
-        except DomainError as exc:  # a token another caller already holds
+        except DomainError as exc:  # a token another caller already holds, or the database failing the write
+            if exc.code == PROVIDER_UNAVAILABLE:  # not the file's fault: say where to look
+                raise ConfigError(f"--db: the bootstrap file {path} is valid, but the database could not take it "
+                                  f"({exc.message}): see to the database (a full disk, a PostgreSQL that is down or "
+                                  "read-only) and start again") from None
             raise ConfigError(f"--bootstrap {exc}") from None
         self._log_applied(str(path))
 

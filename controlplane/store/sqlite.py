@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import os
+import shutil
 import sqlite3
 import threading
 from pathlib import Path
@@ -110,6 +112,36 @@ CREATE TABLE IF NOT EXISTS quotes (
 """
 
 GROUP_MAX = 256
+
+
+def free_bytes(where: Path) -> int | None:
+    try:
+        return shutil.disk_usage(where).free
+    except OSError:
+        return None
+
+
+def disk_full(path: str, error: str) -> str:
+    where = Path(path).parent
+    return (f"cannot open {path} ({error}): the file system holding it is full ({free_bytes(where) or 0} bytes "
+            f"free): free space there (df -h {where}) and start again; the database itself is unchanged")
+
+
+def cannot_open(path: str, exc: sqlite3.DatabaseError) -> str:
+    """Why a database file could not be opened, and what to do: a full or failing disk is not a wrong file."""
+    name = getattr(exc, "sqlite_errorname", "")
+    where = Path(path).parent
+    if name.startswith(("SQLITE_FULL", "SQLITE_IOERR")):
+        free = free_bytes(where)
+        if name.startswith("SQLITE_FULL") or (free is not None and free < 1 << 20):
+            return disk_full(path, str(exc))
+        return (f"cannot open {path} ({exc}): reading or writing it, or its -wal and -shm files beside it, failed: "
+                f"check the disk holding {where} (dmesg) and start again")
+    if name.startswith(("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM")):
+        return (f"cannot open {path} ({exc}): the control plane's user must be able to write it and create "
+                f"files beside it in {where}")
+    return f"cannot open {path} as a SQLite database ({exc}): give the control plane's database file, or a new path " \
+           "for a new one"
 
 
 def connect(path: str, synchronous: str = "FULL") -> sqlite3.Connection:
@@ -566,6 +598,8 @@ class SqliteStore(WriterFront, SqliteReads, CommittedReads):
                 if above is not None:  # mkdir says "File exists" of a file where a directory should be
                     raise StoreError(f"cannot use {path}: {above} is a file, not a directory: give a path in a "
                                      "directory the control plane's user may write") from None
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StoreError(disk_full(path, exc.strerror)) from None
                 raise StoreError(f"cannot use {path} ({exc.strerror}): give a path in a directory the control "
                                  "plane's user may write") from None
         try:
@@ -578,8 +612,7 @@ class SqliteStore(WriterFront, SqliteReads, CommittedReads):
             self.conn = connect(path, synchronous)
         except sqlite3.DatabaseError as exc:  # not a database, a damaged one, or a file that cannot be opened
             self._unlock()
-            raise StoreError(f"cannot open {path} as a SQLite database ({exc}): give the control plane's database "
-                             "file, or a new path for a new one") from None
+            raise StoreError(cannot_open(path, exc)) from None
         except BaseException:
             self._unlock()
             raise

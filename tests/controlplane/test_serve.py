@@ -235,3 +235,75 @@ def test_a_commit_the_disk_refuses_is_answered_503_counted_as_no_commit_and_the_
         assert 202 == status, doc
         listed = server.post("/api/compute/reservations/list", TOKENS["alice"], {})[1]["reservations"]
         assert 2 == len(listed)
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 2 MiB tmpfs of the test's own (root only), filled on request by `fill()`, unmounted after."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    point = tmp_path / "fs"
+    point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(point)], check=True)
+
+    def fill() -> None:
+        with open(point / "filler", "ab", buffering=0) as f:  # unbuffered: nothing left to flush at its close
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+
+    try:
+        yield point, fill
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_a_database_on_a_full_disk_stops_the_start_saying_the_disk_is_full(tmp_path, full_disk):
+    """A full disk was blamed on the file (`cannot open it as a SQLite database (disk I/O error): give the control
+    plane's database file`), and a bootstrap the database could not take on the bootstrap file (`--bootstrap the
+    store could not commit`): both say where to look now."""
+    point, fill = full_disk
+    db = f"sqlite:///{point / 'cp.db'}"
+    fill()
+    out = serve_once(*on_file(tmp_path, db))  # a new database, on a disk with no room for it
+    assert 2 == out.returncode, out.stderr
+    assert f"the file system holding it is full (0 bytes free): free space there (df -h {point})" in out.stderr
+    assert "Traceback" not in out.stderr
+    (point / "filler").unlink()
+    for name in ("cp.db", "cp.db-wal", "cp.db-shm"):
+        (point / name).unlink(missing_ok=True)
+    server = ServerProcess(point / "cp.db", tmp_path / "b.json").start()
+    server.kill()
+    fill()
+    doc = bootstrap_doc()
+    doc["tenants"] += [{"id": f"tenant-{i:04d}-{'x' * 40}", "quota": {"gpu:H100_80GB": 1}} for i in range(300)]
+    out = serve_once(*on_file(tmp_path, db, doc))
+    assert 2 == out.returncode, out.stderr
+    assert f"--db: the bootstrap file {tmp_path / 'b.json'} is valid, but the database could not take it" in out.stderr
+    assert "--bootstrap" not in out.stderr and "Traceback" not in out.stderr
+    (point / "filler").unlink()
+    with ServerProcess(point / "cp.db", tmp_path / "b.json") as again:  # space again: the same file starts
+        assert 200 == again.post("/api/compute/reservations/list", TOKENS["alice"], {})[0]
+
+
+def test_a_database_the_control_planes_user_cannot_write_says_so_not_that_it_is_no_database(tmp_path):
+    import sqlite3
+
+    from controlplane.store.sqlite import cannot_open
+
+    path = tmp_path / "cp.db"
+    sqlite3.connect(path).execute("CREATE TABLE t (x)").connection.close()
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)  # as a file the user may only read opens
+    with pytest.raises(sqlite3.OperationalError) as caught:
+        conn.execute("INSERT INTO t VALUES (1)")
+    said = cannot_open(str(path), caught.value)
+    assert f"the control plane's user must be able to write it and create files beside it in {tmp_path}" in said
+    (tmp_path / "notes.txt").write_text("not a database " * 100)
+    with pytest.raises(sqlite3.DatabaseError) as caught:
+        sqlite3.connect(tmp_path / "notes.txt").execute("SELECT * FROM sqlite_master")
+    assert "as a SQLite database (file is not a database): give the control plane's database file" in \
+        cannot_open(str(tmp_path / "notes.txt"), caught.value)
