@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from common.nodewire import Report
+from tests import smallfs
 from agent.checkpoint import (CHECKPOINT_VERSION, BindingEntry, Checkpoint, CheckpointError, Identity,
                               StateDir, StateDirError, StateLocked, read_boot_id, write_atomic)
 
@@ -187,16 +188,9 @@ def test_entries_decode_strictly(tmp_path):
 
 @pytest.fixture
 def small_fs(tmp_path):
-    """A 64 KiB tmpfs of the test's own (root only), unmounted after: a file system to fill or make read-only."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    point = tmp_path / "fs"
-    point.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0711", "tmpfs", str(point)], check=True)
-    try:
+    """A 64 KiB tmpfs of the test's own: a file system to fill or make read-only."""
+    with smallfs.small_fs(tmp_path, "64k", mode="0711") as point:
         yield point
-    finally:
-        subprocess.run(["umount", str(point)], check=True)
 
 
 def test_a_state_directory_on_a_read_only_file_system_is_a_bad_option_naming_it(small_fs):
@@ -213,13 +207,7 @@ def test_a_full_state_directory_says_what_to_do_and_leaves_no_half_written_file(
     from agent.execgate import ExecPolicy
     from agent.runtime import describe_error
 
-    fd = os.open(small_fs / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        with pytest.raises(OSError):
-            while True:
-                os.write(fd, b"\0" * 4096)
-    finally:
-        os.close(fd)
+    smallfs.fill(small_fs)
     with pytest.raises(OSError) as full:
         ExecPolicy.from_options(["1000"]).write(small_fs)
     assert [] == sorted(p.name for p in small_fs.iterdir() if p.name != "filler")

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests import smallfs
 from tests.controlplane.conftest import TOKENS, bootstrap_doc
 from tests.serverproc import ServerProcess
 
@@ -239,27 +240,9 @@ def test_a_commit_the_disk_refuses_is_answered_503_counted_as_no_commit_and_the_
 
 @pytest.fixture
 def full_disk(tmp_path):
-    """A 2 MiB tmpfs of the test's own (root only), filled on request by `fill()`, unmounted after."""
-    import os
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    point = tmp_path / "fs"
-    point.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(point)], check=True)
-
-    def fill() -> None:
-        with open(point / "filler", "ab", buffering=0) as f:  # unbuffered: nothing left to flush at its close
-            try:
-                while True:
-                    f.write(b"\0" * 4096)
-            except OSError:
-                pass
-
-    try:
-        yield point, fill
-    finally:
-        subprocess.run(["umount", str(point)], check=True)
+    """A 2 MiB tmpfs of the test's own, and what fills it."""
+    with smallfs.small_fs(tmp_path, "2m") as point:
+        yield point, lambda: smallfs.fill(point)
 
 
 def test_a_database_on_a_full_disk_stops_the_start_saying_the_disk_is_full(tmp_path, full_disk):
