@@ -6,6 +6,7 @@ and the services take nothing else, so no service knows the wire's shapes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 from decimal import Decimal
 
 from controlplane.domain.admission import CreateRequest
@@ -19,6 +20,9 @@ class Create:
     wait_ms: int = 0  # hold the answer this long while the reservation is pending
     quote_id: str | None = None
     max_hourly_price: Decimal | None = None
+    # the fingerprints earlier releases stored for this request (schemas.earlier_fingerprints), computed only
+    # where a key's stored one is not `fingerprint`
+    earlier: Callable[[], tuple[str, ...]] = tuple
 
 
 @dataclass(frozen=True, slots=True)

@@ -249,7 +249,7 @@ class ReservationService:
             if res is None:  # the draft is gone: cannot happen unless the database was edited by hand
                 raise not_found("reservation", draft.id)
             if res.state not in states.INTERNAL or res.decision == "deny":  # decided meanwhile by a concurrent retry
-                replay = self._replay(tx, res, cmd.fingerprint)
+                replay = self._replay(tx, res, cmd)
                 assert replay is not None
                 return replay
             return self._admit(tx, res, plan, verdict, principal, tenant, self.clock.compute_now())
@@ -278,7 +278,7 @@ class ReservationService:
         existing = tx.reservation(reservation_id(principal.tenant_id, principal.id, key))
         if existing is None:
             return None, None
-        replay = self._replay(tx, existing, cmd.fingerprint)
+        replay = self._replay(tx, existing, cmd)
         if replay is not None:
             return replay, None
         if existing.state == states.AWAITING_CONFIRMATION:  # approved: no second decision
@@ -327,9 +327,9 @@ class ReservationService:
         confirmation = {"required": verdict.outcome == "confirm", "approver": verdict.approver}
         return await self.quotes.quote(principal, cmd.request, plan, tenant, confirmation)
 
-    def _replay(self, reads, existing: Reservation, fp: str) -> Answer | None:
+    def _replay(self, reads, existing: Reservation, cmd: Create) -> Answer | None:
         """The answer to a repeated key, or None when its draft is to be decided (or continued) now."""
-        if existing.fingerprint != fp:
+        if existing.fingerprint != cmd.fingerprint and existing.fingerprint not in cmd.earlier():
             if existing.state in states.INTERNAL:  # a request never accepted: no reservation a tenant can get
                 raise DomainError(CONFLICT, "idempotencyKey: this key was used for a different request, which was "
                                   "not accepted (refused, or awaiting a decision); use a new key",

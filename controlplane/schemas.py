@@ -216,13 +216,49 @@ def decode(body: bytes, schema: type[Struct]) -> Any:
 
 
 def fingerprint_of(body: CreateBody) -> str:
-    """The fingerprint of the canonical request an idempotency key is compared on.
+    """The fingerprint of the canonical request an idempotency key is compared on: the fields that are not at
+    their defaults, so that a field a later release adds, left out, changes no key's fingerprint.
 
     Left out: `wait`, the key itself, and the quote and price ceiling (a
     retry of one ambiguous launch from a refreshed quote is the same intent).
     """
-    return fingerprint(msgspec.json.encode(
-        msgspec.structs.replace(body, wait=None, idempotencyKey=None, quoteId=None, maxHourlyPrice=None)))
+    return fingerprint(msgspec.json.encode(_set_fields(_fingerprinted(body))))
+
+
+def _fingerprinted(body: CreateBody) -> CreateBody:
+    return msgspec.structs.replace(body, wait=None, idempotencyKey=None, quoteId=None, maxHourlyPrice=None)
+
+
+_DEFAULTS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _set_fields(value: Any) -> Any:
+    """A struct as a dict of the fields that differ from their defaults (compared by value: msgspec's
+    omit_defaults compares a string by identity, so a decoded "hold" would stay), nested structs the same way."""
+    if not isinstance(value, Struct):
+        return value
+    defaults = _DEFAULTS.get(type(value))
+    if defaults is None:
+        defaults = _DEFAULTS[type(value)] = tuple((f.name, f.default) for f in msgspec.structs.fields(value))
+    return {name: _set_fields(v) for name, default in defaults if (v := getattr(value, name)) != default}
+
+
+# Fields releases added to CreateBody since keys were first fingerprinted, newest first: each release before
+# 2026-12-07 fingerprinted every field it had, those at their defaults too.
+_ADDED = (("access",), ("quoteId", "maxHourlyPrice"))
+
+
+def earlier_fingerprints(body: CreateBody) -> tuple[str, ...]:
+    """The fingerprints releases before this one stored for the same request (every field they knew, null or
+    not): a key recorded by one of them replays after an upgrade, and on a replica of this release beside one."""
+    doc = msgspec.to_builtins(_fingerprinted(body))  # every field, null or not, as msgspec.json.encode has them
+    forms = [fingerprint(msgspec.json.encode(doc))]
+    for added in _ADDED:
+        if any(doc.get(name) is not None for name in added):
+            break  # a request that sets a field no earlier release had: only this release's forms
+        doc = {k: v for k, v in doc.items() if k not in added}
+        forms.append(fingerprint(msgspec.json.encode(doc)))
+    return tuple(forms)
 
 
 # ---- wire -> commands (the one conversion into the services' terms) ---------
@@ -312,7 +348,7 @@ def create_command(body: CreateBody, header_key: str | None) -> Create:
     if request.ssh_keys is not None:  # the keys are compared as checked lines (spacing does not make a new request)
         body = msgspec.structs.replace(body, access=Access(list(request.ssh_keys)))
     return Create(request, fingerprint_of(body), header_key or body.idempotencyKey,
-                  body.wait.timeoutMs if body.wait else 0, body.quoteId, ceiling)
+                  body.wait.timeoutMs if body.wait else 0, body.quoteId, ceiling, lambda: earlier_fingerprints(body))
 
 
 def extend_command(body: ExtendBody) -> Extend:
