@@ -85,6 +85,8 @@ def test_a_replica_of_this_release_migrates_beside_the_previous_one_and_both_boo
 
         new = stack.enter_context(ServerProcess(database, boot))  # migrates while the old one serves
         assert [(pg_schema.LATEST,)] == dbrows.rows(database, versions)
+        status, again = create(new, "before-the-upgrade", start)  # a retry after the upgrade replays
+        assert (202, first["reservation"]["id"]) == (status, again.get("reservation", {}).get("id")), again
 
         # Both at once, for the GPUs left in the window: each create on either replica, by turns.
         servers = [old, new]
