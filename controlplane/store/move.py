@@ -236,12 +236,14 @@ async def _held(pg: asyncpg.Connection) -> dict[str, int]:
 
 
 async def _set_sequences(src: sqlite3.Connection, pg: asyncpg.Connection) -> None:
-    """Each BIGSERIAL past the largest value copied, and past what SQLite's AUTOINCREMENT ever handed out (a seq
-    is never given twice, even one whose row is gone)."""
+    """Each BIGSERIAL past the largest value copied, past what SQLite's AUTOINCREMENT ever handed out, and past
+    what the target's own sequence handed out (--replace onto a database replicas served: clients hold cursors
+    of its events and list pages): a seq is never given twice, even one whose row is gone."""
     given = dict(src.execute("SELECT name, seq FROM sqlite_sequence"))
     for table, column in SERIALS:
-        top = max(await pg.fetchval(f"SELECT COALESCE(MAX({column}), 0) FROM {table}"), given.get(table, 0))
         sequence = await pg.fetchval("SELECT pg_get_serial_sequence($1, $2)", table, column)
+        top = max(await pg.fetchval(f"SELECT COALESCE(MAX({column}), 0) FROM {table}"), given.get(table, 0),
+                  await pg.fetchval("SELECT COALESCE(pg_sequence_last_value($1::regclass), 0)", sequence))
         if top:
             await pg.execute("SELECT setval($1, $2, true)", sequence, top)
         else:
