@@ -186,7 +186,10 @@ async def open_target(dsn: str) -> asyncpg.Connection:
 
 async def migrate_target(pg: asyncpg.Connection, shown_target: str) -> None:
     """The target at the PostgreSQL engine's current schema. Called inside the copy's transaction, each migration
-    is a savepoint of it: a failed copy leaves no schema behind either."""
+    is a savepoint of it: a failed copy leaves no schema behind either. The migrations' lock is held to the copy's
+    commit too (pg_schema.migrate's own is its session's, released when it returns): a replica starting meanwhile
+    waits for the schema committed, not for tables it would then meet as another's uncommitted ones."""
+    await pg.execute("SELECT pg_advisory_xact_lock($1)", pg_schema.MIGRATION_LOCK)
     try:
         await pg_schema.migrate(pg)
     except pg_schema.SchemaTooNew as exc:

@@ -181,3 +181,23 @@ async def test_schema_6_drops_the_index_of_bookings_by_node_and_keeps_the_bookin
             await book(conn, "new1", "n1", ["gpu0"], 50, 150)
     finally:
         await conn.close()
+
+
+async def test_a_replica_starting_while_migrate_creates_the_schema_waits_for_its_commit(database):
+    """`berth controlplane migrate` creates the schema inside its copy's transaction; the migrations' lock went at
+    the end of the schema's step, so a replica starting during the copy took it, met the uncommitted tables and
+    exited 2 (UniqueViolationError on pg_type) once the copy committed."""
+    from controlplane.store import move
+
+    cluster, name = database
+    copy, replica = await connect(cluster, name), await connect(cluster, name)
+    try:
+        async with copy.transaction():
+            await move.migrate_target(copy, name)
+            starting = asyncio.ensure_future(pg_schema.migrate(replica))
+            await asyncio.sleep(0.5)  # the rest of the copy
+            assert not starting.done()  # it waits for the copy
+        assert pg_schema.LATEST == await asyncio.wait_for(starting, 10)
+    finally:
+        await copy.close()
+        await replica.close()
