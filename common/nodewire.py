@@ -137,8 +137,9 @@ class Binding(Answer):
 
 class WatchAnswer(Answer):
     resourceVersion: int
+    # required: an answer without it (a proxy's, a broken replica's) is no answer, never "nothing is wanted"
+    bindings: tuple[Binding, ...]
     changed: bool = True
-    bindings: tuple[Binding, ...] = ()
     nodeState: str = ""  # as on a heartbeat's answer, as it stands with these bindings ("": not said)
 
 

@@ -585,8 +585,8 @@ class NodeService:
 
     def _watch_answer(self, node_id: str, live: NodeLive, changed: bool) -> WatchAnswer:
         node = self.catalog.current.nodes.get(node_id)
-        return WatchAnswer(live.rv, changed, tuple(sorted(live.bindings.values(), key=lambda b: b.reservationId)),
-                           nodeState=node.state if node is not None else "")
+        return WatchAnswer(live.rv, tuple(sorted(live.bindings.values(), key=lambda b: b.reservationId)),
+                           changed=changed, nodeState=node.state if node is not None else "")
 
     # ---- reports ----------------------------------------------------------------------------------
     async def report(self, node: Node, reports: tuple[Report, ...]) -> ReportAnswer:

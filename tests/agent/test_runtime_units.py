@@ -403,6 +403,31 @@ def test_watch_answers_are_read_leniently_about_new_fields_and_strictly_about_ty
     assert (7, "gpu0") == (ans.resourceVersion, ans.bindings[0].units[0].unit)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({**raw, "resourceVersion": "7"}, WatchAnswer)
+    # An answer without its bindings (a proxy's or a broken replica's 200) is no answer: read as "nothing is
+    # wanted", it unbound every reservation on the node and killed their workloads.
+    for missing in ({"resourceVersion": 12345}, {"resourceVersion": 12345, "changed": True}):
+        with pytest.raises(msgspec.ValidationError, match="bindings"):
+            msgspec.convert(missing, WatchAnswer)
+
+
+async def test_a_watch_answer_without_bindings_is_a_failed_watch_not_an_empty_set(aiohttp_server):
+    from aiohttp import web
+
+    from agent.nodeclient import NodeApiError, NodeClient
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"resourceVersion": 12345})
+
+    app = web.Application()
+    app.router.add_post("/api/nodes/watch", answer)
+    server = await aiohttp_server(app)
+    client = NodeClient(str(server.make_url("/")), token="nt_x")
+    try:
+        with pytest.raises(NodeApiError) as failed:
+            await client.watch(7, 1000)
+    finally:
+        await client.close()
+    assert "BAD_ANSWER" == failed.value.code and "bindings" in str(failed.value), failed.value
 
 
 def _samples(text: str) -> dict[str, float]:
