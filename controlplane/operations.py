@@ -14,7 +14,7 @@ import asyncio
 from controlplane.domain.errors import not_found
 from controlplane.domain.model import Operation, Principal, Reservation
 from controlplane.store.port import Store
-from controlplane.reservations import ReservationService
+from controlplane.reservations import ReservationService, wake
 from controlplane.transitions import Transitions
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
@@ -25,12 +25,18 @@ class OperationService:
         self.store = store
         self.reservations = reservations
         self._waiters: dict[str, list[asyncio.Future]] = {}
+        self.closing = False
         moves.listeners.append(self._changed)
 
+    def close(self) -> None:
+        """Shutting down: every wait answers now, with the operation as it stands (a stop is not held up to a
+        wait's 60 s: the client waits again on another replica, or on this one back)."""
+        self.closing = True
+        for waiting in self._waiters.values():
+            wake(waiting)
+
     def _changed(self, res: Reservation) -> None:
-        for fut in self._waiters.pop(res.id, ()):
-            if not fut.done():
-                fut.set_result(None)
+        wake(self._waiters.pop(res.id, ()))
 
     async def get(self, principal: Principal, op_id: str) -> tuple[Operation, int]:
         """The operation, and its reservation's node count (a gang's operations are answered as a cluster's)."""
@@ -44,7 +50,7 @@ class OperationService:
         op, node_count = await self.get(principal, op_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_ms / 1000
-        while op.status not in TERMINAL:
+        while op.status not in TERMINAL and not self.closing:
             left = deadline - loop.time()
             if left <= 0:
                 break

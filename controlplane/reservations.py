@@ -17,7 +17,7 @@ import time
 import secrets
 from dataclasses import dataclass, replace
 from decimal import Decimal
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import structlog
 
@@ -108,6 +108,13 @@ def apply_plan(res: Reservation, plan: Plan) -> None:
     res.resources, res.charge, res.hourly_usd = plan.resources, dict(plan.charge), plan.hourly_usd
 
 
+def wake(waiting: Iterable[asyncio.Future]) -> None:
+    """Answer every waiter (a long poll, a held create, an operation's wait) that has not been answered."""
+    for fut in waiting:
+        if not fut.done():
+            fut.set_result(None)
+
+
 class ReservationService:
     def __init__(self, store: Store, authorizer: Authorizer, clock: Clock, catalog: CatalogRef, state: WriterState,
                  moves: Transitions, billing: Billing, quotes: Quotes, reconciler: Reconciler):
@@ -162,31 +169,23 @@ class ReservationService:
 
     def _wake_waiters(self, res: Reservation) -> None:
         # A saved reservation (after its commit) is when its events become readable: wake the tenant's long polls.
-        for fut in self._event_waiters.pop(res.tenant_id, ()):
-            if not fut.done():
-                fut.set_result(None)
+        wake(self._event_waiters.pop(res.tenant_id, ()))
         if res.state == states.PENDING:
             return
-        for fut in self._waiters.pop(res.id, ()):
-            if not fut.done():
-                fut.set_result(None)
+        wake(self._waiters.pop(res.id, ()))
 
     def wake_all(self, live: list[Reservation]) -> None:
         """The writer's memory was rebuilt from the database (another replica wrote): every events long poll looks
         again, and every create held while pending whose reservation is no longer pending answers."""
         pending = {res.id for res in live if res.state == states.PENDING}
         for waiting in self._event_waiters.values():
-            for fut in waiting:
-                if not fut.done():
-                    fut.set_result(None)
+            wake(waiting)
         for rid in [rid for rid in self._waiters if rid not in pending]:
-            for fut in self._waiters.pop(rid):
-                if not fut.done():
-                    fut.set_result(None)
+            wake(self._waiters.pop(rid))
 
     async def wait_while_pending(self, answer: Answer, timeout_ms: int) -> Answer:
         """Hold the create's answer while its reservation waits for capacity, at most timeout_ms."""
-        if answer.reservation.state != states.PENDING or timeout_ms <= 0:
+        if answer.reservation.state != states.PENDING or timeout_ms <= 0 or self.closing:
             return answer
         fut = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(answer.reservation.id, []).append(fut)
@@ -551,12 +550,10 @@ class ReservationService:
         return self.store.last_event(principal.tenant_id)
 
     def close(self) -> None:
-        """Shutting down: every long poll answers now."""
+        """Shutting down: every long poll, and every create held while pending, answers now."""
         self.closing = True
-        for waiting in self._event_waiters.values():
-            for fut in waiting:
-                if not fut.done():
-                    fut.set_result(None)
+        for waiting in (*self._event_waiters.values(), *self._waiters.values()):
+            wake(waiting)
 
     # ---- release and cancel ------------------------------------------------------
     async def release(self, principal: Principal, reservation_id: str) -> Answer:

@@ -131,6 +131,7 @@ def create_app(config: Config, control_plane: ControlPlane | None = None,
         if CONTROL_PLANE in app:
             app[CONTROL_PLANE].nodes.close()
             app[CONTROL_PLANE].reservations.close()
+            app[CONTROL_PLANE].operations.close()
 
     app.on_shutdown.append(stop_long_polls)
     app.router.add_get("/healthz", healthz)

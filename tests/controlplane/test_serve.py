@@ -34,6 +34,46 @@ def test_serve_logs_its_address_answers_and_stops_cleanly_on_sigterm(tmp_path, d
     assert any('"stopping"' in line for line in server.lines)
 
 
+def test_sigterm_answers_the_waits_in_flight_at_once(tmp_path, db_url):
+    """An operation's wait (up to 60 s) and a create held while pending (up to 30 s) held a SIGTERM up to their
+    timeouts: the port closed and nothing served (past the unit's TimeoutStopSec, systemd killed it), and on
+    PostgreSQL the lead stayed with the stopping replica. Each answers at once, as the long polls do."""
+    import threading
+    import time
+
+    (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
+    server = ServerProcess(db_url, tmp_path / "b.json").start()
+    shape = {"poolId": "h100", "gpuModel": "H100_80GB", "durationHours": 1}
+    status, _ = server.post("/api/compute/reservations/create", TOKENS["alice"],
+                            {**shape, "gpuCount": 8, "nodeCount": 2, "idempotencyKey": "full"})
+    assert 202 == status
+    status, queued = server.post("/api/compute/reservations/create", TOKENS["alice"],
+                                 {**shape, "gpuCount": 1, "idempotencyKey": "queued"})
+    assert (202, "pending") == (status, queued["reservation"]["state"]), queued
+    answers: dict[str, tuple[int, dict]] = {}
+
+    def call(name: str, path: str, body: dict) -> None:
+        answers[name] = server.post(path, TOKENS["alice"], body, timeout=90)
+
+    waits = [threading.Thread(target=call, args=args) for args in [
+        ("operation", "/api/compute/operations/wait",
+         {"operationId": queued["reservation"]["operation"]["id"], "timeoutMs": 60_000}),
+        ("create", "/api/compute/reservations/create",
+         {**shape, "gpuCount": 1, "idempotencyKey": "held", "wait": {"timeoutMs": 30_000}})]]
+    for t in waits:
+        t.start()
+    time.sleep(1.5)  # both held
+    assert not answers
+    began = time.monotonic()
+    assert 0 == server.stop()
+    stopped = time.monotonic() - began
+    for t in waits:
+        t.join(30)
+    assert stopped < 10, stopped
+    assert (200, False) == (answers["operation"][0], answers["operation"][1].get("done")), answers
+    assert (202, "pending") == (answers["create"][0], answers["create"][1]["reservation"]["state"]), answers
+
+
 def test_bootstrap_is_applied_idempotently_across_restarts(tmp_path, db_url):
     (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
     with ServerProcess(db_url, tmp_path / "b.json") as server:
