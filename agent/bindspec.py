@@ -49,8 +49,10 @@ class HostView:
     devices_proc: Path = Path("/proc")  # the directory whose `devices` file gives nvidia-uvm / nvidia-caps majors
     simulated_cpus: bool = False  # the inventory's CPUs come from a topology, not this kernel
     simulated_memory: bool = False
+    simulated_hugepages: bool = False
     real_cpus: int = 0
     real_memory_bytes: int = 0
+    real_hugepages_1g: int = 0  # the host's own pool of 1 GiB pages (nr_hugepages)
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,10 @@ def want_of(binding: Binding, host: HostView) -> Want:
     if s.hugepages1Gi:
         if "hugetlb" not in enforced:
             unenforced.append(f"hugetlb (hugepages1Gi {s.hugepages1Gi})")
+        elif host.simulated_hugepages and s.hugepages1Gi > host.real_hugepages_1g:
+            hugepages = host.real_hugepages_1g
+            notes.append(f"hugepages1Gi {s.hugepages1Gi} capped at this host's real {host.real_hugepages_1g} "
+                         "(--simulate)")
         else:
             hugepages = s.hugepages1Gi
     if binding.numaNodes:

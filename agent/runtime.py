@@ -283,18 +283,20 @@ class Agent:
     def _host_view(self, inventory: Inventory) -> HostView:
         cfg = self.config
         assert self.probe is not None
-        sim_cpus = sim_mem = False
+        sim_cpus = sim_mem = sim_huge = False
         devices_proc = cfg.proc
         if cfg.simulate:
             top = self._sim_gpus.topology()
             sim_cpus = top.host is not None and top.host.cpus is not None
             sim_mem = top.host is not None and top.host.memoryGiB is not None
+            sim_huge = top.host is not None and (top.host.hugepages1G is not None or top.host.hugepages2M is not None)
             if "nvidia-uvm" not in read_proc_devices(cfg.proc):
                 devices_proc = simulated_devices_proc(cfg.proc, self.config.state_dir / "simulate" / "proc")
         return HostView(inventory=inventory, enforced=frozenset(self.probe.enforced), devices_proc=devices_proc,
-                        simulated_cpus=sim_cpus, simulated_memory=sim_mem,
+                        simulated_cpus=sim_cpus, simulated_memory=sim_mem, simulated_hugepages=sim_huge,
                         real_cpus=len(hostfacts.online_cpus(str(cfg.sys))),
-                        real_memory_bytes=hostfacts.read_meminfo(str(cfg.proc)).total_kib * 1024)
+                        real_memory_bytes=hostfacts.read_meminfo(str(cfg.proc)).total_kib * 1024,
+                        real_hugepages_1g=hostfacts.hugepages_total(hostfacts.SIZE_1G_KIB, str(cfg.sys)) or 0)
 
     async def watchdog_loop(self) -> None:
         interval = self.notifier.watchdog_interval_s

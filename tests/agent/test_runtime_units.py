@@ -102,6 +102,17 @@ def test_under_simulate_cpus_and_memory_are_capped_at_the_real_host_and_cpuset_i
     assert 3 == len(want.notes) and not want.unenforced
 
 
+def test_under_simulate_hugepages_are_capped_at_the_real_pool_and_a_real_hosts_are_not(inventory, devices_proc):
+    """A topology's simulated 1 GiB pages were booked and then never bound (the kernel's pool, empty, refused
+    them: BindFailed for the reservation's whole window)."""
+    binding = hold(units=[gpu_unit(inventory, 2)], huge=2)
+    simulated = want_of(binding, view(inventory, devices_proc, simulated_hugepages=True, real_hugepages_1g=0))
+    assert 0 == simulated.share.hugepages_1g
+    assert ["hugepages1Gi 2 capped at this host's real 0 (--simulate)"] == [n for n in simulated.notes if "huge" in n]
+    real = want_of(binding, view(inventory, devices_proc, real_hugepages_1g=0))
+    assert 2 == real.share.hugepages_1g  # a real host's pool is the kernel's to refuse, and the binding says so
+
+
 # -- device rules ------------------------------------------------------------------------------------------------
 
 
