@@ -99,7 +99,10 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write data to path so a reader sees the old file or the new one, never a part: temp file in the same
     directory, fsync, rename over, fsync the directory."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None  # the file meant, not a temporary name
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
@@ -107,11 +110,13 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError) and exc.errno is not None:  # a write's error names no file: name the one meant
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:

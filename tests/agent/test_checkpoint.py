@@ -213,3 +213,4 @@ def test_a_full_state_directory_says_what_to_do_and_leaves_no_half_written_file(
     assert [] == sorted(p.name for p in small_fs.iterdir() if p.name != "filler")
     said = describe_error(full.value, str(small_fs))
     assert "(No space left on device)" in said and f"--state-dir {small_fs}; free space there" in said, said
+    assert said.startswith(f"cannot write {small_fs / 'exec-policy.json'} ("), said  # the file, not the directory
