@@ -23,8 +23,8 @@ class WriterState:
     def __init__(self) -> None:
         self.calendar = Calendar()
         self.ledger = QuotaLedger()
-        # pool -> pending reservation ids, oldest (by creation: seq) first, each with its key: one sent back to
-        # pending (a drain) takes its place again, so every replica and every rebuild keeps one order
+        # pool -> pending reservation ids, first admitted first, each with its key (queue_key): one sent back to
+        # pending (a drain) takes its place again, and every replica and every rebuild keeps one order
         self.pending: dict[str, dict[str, QueueKey]] = {}
         self.spot: dict[str, dict[str, None]] = {}  # pool -> booked spot reservation ids, oldest first
         self.charged: dict[str, dict[str, Reservation]] = {}  # tenant -> its reservations holding a charge
@@ -139,9 +139,12 @@ class WriterState:
         return 1 + sum(1 for other in self.queue(res.pool_id).values() if other < key)
 
 
-QueueKey = int
+QueueKey = tuple[int, int]
 
 
 def queue_key(res: Reservation) -> QueueKey:
-    """Creation order: the store's seq (a rebuild's order), one not yet stored last."""
-    return res.seq or sys.maxsize
+    """The order of admission (its create operation's start: a draft refused and decided again later, or
+    confirmed later, comes in then, behind what was queued meanwhile), and within one millisecond of creation (the
+    store's seq; one not yet stored last). Kept in the reservation, so a rebuild and every replica have it."""
+    op = res.create_operation()
+    return (op.created_at if op is not None else res.created_at), res.seq or sys.maxsize

@@ -336,8 +336,8 @@ async def test_a_partial_bootstrap_that_moves_a_user_away_from_its_agent_is_refu
 
 async def test_a_drained_reservation_takes_its_place_in_the_pool_lease_queue_again(api):
     """A reservation a drain sent back to a pool-lease queue went to its tail, while a restart's rebuild put it by
-    creation (and a newer one at the head was placed first until then, another after): it takes its place by
-    creation, as the rebuild does, so the order is one across restarts and replicas."""
+    creation (and a newer one at the head was placed first until then, another after): it takes its place again
+    (the order of admission, queue_key), as the rebuild does, so the order is one across restarts and replicas."""
     cp = api.cp
     pool = cp.catalog.current.pools["h100"]
     cp.catalog.current = cp.catalog.current.with_changes(pools={
@@ -369,3 +369,34 @@ async def test_a_drained_reservation_takes_its_place_in_the_pool_lease_queue_aga
     await api.settle()
     states_now = [(await api.ok("get", "alice", {"reservationId": r["id"]}))["state"] for r in (first, later)]
     assert ["placed", "pending"] == states_now  # the head, not the one behind it
+
+
+async def test_a_create_decided_again_later_queues_behind_what_was_queued_meanwhile(api):
+    """A create refused QUOTA_EXCEEDED keeps its draft (and its creation's place in the store); retried once the
+    quota was raised, it went ahead of a reservation queued meanwhile, which then waited behind it though it fit.
+    The queue is in the order of admission."""
+    def with_quota(slots: int) -> dict:
+        doc = bootstrap_doc()
+        next(p for p in doc["pools"] if p["id"] == "mig")["policy"] = {"placer": "pool-lease"}
+        doc["tenants"][0]["quota"]["gpu:A100_80GB:1g.10gb"] = slots
+        return doc
+
+    await ok(api, "bootstrap", with_quota(100))
+    body = dict(poolId="mig", gpuModel="A100_80GB", migProfile="1g.10gb")
+    await api.create(key="a", gpuCount=7, **body)
+    b = (await api.create(key="b", gpuCount=5, **body))[1]["reservation"]  # the pool's 12 slots are booked
+    await ok(api, "bootstrap", with_quota(17))
+    status, refused = await api.create(key="x", gpuCount=6, **body)
+    assert "QUOTA_EXCEEDED" == refused["error"]["code"], refused
+    api.clock.advance(1_000)
+    queued = (await api.create(key="y", gpuCount=5, **body))[1]["reservation"]
+    assert "number 1 in pool mig's queue" in queued["conditions"][0]["message"]
+    await ok(api, "bootstrap", with_quota(100))
+    api.clock.advance(1_000)
+    status, again = await api.create(key="x", gpuCount=6, **body)
+    assert (202, "pending") == (status, again["reservation"]["state"]), again
+    assert "number 2 in pool mig's queue" in again["reservation"]["conditions"][0]["message"]
+    await api.ok("release", "alice", {"reservationId": b["id"]})  # 5 slots: the head fits
+    await api.settle()
+    got = [(await api.ok("get", "alice", {"reservationId": r["id"]}))["state"] for r in (queued, again["reservation"])]
+    assert ["binding", "pending"] == got
