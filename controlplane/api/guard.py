@@ -7,10 +7,11 @@ own. This module owns both, in front of aiohttp's RequestHandler:
   `berth controlplane serve` exposes them as flags). The request timeout
   bounds a request's headers from its first byte, and then its body
   (api/body.py reads `LIMITS` from the app).
-- `GuardedSite`: a site whose listening socket (plain, or TLS with an SSL
-  context) hands each connection to a `GuardedConnection`, a thin protocol
-  around the runner's RequestHandler that sees the connection open, bytes
-  arrive and the connection close.
+- `GuardedSite`: a site whose listening socket hands each connection to a
+  `GuardedConnection`, a thin protocol around the runner's RequestHandler
+  that sees the connection open, bytes arrive and the connection close; with
+  an SSL context it puts TLS in itself after the accept (loop.start_tls), so
+  a handshake is counted and timed like a request's headers.
 - `begin(request)` / `end(conn)`: called by the app's middleware when a
   request's headers are complete and when its handler is done; in between
   the connection is *busy* and is never closed by the guard (an agent's long
@@ -118,31 +119,70 @@ class RateLimitedLog:
 
 
 class GuardedConnection(asyncio.Protocol):
-    """One connection: forwards everything to aiohttp's handler and tells the guard what it sees."""
+    """One connection: forwards everything to aiohttp's handler and tells the guard what it sees. On a TLS site
+    it is counted from its TCP accept, its handshake as a request begun (bounded by the request timeout, and the
+    first to go at the cap): a listener that handed over connections only once their handshakes were done let
+    any client hold descriptors beyond the cap with handshakes never finished, until the server had none left."""
 
-    __slots__ = ("guard", "factory", "inner", "transport", "busy", "admitted", "started", "deadline", "timer")
+    __slots__ = ("guard", "factory", "tls", "inner", "transport", "busy", "admitted", "started", "deadline", "timer",
+                 "handshake", "early")
 
-    def __init__(self, guard: "Guard", factory):
+    def __init__(self, guard: "Guard", factory, tls: ssl.SSLContext | None = None):
         self.guard = guard
         self.factory = factory
+        self.tls = tls
         self.inner: asyncio.Protocol | None = None
         self.transport: asyncio.Transport | None = None
         self.busy = False  # a request's headers are complete and its handler runs
         self.admitted = False
-        self.started: float | None = None  # when the first byte of the pending request arrived
+        self.started: float | None = None  # when the first byte of the pending request (or the handshake) came
         self.deadline: float | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.handshake: asyncio.Task | None = None
+        self.early: list[bytes] = []  # what the TLS layer decrypted before the handshake's waiter woke this up
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         if not self.guard.admit(self):
             transport.abort()
             return
+        if self.tls is None:
+            self._serve(transport)
+            return
+        transport.pause_reading()  # the ClientHello waits for the TLS layer start_tls puts in between
+        self.guard.request_started(self)
+        self.handshake = asyncio.ensure_future(self._handshake(transport))
+
+    async def _handshake(self, transport) -> None:
+        loop = self.guard.loop
+        try:
+            secured = await loop.start_tls(transport, self, self.tls, server_side=True,
+                                           ssl_handshake_timeout=self.guard.limits.request_timeout_s)
+        except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError, RuntimeError):
+            self.guard.drop(self)  # a failed handshake, or one closed by the guard: no connection_lost comes
+            transport.abort()
+            return
+        if not self.admitted or secured is None:  # closed meanwhile
+            if secured is not None:
+                secured.abort()
+            return
+        self.transport = secured
+        self.started = None
+        self.guard.waiting.move_to_end(self)  # its wait for a request starts now
+        self.arm(loop.time() + self.guard.limits.idle_timeout_s)
+        self._serve(secured)
+
+    def _serve(self, transport) -> None:
         self.inner = self.factory()
         self.inner.connection_made(transport)
+        early, self.early = self.early, []
+        for data in early:  # a request sent right behind the handshake
+            self.data_received(data)
 
     def data_received(self, data: bytes) -> None:
         if self.inner is None:
+            if self.handshake is not None and self.admitted:
+                self.early.append(data)
             return
         if self.started is None and not self.busy:
             self.guard.request_started(self)
@@ -339,7 +379,7 @@ class GuardedSite(web.BaseSite):
     async def start(self) -> None:
         await super().start()
         factory = self._runner.server
+        tls = self._ssl_context  # TLS is put in per connection (GuardedConnection), so the guard counts handshakes
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: GuardedConnection(self._guard, factory), self._host, self._port, backlog=self._backlog,
-            reuse_address=True, ssl=self._ssl_context,
-            ssl_handshake_timeout=self._guard.limits.request_timeout_s if self._ssl_context is not None else None)
+            lambda: GuardedConnection(self._guard, factory, tls), self._host, self._port, backlog=self._backlog,
+            reuse_address=True)

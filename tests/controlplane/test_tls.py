@@ -106,6 +106,32 @@ def test_a_client_that_never_starts_its_handshake_is_closed_at_the_request_timeo
         proc.stop()
 
 
+def test_connections_still_in_their_handshake_count_under_the_cap_and_the_oldest_makes_room(pki):
+    """A TLS listener handed connections to the guard only once their handshakes were done: connections that never
+    sent a ClientHello were outside --max-connections and were never closed to make room, so a few hundred of them
+    (open until the request timeout, and opened again) took every descriptor and real clients timed out."""
+    proc = start(pki, "cap", ["--tls-cert", str(pki["server"].cert), "--tls-key", str(pki["server"].key),
+                              "--max-connections", "4", "--request-timeout", "60"],
+                 tls.client_context(str(pki["ca"].ca_file)))
+    host, port = proc.url.removeprefix("https://").split(":")
+    silent = []
+    try:
+        for _ in range(6):  # none sends a byte: each would wait out the 60 s handshake limit
+            silent.append(socket.create_connection((host, int(port)), timeout=10))
+            time.sleep(0.2)
+        for sock in silent[:2]:  # at the cap, the longest-waiting made room for the newest
+            sock.settimeout(5)
+            assert b"" == sock.recv(1)
+        with urllib.request.urlopen(proc.url + "/healthz", context=proc.context, timeout=10) as resp:
+            assert 200 == resp.status  # served: a handshaking one made room for it too
+        silent[2].settimeout(5)
+        assert b"" == silent[2].recv(1)
+    finally:
+        for sock in silent:
+            sock.close()
+        proc.stop()
+
+
 # ---- the tenant CLI -------------------------------------------------------------------------------------------
 
 def test_the_cli_with_the_ca_file_lists_reservations(server, pki):
