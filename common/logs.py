@@ -47,7 +47,7 @@ def add_secrets(tokens: Iterable[str]) -> None:
                 _whole.append(token)
 
 
-_URL_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@:]*):[^/@]*@")
+_URL_PASSWORD = re.compile(r"^(\s*[a-z][a-z0-9+.-]*://[^/@:]*):[^/@]*@", re.IGNORECASE)  # any scheme, any case
 _QUERY_PASSWORD = re.compile(r"([?&](?:ssl)?password=)[^&#]*", re.IGNORECASE)  # libpq's password, a key's passphrase
 
 

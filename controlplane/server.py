@@ -155,19 +155,28 @@ def run_tool(command: str, work: Callable[[], str], refusals: tuple[type[Excepti
     return 0
 
 
+def database_of(args: argparse.Namespace) -> tuple[str, str]:
+    """The database URL (--db, else BERTH_DB, else the default) and where it came from, as errors name it."""
+    if args.db:
+        return args.db, "--db"
+    if os.environ.get("BERTH_DB"):
+        return os.environ["BERTH_DB"], "BERTH_DB"
+    return default_db_url(), "the default database"
+
+
 def backup_main(args: argparse.Namespace) -> int:
     """`berth controlplane backup`: the URL checked, the copy made (controlplane/store/backup.py)."""
     from controlplane.store import backup
     from controlplane.wiring import is_postgresql, sqlite_path
 
-    db = args.db or os.environ.get("BERTH_DB") or default_db_url()
+    db, source = database_of(args)
     if is_postgresql(db):
-        return refused("backup", f"--db {logs.redact_url(db)}: a PostgreSQL database is backed up with "
+        return refused("backup", f"{source} {logs.redact_url(db)}: a PostgreSQL database is backed up with "
                        "PostgreSQL's tools: pg_dump -Fc -f FILE DBNAME, or your cluster's base backups and WAL "
                        "archive (docs/operations.md, \"Backups\")")
 
     def work() -> str:
-        path = sqlite_path(db)
+        path = sqlite_path(db, source)
         if sys.stderr.isatty():
             size = os.path.getsize(path) if os.path.isfile(path) else 0
             print(f"berth controlplane backup: copying {path} ({size / (1 << 20):.1f} MiB) to {args.target} ...",
@@ -183,11 +192,11 @@ def restore_main(args: argparse.Namespace) -> int:
     from controlplane.store.sqlite import SCHEMA_VERSION
     from controlplane.wiring import is_postgresql, sqlite_path
 
-    db = args.db or os.environ.get("BERTH_DB") or default_db_url()
+    db, source = database_of(args)
     if is_postgresql(db):
-        return refused("restore", f"--db {logs.redact_url(db)}: a PostgreSQL database is restored with "
+        return refused("restore", f"{source} {logs.redact_url(db)}: a PostgreSQL database is restored with "
                        "PostgreSQL's tools: pg_restore into an empty database (docs/operations.md, \"Backups\")")
-    return run_tool("restore", lambda: backup.restore(args.copy, sqlite_path(db), SCHEMA_VERSION).summary(),
+    return run_tool("restore", lambda: backup.restore(args.copy, sqlite_path(db, source), SCHEMA_VERSION).summary(),
                     (ConfigError, backup.Refused), backup.Failed)
 
 
@@ -317,8 +326,7 @@ def main(argv: list[str]) -> int:
     if args.db == "":  # a variable left unset in a unit or a script: not the default database by surprise
         parser.error("--db: empty: give sqlite:///PATH or postgresql://..., or leave --db out (BERTH_DB, or the "
                      f"default {default_db_url()})")
-    db = args.db or os.environ.get("BERTH_DB") or default_db_url()
-    source = "--db" if args.db else "BERTH_DB" if os.environ.get("BERTH_DB") else "the default database"
+    db, source = database_of(args)
     config = Config(db=db, db_source=source, bootstrap=args.bootstrap, synchronous=args.synchronous,
                     authzen=args.authzen, authzen_timeout_s=args.authzen_timeout, node_grace_s=args.node_grace,
                     commit_wait_s=args.commit_wait, freeze_memory=True)

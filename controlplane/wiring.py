@@ -97,7 +97,7 @@ def sqlite_path(url: str, option: str = "--db") -> str:
     """The file of a `sqlite:///PATH` URL (PATH as written: `sqlite:////abs` and `sqlite:///rel` both work);
     `option` names where the URL was given, in the errors."""
     if not url.startswith("sqlite:///"):
-        raise ConfigError(f"{option}: {url!r} is not sqlite:///PATH or postgresql://...")
+        raise ConfigError(f"{option}: {logs.redact_url(url)!r} is not sqlite:///PATH or postgresql://...")
     path = url[len("sqlite:///"):]
     if not path:
         raise ConfigError(f"{option}: sqlite:/// needs a file path")
@@ -138,7 +138,7 @@ def open_store(config: Config) -> Store:
     try:
         return SqliteStore(sqlite_path(config.db, config.db_source), config.synchronous)
     except StoreError as exc:
-        raise ConfigError(f"{config.db_source} {config.db}: {exc}") from None
+        raise ConfigError(f"{config.db_source} {logs.redact_url(config.db)}: {exc}") from None
 
 
 def replicas_of(store: Store):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +128,23 @@ def test_an_unsupported_database_url_says_what_to_use(tmp_path):
         out = serve_once("--db", f"postgresql://berth@127.0.0.1:{port}/berth")
         assert (2, True, False) == (out.returncode, f"the port '{port}' of host" in out.stderr,
                                     "Traceback" in out.stderr), out.stderr
+
+
+@pytest.mark.parametrize("url", ["postgresql+asyncpg://berth:S3cretPW@db.example/berth",
+                                 "POSTGRESQL://berth:S3cretPW@db.example/berth",
+                                 " postgresql://berth:S3cretPW@db.example/berth"])
+@pytest.mark.parametrize("command", [["serve"], ["backup", "--to", "copy.db"], ["restore", "--from", "copy.db"]])
+def test_a_database_url_refused_from_berth_db_keeps_its_password_out_of_the_message(tmp_path, url, command):
+    """BERTH_DB is where the unit keeps a password out of the command line; a URL the command did not take was
+    printed whole, password and all (into the journal, every 2 s), and backup and restore named --db for it."""
+    import os
+
+    out = subprocess.run([sys.executable, "-m", "berth", "controlplane", *command], capture_output=True, text=True,
+                         timeout=30, cwd=tmp_path,
+                         env={**os.environ, "BERTH_DB": url, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert 2 == out.returncode, out.stderr
+    assert "S3cretPW" not in out.stderr and "[REDACTED]" in out.stderr, out.stderr
+    assert "BERTH_DB" in out.stderr and "--db" not in out.stderr.split("is not")[0], out.stderr
 
 
 async def test_admin_sets_a_budget_and_applies_a_bootstrap_at_run_time(api):
