@@ -26,6 +26,13 @@ from common.inventory import HOSTNAME_RULE, is_hostname
 from common.share import Share
 
 Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")]
+# A bearer token as RFC 6750 has one (b64token: what `openssl rand -base64 32` writes): a token with a space, a
+# quote, a backslash, a control or non-ASCII character could never be sent as one (every call 401), and the logs'
+# redaction of such a token stopped at the odd character, showing the rest.
+TOKEN_PATTERN = r"^[A-Za-z0-9._~+/-]+=*(?![\s\S])"  # the end of the text ($ would take a trailing newline)
+Token = Annotated[str, Meta(min_length=16, max_length=4096, pattern=TOKEN_PATTERN)]
+TOKEN_RULE = ("must be a bearer token: letters, digits and . _ ~ + / - (then any = padding), no space, quote or "
+              "other character; `openssl rand -base64 32` makes one")
 NonNegative = Annotated[float, Meta(ge=0)]
 
 
@@ -42,7 +49,7 @@ class TenantDoc(Struct, forbid_unknown_fields=True):
 
 class PrincipalDoc(Struct, forbid_unknown_fields=True):
     id: Id
-    token: Annotated[str, Meta(min_length=16)]
+    token: Token
     tenant: Id | None = None  # required for users and agents; an operator's is optional (see docs/admin-api.md)
     kind: Literal["user", "agent", "operator"] = "user"
     delegatedBy: Id | None = None
@@ -146,7 +153,7 @@ class NodeDoc(Struct, forbid_unknown_fields=True):
 
 class NodeTokenDoc(Struct, forbid_unknown_fields=True):
     pool: Id
-    token: Annotated[str, Meta(min_length=16)]
+    token: Token
 
 
 class BootstrapDoc(Struct, forbid_unknown_fields=True):
@@ -157,7 +164,7 @@ class BootstrapDoc(Struct, forbid_unknown_fields=True):
     nodeTokens: list[NodeTokenDoc] = []
     policies: str | None = None
     policiesFile: str | None = None
-    adminToken: Annotated[str, Meta(min_length=16)] | None = None
+    adminToken: Token | None = None
 
 
 def _money(value, field: str) -> Decimal:
@@ -304,6 +311,8 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
         if syntax is not None:
             raise BootstrapError(f"not valid JSON ({syntax})") from None
         field, rule = field_of(str(exc), BootstrapDoc)
+        if field.endswith(("token", "Token")) and "matching regex" in rule:
+            rule = TOKEN_RULE
         raise BootstrapError(f"{'the document' if field == 'body' else field}: "
                              f"{rule.replace('of this request', 'of a bootstrap document')}") from None
     except msgspec.DecodeError as exc:
