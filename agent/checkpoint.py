@@ -281,8 +281,9 @@ class StateDir:
 
     def open(self) -> "StateDir":
         """Make the directory (0711) if it is not there, and take its lock. An existing one keeps its mode (the
-        unit's StateDirectoryMode makes it 0711; a directory named by mistake is not changed), but one that others
-        may write to is refused: they could put their own files where the agent keeps its identity."""
+        unit's StateDirectoryMode makes it 0711; a directory named by mistake is not changed), but one that another
+        user, or its group, may write to is refused: they could put their own files where the agent keeps its
+        identity."""
         where = f"--state-dir {self.path}"
         try:
             self.path.mkdir(parents=True)
@@ -291,10 +292,12 @@ class StateDir:
             if not self.path.is_dir():
                 raise StateDirError(f"{where}: is a file, not a directory: give a directory of the agent's own "
                                     "(default /var/lib/berth/agent)") from None
-            mode = self.path.stat().st_mode
-            if mode & 0o002:
-                raise StateDirError(f"{where}: others may write to it (mode {stat.filemode(mode)}): give a directory "
-                                    "of the agent's own (default /var/lib/berth/agent)") from None
+            st = self.path.stat()
+            if st.st_mode & 0o022 or st.st_uid != os.geteuid():  # its group or another owner may write there too
+                who = "others may write to it" if st.st_mode & 0o002 else "its group may write to it" \
+                    if st.st_mode & 0o020 else f"it belongs to uid {st.st_uid}, not to the agent's {os.geteuid()}"
+                raise StateDirError(f"{where}: {who} (mode {stat.filemode(st.st_mode)}): give a directory of the "
+                                    "agent's own (default /var/lib/berth/agent)") from None
         except OSError as exc:  # a parent that is a file, a read-only file system
             raise StateDirError(f"{where}: cannot make it ({exc.strerror}): give a directory the agent may "
                                 "create") from None

@@ -149,6 +149,20 @@ def test_a_state_dir_the_agent_did_not_make_keeps_its_mode_and_one_others_may_wr
     with pytest.raises(StateDirError, match=f"--state-dir {shared}: others may write to it"):
         StateDir(shared).open()
     assert (0o1777, []) == (stat.S_IMODE(shared.stat().st_mode), list(shared.iterdir()))  # nothing changed, no lock
+    group = tmp_path / "group"  # a group's members, or another owner, could write there as well
+    group.mkdir()
+    os.chmod(group, 0o770)
+    with pytest.raises(StateDirError, match=f"--state-dir {group}: its group may write to it"):
+        StateDir(group).open()
+    assert [] == list(group.iterdir())
+    if os.geteuid() == 0:  # only root gives a directory away
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chmod(theirs, 0o700)
+        os.chown(theirs, 1, -1)
+        with pytest.raises(StateDirError, match=f"--state-dir {theirs}: it belongs to uid 1, not to the agent's 0"):
+            StateDir(theirs).open()
+        assert [] == list(theirs.iterdir())
     afile = tmp_path / "afile"
     afile.write_text("")
     with pytest.raises(StateDirError, match=f"--state-dir {afile}: is a file, not a directory"):
