@@ -35,7 +35,9 @@ _FIXED = (
 _RUN = re.compile(r"[^\s'\"\\]{%d,}" % SECRET_PREFIX)  # where a registered token can be
 _SECRET_KEY = re.compile(r"token|authorization|password|secret", re.IGNORECASE)
 _prefixes: set[str] = set()  # the first SECRET_PREFIX characters of each registered token
-_whole: list[str] = []  # registered tokens that hold a space, a quote or a backslash (a run would cut them)
+# registered tokens that hold a space, a quote or a backslash (a run, and the Bearer pattern, would cut them), each
+# also as repr writes it in a line (aiohttp's refused-request lines: a backslash doubled, a quote escaped)
+_whole: list[str] = []
 
 
 def add_secrets(tokens: Iterable[str]) -> None:
@@ -43,8 +45,11 @@ def add_secrets(tokens: Iterable[str]) -> None:
     for token in tokens:
         if isinstance(token, str) and len(token) >= SECRET_PREFIX:
             _prefixes.add(token[:SECRET_PREFIX])
-            if re.search(r"[\s'\"\\]", token) and token not in _whole:
-                _whole.append(token)
+            if re.search(r"[\s'\"\\]", token):
+                for form in (token, repr(token)[1:-1], repr(token.encode())[2:-1], token.replace("\\", "\\\\")):
+                    if form not in _whole:
+                        _whole.append(form)
+                _whole.sort(key=len, reverse=True)  # the longest form first: an escaped one holds the plain one's start
 
 
 _URL_PASSWORD = re.compile(r"^(\s*[a-z][a-z0-9+.-]*://[^/@:]*):[^/@]*@", re.IGNORECASE)  # any scheme, any case
@@ -59,12 +64,12 @@ def redact_url(url: str) -> str:
 
 def redact(text: str) -> str:
     """text with every secret it shows replaced by [REDACTED] (a token from its known prefix to the run's end)."""
+    for token in _whole:  # first: the patterns below stop at a space, a quote or a backslash, leaving its rest
+        text = text.replace(token, REDACTED)
     low = text.lower()
     for word, pattern in _FIXED:
         if word in low:
             text = pattern.sub(r"\1" + REDACTED, text)
-    for token in _whole:
-        text = text.replace(token, REDACTED)
     if not _prefixes:
         return text
     pieces, last = [], 0

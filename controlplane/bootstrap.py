@@ -26,13 +26,12 @@ from common.inventory import HOSTNAME_RULE, is_hostname
 from common.share import Share
 
 Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")]
-# A bearer token as RFC 6750 has one (b64token: what `openssl rand -base64 32` writes): a token with a space, a
-# quote, a backslash, a control or non-ASCII character could never be sent as one (every call 401), and the logs'
-# redaction of such a token stopped at the odd character, showing the rest.
-TOKEN_PATTERN = r"^[A-Za-z0-9._~+/-]+=*(?![\s\S])"  # the end of the text ($ would take a trailing newline)
+# A token as an Authorization header carries it (api/auth.py's bearer): printable ASCII, a space only inside. One
+# with a control or a non-ASCII character, or a space at either end, could never be sent (every call 401).
+TOKEN_PATTERN = r"^[!-~](?:[ -~]*[!-~])?(?![\s\S])"  # to the text's end: $ would take a final newline
 Token = Annotated[str, Meta(min_length=16, max_length=4096, pattern=TOKEN_PATTERN)]
-TOKEN_RULE = ("must be a bearer token: letters, digits and . _ ~ + / - (then any = padding), no space, quote or "
-              "other character; `openssl rand -base64 32` makes one")
+TOKEN_RULE = ("must be printable ASCII, with no space at either end (a token a header can carry as it is); "
+              "`openssl rand -base64 32` makes one")
 NonNegative = Annotated[float, Meta(ge=0)]
 
 

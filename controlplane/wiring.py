@@ -66,6 +66,19 @@ def secrets_of(tokens: dict[str, list[tuple[str, str]]], admin: str | None) -> l
     """Every token a bootstrap document declares (the logs redact them from then on)."""
     return [token for rows in tokens.values() for token, _ in rows] + ([admin] if admin else [])
 
+
+def declare_secrets(tokens: dict[str, list[tuple[str, str]]], admin: str | None) -> None:
+    """The logs redact a bootstrap document's tokens from now on; one holding a space, a quote or a backslash is
+    redacted whole, but a line that cuts it short (aiohttp shows 100 bytes of a long header) may show its part
+    after that character: said once, naming whose token it is, never the token."""
+    logs.add_secrets(secrets_of(tokens, admin))
+    rows = [(kind, subject, token) for kind, pairs in tokens.items() for token, subject in pairs]
+    for kind, subject, token in rows + ([("admin", "adminToken", admin)] if admin else []):
+        if any(c in token for c in " '\"\\"):
+            log.warning("a token holds a space, a quote or a backslash: a log line that cuts it short may show part "
+                        "of it; replace it with one without (openssl rand -base64 32)", kind=kind, of=subject)
+
+
 class ConfigError(ValueError):
     """The control plane cannot start with this configuration; the message says what to change."""
 
@@ -296,7 +309,7 @@ class ControlPlane:
             declared, tokens, admin = bootstrap_file.read(path)  # its Cedar policies validated too
         except (bootstrap_file.BootstrapError, ValueError) as exc:
             raise ConfigError(f"--bootstrap {exc}") from None
-        logs.add_secrets(secrets_of(tokens, admin))
+        declare_secrets(tokens, admin)
         try:
             self.store.call_sync(self._bootstrap_job(declared, tokens, admin))
         except DomainError as exc:  # a token another caller already holds, or the database failing the write
@@ -316,7 +329,7 @@ class ControlPlane:
             field = where if rule and " " not in where else "body"
             raise DomainError(INVALID_INPUT, f"bootstrap: {exc}", {"field": field, "rule": rule if field != "body"
                                                                    else str(exc)}) from None
-        logs.add_secrets(secrets_of(tokens, admin))
+        declare_secrets(tokens, admin)
         before = self.catalog.current.policies
         await self.store.call(self._bootstrap_job(declared, tokens, admin))
         if self.catalog.current.policies != before:

@@ -99,11 +99,10 @@ def test_a_syntax_error_after_an_unknown_field_is_said_to_be_bad_json_not_blamed
 
 
 @pytest.mark.parametrize("where", ["principals", "nodeTokens", "adminToken"])
-@pytest.mark.parametrize("token", ["QUOTE'TOKENPARTtwoLEAKS01", "BSLASH\\TOKENPARTtwoLEAKS02", "SPACE TOKENPARTtwoLEAKS3",
-                                   "trailing-newline-token-0001\n", " leading-space-token-00001", "non-ascii-tökén-000001"])
-def test_a_token_that_could_not_be_sent_as_a_bearer_token_is_refused_without_showing_it(where, token):
-    """Such tokens were taken: every call with them was 401 (a header cannot carry them as written), and the logs'
-    redaction stopped at the odd character and showed the rest of the token."""
+@pytest.mark.parametrize("token", ["trailing-newline-token-0001\n", " leading-space-token-00001",
+                                   "trailing-space-token-0001 ", "non-ascii-tökén-000001", "control\x01char-token-01"])
+def test_a_token_no_header_could_carry_is_refused_without_showing_it(where, token):
+    """Such tokens were taken, and every call with them was 401: a header cannot carry them as written."""
     doc = bootstrap_doc()
     if where == "adminToken":
         doc["adminToken"] = token
@@ -113,11 +112,13 @@ def test_a_token_that_could_not_be_sent_as_a_bearer_token_is_refused_without_sho
         field = f"{where}[0].token"
     with pytest.raises(BootstrapError) as err:
         parse(json.dumps(doc).encode())
-    assert str(err.value).startswith(f"{field}: must be a bearer token: letters, digits and . _ ~ + / -"), err.value
+    assert str(err.value).startswith(f"{field}: must be printable ASCII, with no space at either end"), err.value
     assert token.strip()[:8] not in str(err.value)
 
 
-def test_a_base64_token_as_openssl_makes_it_is_taken():
+@pytest.mark.parametrize("token", ["q0Zr+7Kx/9mVb3Yw1tHc2PnL8sJe4dFgUa6iOy5RzTk=", "Acme!Alice#Token@2024:x",
+                                   "QUOTE'TOKENPARTtwoLEAKS01", "SPACE TOKENPARTtwoLEAKS03"])
+def test_a_token_a_header_can_carry_is_taken(token):
     doc = bootstrap_doc()
-    doc["principals"][0]["token"] = "q0Zr+7Kx/9mVb3Yw1tHc2PnL8sJe4dFgUa6iOy5RzTk="
+    doc["principals"][0]["token"] = token
     parse(json.dumps(doc).encode())
