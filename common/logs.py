@@ -52,7 +52,9 @@ def add_secrets(tokens: Iterable[str]) -> None:
                 _whole.sort(key=len, reverse=True)  # the longest form first: an escaped one holds the plain one's start
 
 
-_URL_PASSWORD = re.compile(r"^(\s*[a-z][a-z0-9+.-]*://[^/@:]*):[^/@]*@", re.IGNORECASE)  # any scheme, any case
+# any scheme, any case; the user up to its first ':', the password up to the last '@' before the query (an
+# unencoded '/' or '@' in either, as an operator may leave them, is hidden too: more hidden than asked is safe)
+_URL_PASSWORD = re.compile(r"^(\s*[a-z][a-z0-9+.-]*://[^/:?]*):[^?]*@", re.IGNORECASE)
 _QUERY_PASSWORD = re.compile(r"([?&](?:ssl)?password=)[^&#]*", re.IGNORECASE)  # libpq's password, a key's passphrase
 
 

@@ -94,8 +94,14 @@ def is_postgresql(url: str) -> bool:
 
 def postgresql_url_problem(url: str) -> str | None:
     """What is wrong with the hosts and ports of a postgresql:// URL (each `host[:port]`, comma-separated), said
-    before the driver reads it (it raises a bare ValueError or OverflowError); None when they read."""
-    netloc = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0].rpartition("@")[2]
+    before the driver reads it (it raises a bare ValueError or OverflowError); None when they read. A `/` or `@`
+    left in the user or the password (a base64 password holds `/`) is said without showing either."""
+    rest = url.split("://", 1)[1]
+    netloc = rest.split("/", 1)[0].split("?", 1)[0]
+    if netloc.count("@") > 1 or ("@" not in netloc and "@" in rest.split("?", 1)[0]):
+        return ("the user or the password holds a '/' or an '@': percent-encode them in the URL (%2F and %40), or "
+                "give the password in PGPASSWORD or a passfile")
+    netloc = netloc.rpartition("@")[2]
     for part in filter(None, netloc.split(",")):
         port = part.rpartition("]")[2] if part.startswith("[") else part  # [IPv6]:port
         if ":" not in port:

@@ -346,10 +346,10 @@ def host_in_url(host: str) -> str:
 class GuardedSite(web.BaseSite):
     """A TCP site whose connections go through the guard (web.TCPSite would hand them to aiohttp directly).
 
-    With an SSL context it serves TLS: the guard sees a connection once its
-    handshake is done, and a handshake must finish within the request timeout
-    (a client that opens a connection and says nothing is closed like one
-    whose headers trickle).
+    With an SSL context it serves TLS, put in per connection after the accept
+    (GuardedConnection): the guard counts a connection from its accept, and a
+    handshake must finish within the request timeout (a client that opens a
+    connection and says nothing is closed like one whose headers trickle).
     """
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: Guard, backlog: int = BACKLOG,

@@ -348,3 +348,20 @@ def test_a_database_the_control_planes_user_cannot_write_says_so_not_that_it_is_
         sqlite3.connect(tmp_path / "notes.txt").execute("SELECT * FROM sqlite_master")
     assert "as a SQLite database (file is not a database): give the control plane's database file" in \
         cannot_open(str(tmp_path / "notes.txt"), caught.value)
+
+
+@pytest.mark.parametrize("url", ["postgresql://berth:S3cretPW/S3cretPW@127.0.0.1:5432/berth",  # a base64 password
+                                 "postgresql://berth:S3cretPW@S3cretPW@127.0.0.1:1/berth",
+                                 "postgresql://berth@myserver:S3cretPW@127.0.0.1:1/berth"])  # Azure's user@server
+@pytest.mark.parametrize("command", ["serve", "migrate"])
+def test_a_slash_or_an_at_left_in_a_database_urls_password_is_said_without_showing_it(tmp_path, url, command):
+    """The URL was shown whole (the password's '/' ended the redaction's match), or in part, and a user with an
+    '@' ended in the driver's traceback (exit 1)."""
+    import os
+
+    args = ["--to", url, "--from", f"sqlite:///{tmp_path / 'none.db'}"] if command == "migrate" else ["--db", url]
+    out = subprocess.run([sys.executable, "-m", "berth", "controlplane", command, *args], capture_output=True,
+                         text=True, timeout=30, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert (2, False, False) == (out.returncode, "S3cretPW" in out.stderr, "Traceback" in out.stderr), out.stderr
+    assert "percent-encode them in the URL (%2F and %40)" in out.stderr, out.stderr
