@@ -510,20 +510,22 @@ class NodeService:
         freed: set[str] = set()
         node = self.catalog.current.nodes.get(node_id)
         if node is not None:
-            moved, pending = self.moves.move_off(tx, node, now, "lost")
-            if moved or pending:
+            # Those that fit elsewhere move; the rest stay (the node may be back before their window: sent back to
+            # pending, they could lose its capacity to a create meanwhile) and fail at their start if it is not.
+            moved, kept = self.moves.move_off(tx, node, now, "lost", keep=True)
+            if moved:
                 freed.add(node.pool_id)  # a gang moved whole freed its other nodes
-                log.warning("placed reservations moved off a lost node", node_id=node_id, moved=len(moved),
-                            pending=len(pending))
+            for res in filter(None, map(tx.reservation, kept)):
+                self._mark_lost(tx, res, node_id, now, "no other node has room for this reservation's window: it "
+                                "stays placed there, and fails at its window's start if the node is not back by then")
+            if moved or kept:
+                log.warning("placed reservations of a lost node", node_id=node_id, moved=len(moved), kept=len(kept))
         for res in self._reservations_on(tx, node_id):
-            message = f"node {node_id} has not been heard from for more than {self.grace_s:g} s"
             if res.state == states.BINDING:
                 self.moves.end(tx, res, now, "node-lost", actor="platform", nodeId=node_id)
                 freed.add(res.pool_id)
                 continue
-            res.set_condition("NodeLost", "True", "HeartbeatMissed", message, now)
-            self.moves.save(tx, res)
-            self.moves.event(tx, res, "reservation.node-lost", now, nodeId=node_id)
+            self._mark_lost(tx, res, node_id, now)
         for rid in self._wanted_on_node(node_id):  # held releases: the hold ends with it
             res = tx.reservation(rid)
             if res is not None and res.hold is not None and self.moves.allocation_released(
@@ -531,11 +533,21 @@ class NodeService:
                 freed.add(res.pool_id)
         return freed
 
+    def _mark_lost(self, tx: Tx, res: Reservation, node_id: str, now: int, then: str = "") -> None:
+        """NodeLost on a reservation the node holds (active) or will hold (placed ahead), with its event."""
+        message = f"node {node_id} has not been heard from for more than {self.grace_s:g} s"
+        res.set_condition("NodeLost", "True", "HeartbeatMissed", f"{message} and {then}" if then else message, now)
+        self.moves.save(tx, res)
+        self.moves.event(tx, res, "reservation.node-lost", now, nodeId=node_id)
+
     async def _found(self, node_id: str) -> None:
         def job(tx: Tx) -> None:
             now = self.clock.compute_now()
             self._set_schedulable(tx, node_id, True)
-            for res in self._reservations_on(tx, node_id):
+            node = self.catalog.current.nodes.get(node_id)
+            ahead = [r for r in map(tx.reservation, self.moves.placed_ahead(node, now) if node else ())
+                     if r is not None and r.state == states.PLACED]
+            for res in self._reservations_on(tx, node_id) + ahead:
                 if any(c.type == "NodeLost" for c in res.conditions):
                     res.clear_condition("NodeLost")
                     self.moves.save(tx, res)

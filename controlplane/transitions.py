@@ -486,20 +486,45 @@ class Transitions:
         log.warning("node to maintenance", node_id=node_id, reason=reason, message=message, moved=len(moved),
                     pending=len(pending))
 
-    def move_off(self, tx: Tx, node: Node, now: int, why: str) -> tuple[list["Moved"], list[str]]:
-        """Move the node's placed reservations that have not started to other nodes (the placement of a create:
-        gangs whole, spot work preempted for work that is not spot), or back to pending where nothing fits; `why`:
-        drain, maintenance or lost."""
+    def placed_ahead(self, node: Node, now: int) -> list[str]:
+        """The reservations booked on the node whose bookings start after now, in the calendar's order."""
         cal = self.state.calendar.pool(node.pool_id).nodes.get(node.id)
         if cal is None:
-            return [], []
-        waiting = [hb.owner for hb in cal.host[bisect_left(cal.host_starts, now + 1):]]  # not started: start > now
+            return []
+        return list(dict.fromkeys(hb.owner for hb in cal.host[bisect_left(cal.host_starts, now + 1):]))
+
+    def fits_elsewhere(self, res: Reservation, now: int) -> bool:
+        """Whether the reservation, taken out of its own bookings, would be placed again (spot work it may preempt
+        counted): a dry run on the calendar, which is put back as it was."""
+        start, end = self.window(res, now)
+        if end <= start:
+            return False
+        calendar, nodes, ask = self.state.calendar, self.catalog.current.nodes, ask_of(res, start, end)
+        removed = calendar.remove(res.id)
+        try:
+            if place(calendar.pool(res.pool_id), nodes, ask) is not None:
+                return True
+            return not res.spot and bool(would_preempt(calendar, res.pool_id, nodes, ask,
+                                                       self.state.spot.get(res.pool_id, ())))
+        finally:
+            for booking in removed:
+                calendar.book(booking)
+
+    def move_off(self, tx: Tx, node: Node, now: int, why: str,
+                 keep: bool = False) -> tuple[list["Moved"], list[str]]:
+        """Move the node's placed reservations that have not started to other nodes (the placement of a create:
+        gangs whole, spot work preempted for work that is not spot), or back to pending where nothing fits; `why`:
+        drain, maintenance or lost. With `keep`, one that fits nowhere else stays where it is (a lost node may be
+        back before its window), and the second list holds those kept (none goes back to pending)."""
         moved: list[Moved] = []
         pending: list[str] = []
-        for rid in dict.fromkeys(waiting):
+        for rid in self.placed_ahead(node, now):
             res = tx.reservation(rid)
             if res is None or res.state != states.PLACED or (res.start or 0) <= now:
                 continue  # started (the reconciler moves it to binding): it runs here to its end
+            if keep and not self.fits_elsewhere(res, now):
+                pending.append(res.id)
+                continue
             before = tuple(p.node_id for p in res.placements)
             self.unbook(tx, res, now)
             res.placements = []

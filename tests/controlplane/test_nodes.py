@@ -317,7 +317,9 @@ async def test_a_reservation_placed_ahead_on_a_node_that_is_lost_moves_to_anothe
     assert "active" == (await api.ok("get", "alice", {"reservationId": res["id"]}))["state"]
 
 
-async def test_a_gang_placed_ahead_on_a_lost_node_waits_pending_and_is_placed_again_when_the_node_is_back(api):
+async def test_a_gang_placed_ahead_on_a_lost_node_that_fits_nowhere_else_stays_and_binds_when_the_node_is_back(api):
+    """Sent back to pending, it could lose the node's capacity to a create made while the node was lost; it stays
+    placed, says NodeLost, and binds if the node is back by its window's start."""
     n1, n2 = await register(api, "h1.test"), await register(api, "h2.test")
     res = (await api.create(key="gang", gpuCount=8, nodeCount=2, start=T0 + HOUR, durationHours=1))[1]["reservation"]
     api.clock.advance(20_000)
@@ -325,14 +327,21 @@ async def test_a_gang_placed_ahead_on_a_lost_node_waits_pending_and_is_placed_ag
     api.clock.advance(15_000)  # h2 silent 35 s
     assert [n2["nodeId"]] == await api.cp.nodes.check_lost()
     got = await api.ok("get", "alice", {"reservationId": res["id"]})
-    cond = {c["type"]: c for c in got["conditions"]}["Unschedulable"]
-    assert ("pending", "NodeLost") == (got["state"], cond["reason"]), got
-    assert "node h2 was lost and no other node of pool h100" in cond["message"]
-    assert not got.get("placements"), got  # its bookings on h1 freed too
-    await node_call(api, "heartbeat", n2["nodeToken"], {})  # back: its capacity wakes the pool's pending work
-    await api.settle()
-    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    cond = {c["type"]: c for c in got["conditions"]}.get("NodeLost")
     assert ("placed", ["h1", "h2"]) == (got["state"], sorted(p["nodeId"] for p in got["placements"])), got
+    assert cond is not None and "stays placed there, and fails at its window's start" in cond["message"], cond
+    assert "reservation.node-lost" in [e["type"] for e in await api.events() if e.get("reservationId") == res["id"]]
+    status, doc = await api.create(key="meanwhile", gpuCount=8)  # a create meanwhile does not take its devices
+    assert (202, "pending") == (status, doc["reservation"]["state"]), doc
+    await node_call(api, "heartbeat", n2["nodeToken"], {})  # back
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert ("placed", []) == (got["state"], [c for c in got["conditions"] if c["type"] == "NodeLost"]), got
+    for node in (n1, n2):
+        await node_call(api, "heartbeat", node["nodeToken"], {})
+    await api.settle(HOUR - 35_000)  # the window starts with both nodes heard
+    for node in (n1, n2):
+        await node_call(api, "report", node["nodeToken"], {"reports": [{"reservationId": res["id"], "status": "bound"}]})
+    assert "active" == (await api.ok("get", "alice", {"reservationId": res["id"]}))["state"]
 
 
 async def test_a_reservation_ended_while_its_node_is_lost_does_not_say_so_for_ever(api):
