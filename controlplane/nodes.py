@@ -504,7 +504,8 @@ class NodeService:
     def _lose(self, tx: Tx, node_id: str) -> set[str]:
         """The node is lost: its bindings not yet active fail their create (the reservation ends: nothing may bill
         behind a failed create); active ones carry NodeLost; those placed on it whose window is still ahead move to
-        other nodes, or back to pending, as on a drain. The pools whose capacity this freed."""
+        other nodes where they fit, as on a drain, and the rest stay with NodeLost. The pools whose capacity this
+        freed."""
         now = self.clock.compute_now()
         self._set_schedulable(tx, node_id, False)
         freed: set[str] = set()
