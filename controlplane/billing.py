@@ -3,9 +3,11 @@
 A reservation starts billing when every node reported its devices bound and
 stops when it is released, prorated to the second at the hourly price fixed
 when it was created; a create that never became active bills nothing. Usage
-is shown as lines per reservation and UTC day whose totals are exact sums.
-Spend (what was billed so far) and exposure (what live reservations may
-still bill) are read against a tenant's budget.
+is shown as lines per reservation and UTC day whose totals are exact sums
+(a reservation's lines come to its whole billed time rounded once:
+`line_amount`). Spend (what was billed so far) and exposure (what live
+reservations, and released ones whose held devices still bill, may still
+bill) are read against a tenant's budget.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from decimal import Decimal
 
 from controlplane.domain import states
 from controlplane.domain.clock import Clock
-from controlplane.domain.pricing import charge, day_spans, exposure, money
+from controlplane.domain.model import Reservation
+from controlplane.domain.pricing import charge, day_spans, exposure, line_amount, money
 from controlplane.state import WriterState
 from controlplane.store.port import Store
 
@@ -73,9 +76,9 @@ class Billing:
                 for day, a, b in day_spans(a0, b0):
                     if (since is not None and day < since) or (until is not None and day >= until):
                         continue
-                    seconds, amount = charge(hourly, a, b)
-                    out.append(UsageLine(rid, pool_id, day, a, b, seconds, hourly, amount, end is None and b == stop,
-                                         held))
+                    seconds = charge(hourly, a, b)[0]
+                    out.append(UsageLine(rid, pool_id, day, a, b, seconds, hourly, line_amount(hourly, start, a, b),
+                                         end is None and b == stop, held))
         out.sort(key=lambda line: (line.day, line.reservation_id, line.held))
         return out
 
@@ -87,16 +90,28 @@ class Billing:
         return sum((line.amount_usd for line in self.lines(tenant_id)), Decimal(0))
 
     def exposure_usd(self, tenant_id: str) -> Decimal:
-        """What the tenant's live reservations may still bill until their windows end.
+        """What the tenant's live reservations may still bill until their windows end, and its released ones whose
+        devices pods still hold (a kubernetes release: billed until the window's end at the latest).
 
         Read from the writer's memory, so an admission sees every commitment
         admitted before it, committed or still in its group's transaction.
         """
         now = self.clock.compute_now()
-        total = Decimal(0)
-        for res in self.state.charged_of(tenant_id):
-            if res.state == states.PENDING and res.asap:
-                total += exposure(res.hourly_usd, res.duration_ms or 0)
-            elif res.end is not None:
-                total += exposure(res.hourly_usd, max(0, res.end - max(now, res.start or now)))
-        return total
+        return sum((self.may_still_bill(res, now) for res in (*self.state.charged_of(tenant_id),
+                                                               *self.state.held_billing_of(tenant_id))), Decimal(0))
+
+    @staticmethod
+    def may_still_bill(res: Reservation, now: int, end: int | None = None) -> Decimal:
+        """What one reservation may bill from now until its window's end (`end`: the end an extend asks for), at
+        most: the rest of a billing one as its lines will count it (so billed plus this is its whole window rounded
+        once), and for one not billing yet every whole-second tick its window can touch from now."""
+        end = res.end if end is None else end
+        if res.state == states.PENDING and res.asap:
+            return exposure(res.hourly_usd, res.duration_ms or 0)
+        if end is None:
+            return Decimal(0)
+        if res.billing_start is not None:
+            if res.billing_end is not None or now >= end:
+                return Decimal(0)
+            return line_amount(res.hourly_usd, res.billing_start, now, end)
+        return exposure(res.hourly_usd, max(0, end - max(now, res.start or now)))

@@ -456,6 +456,9 @@ class ReservationService:
         if not asked:
             return
         budget = tenant.budget_usd if tenant.budget_usd is not None else Decimal(0)
+        # what live reservations may still bill is read before what was billed: a tick between the two reads is
+        # then counted twice, never missed
+        committed = self.billing.exposure_usd(tenant.id)
         spent = self.billing.spent_usd(tenant.id)
         if spent >= budget:
             raise DomainError(
@@ -463,7 +466,6 @@ class ReservationService:
                 f"tenant {tenant.id} has spent its budget ({money(spent)} of {money(budget)} USD); pool {pool_id} checks budgets",
                 {"budgetUsd": money(budget), "spentUsd": money(spent), "poolId": pool_id},
             )
-        committed = self.billing.exposure_usd(tenant.id)
         left = budget - spent - committed
         if new_exposure > left:
             raise DomainError(
@@ -671,8 +673,8 @@ class ReservationService:
         tenant = self.catalog.current.tenants.get(res.tenant_id)
         try:
             if tenant is not None:
-                self.check_spend(tenant, res.pool_id, self._spend_asked(res),
-                                 exposure(res.hourly_usd, new_end - (res.end or new_end)))
+                self.check_spend(tenant, res.pool_id, self._spend_asked(res), self.billing.may_still_bill(
+                    res, now, new_end) - self.billing.may_still_bill(res, now))  # the added time, as billing counts
         except DomainError as err:
             return refuse(err)
         room = self.moves.room(res, new_end)

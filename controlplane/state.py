@@ -28,6 +28,9 @@ class WriterState:
         self.pending: dict[str, dict[str, QueueKey]] = {}
         self.spot: dict[str, dict[str, None]] = {}  # pool -> booked spot reservation ids, oldest first
         self.charged: dict[str, dict[str, Reservation]] = {}  # tenant -> its reservations holding a charge
+        # tenant -> its released reservations whose devices pods still hold, billed until the window's end at the
+        # latest (a kubernetes release): charged nothing, but what they may still bill counts against a budget
+        self.held_billing: dict[str, dict[str, Reservation]] = {}
         self.timers = Timers()
 
     def add_nodes(self, nodes: Iterable[Node]) -> None:
@@ -50,6 +53,7 @@ class WriterState:
         self.pending = {}
         self.spot = {}
         self.charged = {}
+        self.held_billing = {}
         self.timers = Timers()
         self.nodes_changed(catalog.nodes.values())
         for booking in bookings:
@@ -67,6 +71,7 @@ class WriterState:
         """Take `built`'s memory as this one's, at once (a rebuild made apart, while this one was still read)."""
         self.calendar, self.ledger, self.timers = built.calendar, built.ledger, built.timers
         self.pending, self.spot, self.charged = built.pending, built.spot, built.charged
+        self.held_billing = built.held_billing
 
     def apply(self, changed: Iterable[Reservation], bookings: Iterable[Booking], now: int) -> None:
         """Reservations as other replicas left them (docs/scale-out.md): their bookings, charges and indexes
@@ -97,7 +102,7 @@ class WriterState:
             res = held.pop(reservation_id, None)
             if res is not None:
                 self.ledger.refund(res.tenant_id, res.charge)
-        for index in (*self.pending.values(), *self.spot.values()):
+        for index in (*self.pending.values(), *self.spot.values(), *self.held_billing.values()):
             index.pop(reservation_id, None)
 
     def track(self, res: Reservation) -> None:
@@ -124,11 +129,21 @@ class WriterState:
             charged[res.id] = res  # as the last job that saved it left it, committed or not
         else:
             charged.pop(res.id, None)
+        held = self.held_billing.setdefault(res.tenant_id, {})
+        if res.state not in states.CHARGED and res.hold is not None and res.held_from is not None \
+                and res.billing_end is None:
+            held[res.id] = res
+        else:
+            held.pop(res.id, None)
         self.timers.schedule(res)
 
     def charged_of(self, tenant_id: str) -> list[Reservation]:
         """The tenant's reservations that hold a charge, including those admitted by jobs not yet committed."""
         return list(self.charged.get(tenant_id, {}).values())
+
+    def held_billing_of(self, tenant_id: str) -> list[Reservation]:
+        """The tenant's released reservations whose held devices still bill (see held_billing)."""
+        return list(self.held_billing.get(tenant_id, {}).values())
 
     def queue(self, pool_id: str) -> dict[str, QueueKey]:
         return self.pending.setdefault(pool_id, {})

@@ -3,8 +3,11 @@
 A pool prices each device-hour (a GPU, a MIG instance or a slot) and,
 optionally, each vcpu-hour and GiB-hour of host resources booked above the
 per-GPU share (1 GiB hugepages count as memory). Billing is prorated to the
-second and each line is rounded half-even to a millionth of a dollar, the
-six decimals of the wire; totals are sums of lines, so they add up exactly.
+second and rounded half-even to a millionth of a dollar, the six decimals of
+the wire, once per reservation: each line is what the reservation's running
+total reached at its end less what it had reached at its start, so the lines
+a UTC midnight or a hold cuts add up to the whole time rounded once, what a
+budget check counts; totals are sums of lines, so they add up exactly.
 """
 from __future__ import annotations
 
@@ -39,6 +42,13 @@ def charge(hourly_usd: Decimal, start_ms: int, end_ms: int) -> tuple[int, Decima
     """
     seconds = max(0, end_ms // 1000 - start_ms // 1000)
     return seconds, (hourly_usd * seconds / SECONDS_PER_HOUR).quantize(MICRO, rounding=ROUND_HALF_EVEN)
+
+
+def line_amount(hourly_usd: Decimal, billed_from: int, start_ms: int, end_ms: int) -> Decimal:
+    """What the part [start, end) of a reservation's billed time, which began at billed_from, bills: its running
+    total at end less its running total at start, each rounded. Rounding each part on its own would bill a window
+    cut at midnight up to half a millionth more per cut than the window whole (what its budget check counted)."""
+    return charge(hourly_usd, billed_from, end_ms)[1] - charge(hourly_usd, billed_from, start_ms)[1]
 
 
 def exposure(hourly_usd: Decimal, ms: int) -> Decimal:

@@ -293,6 +293,32 @@ async def test_a_window_of_a_fraction_of_a_second_is_quoted_exactly_and_its_expo
     assert status == 202, doc
 
 
+async def test_a_window_cut_at_midnight_bills_its_whole_time_rounded_once_so_a_budget_it_fills_holds(api):
+    """4 s across a UTC midnight at 1.333333 USD/h is 0.001481 rounded once, which the budget check counts; each
+    day's line rounded on its own billed 0.000741 twice, 0.001482, past the budget the create had exactly filled."""
+    import dataclasses
+    from tests.controlplane.test_admin_api import ADMIN
+    cp = api.cp
+    pool = cp.catalog.current.pools["h100"]
+    cp.catalog.current = cp.catalog.current.with_changes(pools={**cp.catalog.current.pools, "h100": dataclasses.replace(
+        pool, price_per_gpu_hour=Decimal("1.333333"), policy=dataclasses.replace(pool.policy, budget_check=True))})
+    status, doc = await api.post("/api/admin/tenants/budget", ADMIN, {"tenantId": "acme", "budgetUsd": "0.001481"})
+    assert status == 200, doc
+    midnight = T0 - T0 % 86_400_000 + 86_400_000
+    api.clock.now_ms = midnight - 2_000
+    status, quoted = await api.call("quote", "alice", {"gpuModel": "H100_80GB", "poolId": "h100", "gpuCount": 1,
+                                                       "start": midnight - 2_000, "end": midnight + 2_000})
+    assert (status, quoted["quote"]["totalUsd"]) == (200, "0.001481"), quoted
+    res = await make_active(api, key="m", poolId="h100", gpuCount=1, start=midnight - 2_000, end=midnight + 2_000)
+    await api.settle(10_000)
+    doc = await usage(api)
+    assert [(line["seconds"], line["amountUsd"]) for line in doc["lines"]] == [(2, "0.000741"), (2, "0.000740")]
+    assert doc["totalUsd"] == "0.001481" == quoted["quote"]["totalUsd"]
+    assert (await api.ok("get", "alice", {"reservationId": res["id"]}))["state"] == "released"
+    status, refused = await api.create(key="more", poolId="h100", gpuCount=1, durationHours=1)
+    assert (status, refused["error"]["code"]) == (402, "SPEND_LIMIT_REACHED"), refused
+
+
 async def test_a_lease_that_lapsed_before_the_devices_were_reported_bound_bills_nothing_and_ends_no_earlier(api):
     """A restarted control plane may hear an agent's bound report before its reconciler ends an already lapsed
     lease: billing then begins after the deadline, and the line must not end before it begins."""

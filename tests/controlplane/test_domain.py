@@ -264,3 +264,28 @@ def test_catalog_rows_another_replica_wrote_replace_their_items_and_nothing_else
     assert after.nodes["h2"].state == "cordoned" and after.nodes["h1"] is before.nodes["h1"]
     assert before.nodes["h2"].state != "cordoned" and "h3" not in before.nodes  # the snapshot before is untouched
     assert catalog_mod.with_rows(before, []) is before
+
+
+# ---- what a reservation bills, and may still bill -------------------------------------------------------------
+
+def test_a_reservations_lines_and_what_it_may_still_bill_come_to_its_whole_time_rounded_once():
+    """However UTC midnights cut its billed time and whenever the budget check looks, billed so far plus what it may
+    still bill is the whole window's ticks at its price rounded once, what a budget check and a quote count."""
+    from decimal import Decimal
+    from controlplane.billing import Billing
+    from controlplane.domain.pricing import DAY_MS, charge, day_spans, line_amount
+    hourly = Decimal("1.333333")
+    midnight = 1_800_000_000_000 // DAY_MS * DAY_MS + DAY_MS
+    for start, end in ((midnight - 2_000, midnight + 2_000), (midnight - 1_500, midnight + 2 * DAY_MS + 700),
+                       (midnight + 250, midnight + 9_999)):
+        whole = charge(hourly, start, end)[1]
+        assert sum(line_amount(hourly, start, a, b) for _, a, b in day_spans(start, end)) == whole
+        res = replace(_res(states.ACTIVE), start=start, end=end, hourly_usd=hourly, billing_start=start)
+        for now in range(start, end + 1, max(1, (end - start) // 37)):
+            billed = sum(line_amount(hourly, start, a, b) for _, a, b in day_spans(start, now))
+            assert billed + Billing.may_still_bill(res, now) == whole, (start, end, now)
+    # an extension adds what the longer window rounds to less what the shorter did (not the added time rounded)
+    res = replace(_res(states.ACTIVE), start=midnight, end=midnight + 2_000, hourly_usd=hourly,
+                  billing_start=midnight)
+    added = Billing.may_still_bill(res, midnight, midnight + 4_000) - Billing.may_still_bill(res, midnight)
+    assert (added, charge(hourly, 0, 2_000)[1]) == (Decimal("0.000740"), Decimal("0.000741"))

@@ -92,6 +92,37 @@ async def test_a_released_booking_stays_booked_and_billed_while_pods_hold_it_and
     assert "reservation.hold-ended" in types and "reservation.released" in types
 
 
+async def test_time_that_held_devices_may_still_bill_counts_against_the_budget(api):
+    """A released reservation whose devices pods hold bills on to its window's end: that is what it may still bill,
+    so a create that the rest of the budget cannot cover besides it is INSUFFICIENT_FUNDS (it was counted as
+    nothing, and the tenant was billed past its budget)."""
+    import dataclasses
+    from decimal import Decimal
+    cp = api.cp
+    pools = dict(cp.catalog.current.pools)
+    for pool_id, price in (("k8s", "10"), ("budget", "10")):  # acme's budget: 100 USD
+        pools[pool_id] = dataclasses.replace(pools[pool_id], price_per_gpu_hour=Decimal(price),
+                                             policy=dataclasses.replace(pools[pool_id].policy, budget_check=True))
+    cp.catalog.current = cp.catalog.current.with_changes(pools=pools)
+    token = await k8s_node(api)
+    res = await active(api, token, "a", gpuCount=1)  # 10 USD for its hour
+    await api.settle(30 * MIN)
+    await api.ok("release", "alice", {"reservationId": res["id"]})
+    await report(api, token, res["id"], "held", holders=["team-a/trainer-0"])
+    status, doc = await api.call("create", "alice", {"poolId": "budget", "gpuModel": "H100_80GB", "gpuCount": 1,
+                                                     "durationHours": 9.6, "idempotencyKey": "b"})  # 96 USD
+    assert (status, doc["error"]["code"]) == (402, "INSUFFICIENT_FUNDS"), doc
+    assert (doc["error"]["details"]["spentUsd"], doc["error"]["details"]["committedUsd"]) == ("5.000000", "5.000000")
+    status, doc = await api.call("create", "alice", {"poolId": "budget", "gpuModel": "H100_80GB", "gpuCount": 1,
+                                                     "durationHours": 9, "idempotencyKey": "c"})  # 90 USD: covered
+    assert status == 202, doc
+    await api.settle(15 * MIN)
+    await report(api, token, res["id"], "unbound")  # AllocationReleased: the held time stops billing
+    assert "False" == condition(await get(api, res["id"]), "DevicesHeld")["status"]
+    assert api.cp.billing.exposure_usd("acme") == Decimal("87.500000")  # only the other create's 8.75 h left
+    assert sum(Decimal(line["amountUsd"]) for line in await usage(api, res["id"])) == Decimal("7.500000")
+
+
 async def test_still_held_at_the_end_the_booking_is_carried_on_unbilled_and_an_advance_booking_takes_the_devices(api):
     token = await k8s_node(api)
     res = await active(api, token, "a")
