@@ -209,12 +209,16 @@ def bookings_on(node: Node, cal: NodeCalendar | None, lookup: Callable[[str], Re
     return out
 
 
-def _busy_units(cal: NodeCalendar | None, t: int) -> set[str]:
-    """The node's units booked at instant t."""
+def _busy_units(node: Node, cal: NodeCalendar | None, t: int) -> set[str]:
+    """The node's units booked at instant t: of those it has now (a device it no longer reports keeps its bookings
+    on the calendar, but is not counted as the node's)."""
     if cal is None:
         return set()
     busy = set()
-    for uid, tl in cal.devices.items():
+    for uid in (u.id for u in node.units):
+        tl = cal.devices.get(uid)
+        if tl is None:
+            continue
         j = bisect_left(tl.starts, t + 1)  # the last booking starting at or before t
         if j and tl.ends[j - 1] > t:
             busy.add(uid)
@@ -225,7 +229,7 @@ def pool_counts(nodes: Sequence[Node], pool_cal: PoolCalendar, now: int) -> tupl
     """(GPUs, units) of the pool: in total, in use now, and free now on nodes that take placements."""
     gpu_total = gpu_booked = gpu_free = unit_total = unit_booked = unit_free = 0
     for node in nodes:
-        busy = _busy_units(pool_cal.nodes.get(node.id), now)
+        busy = _busy_units(node, pool_cal.nodes.get(node.id), now)
         busy_gpus = {u.gpu_index for u in node.units if u.id in busy}
         gpus = {u.gpu_index for u in node.units}
         gpu_total += len(gpus)
@@ -250,7 +254,7 @@ def free_steps(nodes: Sequence[Node], pool_cal: PoolCalendar, window: Window) ->
         cal = pool_cal.nodes.get(node.id)
         if cal is None:
             continue
-        for tl in cal.devices.values():
+        for tl in (cal.devices[u.id] for u in node.units if u.id in cal.devices):  # the devices it has now
             j = bisect_left(tl.ends, window.start + 1)  # the first booking ending after the window's start
             while j < len(tl.starts) and tl.starts[j] < window.end:
                 changes[max(tl.starts[j], window.start)] += 1

@@ -392,6 +392,28 @@ async def test_a_gpu_that_disappears_is_not_bookable_and_its_reservation_says_so
     assert not [c for c in got["conditions"] if c["type"] == "DevicesLost"], got["conditions"]
 
 
+async def test_a_pools_counts_are_of_the_devices_its_nodes_have_now_never_below_zero(api):
+    """Bookings of GPUs a node stopped reporting stay on the calendar, but the pool's units and free steps counted
+    them against the GPUs left: 6 booked of 8, 4 left, showed 6 units booked where 2 GPUs were, and -2 free."""
+    from tests.controlplane.test_admin_api import ok
+    inv = inventory("h1.test")
+    node = await register(api, "h1.test", inv)
+    await ok(api, "nodes/cordon", {"nodeId": "h2", "reason": "only h1 here"})
+    res = (await api.create(key="six", gpuCount=6))[1]["reservation"]
+    assert ["h1"] == [p["nodeId"] for p in res["placements"]], res
+    booked = {int(u[3:]) for u in res["placements"][0]["devices"]}
+    fewer = copy.deepcopy(inv)
+    fewer["gpus"] = [g for g in inv["gpus"] if g["index"] not in sorted(booked)[:4]]  # 4 of the 6 booked go
+    status, _ = await node_call(api, "heartbeat", node["nodeToken"], {"inventory": fewer})
+    assert status == 200
+    pool = (await ok(api, "pools/get", {"poolId": "h100"}))["pool"]
+    assert {"total": 12, "booked": 2, "free": 2} == {k: pool["units"][k] for k in ("total", "booked", "free")} == {
+        k: pool["gpus"][k] for k in ("total", "booked", "free")}, pool
+    seen = (await api.post("/api/compute/pools/get", "alice", {"poolId": "h100"}))[1]["pool"]
+    assert (seen["units"], seen["freeNow"]) == (4, 2), seen
+    assert all(step["units"] >= 0 for step in seen["free"]), seen["free"]
+
+
 async def test_a_reservation_moved_off_a_node_that_lost_its_devices_no_longer_says_it_lost_them(api):
     from tests.controlplane.test_admin_api import ok
 
