@@ -36,7 +36,11 @@ class AccessLog:
                         "duration_ms": round(duration_s * 1000, 3)}
         principal = request.get("principal")
         if principal is not None:
-            fields["tenant"], fields["principal"] = principal.tenant_id, principal.id
+            fields["principal"] = principal.id
+            if principal.tenant_id:  # an operator of the whole fleet has none
+                fields["tenant"] = principal.tenant_id
+        elif request.get("admin"):
+            fields["principal"] = "admin"  # the bootstrap file's admin token, named as node actions name it
         # The reservation the request names, else the one a create made (a list's answer names many: none is
         # logged for it): from the bytes already
         # there, the request's body only once the handler read it (it is cached then).

@@ -77,10 +77,12 @@ def operator_of(request: web.Request, tokens: Tokens, principals) -> Principal |
     principal, whose every action IAM decides."""
     found = tokens.resolve(bearer(request))
     if found is not None and found[0] == "admin":
+        request["admin"] = True  # for the access log
         return None
     principal = principals.get(found[1]) if found is not None and found[0] == "principal" else None
     if principal is None or principal.kind != "operator":
         raise refused_token(found, principals, ADMIN_OR_OPERATOR)
+    request["principal"] = principal
     return principal
 
 
@@ -89,6 +91,7 @@ def admin_of(request: web.Request, tokens: Tokens, principals, takes: str = ADMI
     found = tokens.resolve(bearer(request))
     if found is None or found[0] != "admin":
         raise refused_token(found, principals, takes)
+    request["admin"] = True  # for the access log
 
 
 def manage_access(principal: Principal, principals: Mapping[str, Principal], path: str) -> None:

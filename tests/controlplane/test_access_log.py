@@ -65,3 +65,24 @@ def test_a_bad_option_is_refused_with_the_rule():
                          capture_output=True, text=True, timeout=60)
     assert 2 == out.returncode
     assert "sample:N (N from 1 to 1000000)" in out.stderr
+
+
+def test_an_operators_request_names_the_operator_and_the_admin_tokens_names_admin(tmp_path):
+    """The admin API's lines named nobody: only tenants' tokens were put on the request."""
+    from tests.controlplane.test_fleet import OPERATOR_POLICIES, OPERATORS
+    doc = bootstrap_doc()
+    doc["principals"] += OPERATORS
+    doc["policies"] += OPERATOR_POLICIES
+    (tmp_path / "b.json").write_text(json.dumps(doc))
+    with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json", ["--access-log", "all"]) as proc:
+        olga, otto = (op["token"] for op in OPERATORS)
+        assert 200 == proc.post("/api/admin/nodes/list", olga, {})[0]
+        assert 200 == proc.post("/api/admin/nodes/list", otto, {})[0]
+        assert 200 == proc.post("/api/admin/nodes/list", doc["adminToken"], {})[0]
+        assert 403 == proc.post("/api/admin/bootstrap", olga, doc)[0]  # the admin token's alone: who was refused
+        wait_for(lambda: len(access_lines(proc)) >= 4)
+        lines = access_lines(proc)[:4]
+    assert [(line.get("principal"), line.get("tenant"), line["status"]) for line in lines] == [
+        ("olga", None, 200), ("otto", "acme", 200), ("admin", None, 200), (None, None, 403)]
+    text = "".join(proc.lines)
+    assert not any(op["token"] in text for op in OPERATORS) and doc["adminToken"] not in text
