@@ -24,7 +24,7 @@ from agent.controller import BindingController
 from agent.metrics import AgentMetrics
 from agent.nodeclient import NodeApiError, NodeClient, Unauthorized, Unreachable
 from common.inventory import Inventory
-from common.nodewire import Report
+from common.nodewire import HeartbeatAnswer, Report
 
 log = structlog.get_logger("berth.agent")
 
@@ -79,6 +79,9 @@ class ControlPlaneLink:
         self.metrics = metrics
         self.inventory = inventory
         self.agent_version = agent_version
+        # the last heartbeat's answer named another version than ours: the next heartbeat carries ours (not the first:
+        # an older control plane refuses the field, and says nothing of versions)
+        self.version_unknown = False
         self.wall_ms = wall_ms
         self.on_node = on_node  # the node id is known (bind it into the logs)
         self.fixed_heartbeat_s = heartbeat_s  # None: what the control plane says
@@ -200,7 +203,7 @@ class ControlPlaneLink:
             assert inv is not None
             send = inv if self.inventory_dirty else None
             try:
-                ans = await self.client.heartbeat(send)
+                ans = await self._heartbeat(send)
                 self._takes_reports(ans.reportStatuses)
                 await self._heard_node_state(ans.nodeState)
                 self.metrics.heartbeats_ok += 1
@@ -215,6 +218,21 @@ class ControlPlaneLink:
                 self.metrics.heartbeat_failures += 1
                 self.log.warning("heartbeat failed", error=str(exc))
             await asyncio.sleep(self.heartbeat_s)
+
+    async def _heartbeat(self, inventory: Inventory | None) -> HeartbeatAnswer:
+        """One heartbeat, with this agent's version when the last answer named another (a restarted control plane,
+        or this agent restarted after an upgrade: it keeps its token and does not register again). Refused with it
+        (behind one balancer in a rolling upgrade, a replica of an earlier release refuses the field), it goes again
+        at once without it."""
+        version, self.version_unknown = (self.agent_version if self.version_unknown else ""), False
+        try:
+            ans = await self.client.heartbeat(inventory, version)
+        except NodeApiError as exc:
+            if not version or isinstance(exc, Unauthorized):
+                raise
+            ans = await self.client.heartbeat(inventory)
+        self.version_unknown = ans.agentVersion is not None and ans.agentVersion != self.agent_version
+        return ans
 
     async def _heard_node_state(self, state: str) -> None:
         """The node's state as the control plane answered it (a heartbeat, a watch): node bindings take it."""

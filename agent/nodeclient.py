@@ -109,8 +109,9 @@ class NodeClient:
         self.token = ans.nodeToken
         return ans
 
-    async def heartbeat(self, inventory: Inventory | None = None) -> HeartbeatAnswer:
-        return await self._call("heartbeat", HeartbeatRequest(inventory), HeartbeatAnswer, token=self.token)
+    async def heartbeat(self, inventory: Inventory | None = None, agent_version: str = "") -> HeartbeatAnswer:
+        return await self._call("heartbeat", HeartbeatRequest(inventory, agent_version), HeartbeatAnswer,
+                                token=self.token)
 
     async def watch(self, resource_version: int, timeout_ms: int = 25_000) -> WatchAnswer:
         timeout_ms = max(0, min(timeout_ms, MAX_WATCH_MS))

@@ -43,12 +43,13 @@ class Answer(Struct, frozen=True):
 
 # /etc/machine-id: 32 lowercase hex digits (machine-id(5)); "" from an agent that could not read one.
 MachineId = Annotated[str, Meta(pattern="^([0-9a-f]{32})?$")]
+AgentVersion = Annotated[str, Meta(max_length=64)]
 
 
 class RegisterRequest(Request):
     hostname: Hostname
     inventory: Inventory
-    agentVersion: Annotated[str, Meta(max_length=64)] = ""
+    agentVersion: AgentVersion = ""
     machineId: MachineId = ""
 
 
@@ -65,9 +66,12 @@ class RegisterAnswer(Answer):
 
 
 class HeartbeatRequest(Request):
-    """Alive; the inventory rides along only when it changed since the last one the control plane took."""
+    """Alive; the inventory rides along only when it changed since the last one the control plane took, the
+    agent's version only when it differs from the one the last answer named (an agent restarted or upgraded in place
+    keeps its node token and does not register again; an older control plane, which names none, refuses it)."""
 
     inventory: Inventory | None = None
+    agentVersion: AgentVersion = ""
 
 
 class HeartbeatAnswer(Answer):
@@ -77,6 +81,7 @@ class HeartbeatAnswer(Answer):
     resourceVersion: int = 0
     graceSeconds: float | None = None
     reportStatuses: tuple[str, ...] = ()
+    agentVersion: str | None = None  # the agent's version on record here (None: this control plane takes none)
     # The node's state as the control plane has it (ready, cordoned, draining, cleaning, maintenance): an
     # operator's clear after a cleaning that failed reaches the agent so ("" from a control plane that does not say)
     nodeState: str = ""

@@ -420,16 +420,19 @@ class NodeService:
             lambda tx: self._apply_inventory(tx, self.catalog.current, pool, node.id, node.hostname, inventory))
 
     # ---- heartbeats and loss ----------------------------------------------------------------
-    async def heartbeat(self, node: Node, inventory: Inventory | None) -> HeartbeatAnswer:
+    async def heartbeat(self, node: Node, inventory: Inventory | None, agent_version: str = "") -> HeartbeatAnswer:
         live = self._node(node.id)
         live.last_seen = self.clock.monotonic()
+        if agent_version:  # an agent restarted or upgraded in place (it keeps its token), or this replica restarted
+            live.agent_version = agent_version
         self.heard(node.id, self.clock.compute_now())
         if inventory is not None:
             await self.update_inventory(node, inventory)
         if self._is_lost(node.id):
             await self._found(node.id)
         current = self.catalog.current.nodes.get(node.id, node)
-        return HeartbeatAnswer(live.rv, self.grace_s, REPORT_STATUSES, nodeState=current.state)
+        return HeartbeatAnswer(live.rv, self.grace_s, REPORT_STATUSES, agentVersion=live.agent_version,
+                               nodeState=current.state)
 
     def _is_lost(self, node_id: str) -> bool:
         """Lost here, or by another replica (the catalog, as the database has it, says so)."""

@@ -18,7 +18,10 @@
   any replica; each records what it heard in `node_seen` about once a
   second, and the leader merges those before each check for lost nodes.
 
-`Solo` is the one-replica case (SQLite): it always leads and shares nothing.
+`Solo` is the one-replica case (SQLite): it always leads and shares nothing,
+but keeps its agents' last heartbeats in the file too, so that after its
+restart a node whose agent never speaks again still shows when it was last
+heard from (an alert on its heartbeat age fires) before it is lost.
 """
 from __future__ import annotations
 
@@ -45,25 +48,65 @@ CATCH_UP_SPACING_S = 0.05
 
 
 class Solo:
-    """One control plane on its own database: it leads, and there is nobody to hear or tell."""
+    """One control plane on its own database: it leads, and there is nobody to hear or tell. What its agents'
+    heartbeats said goes into the file every `record_s` (one small commit: a database of the whole fleet's
+    heartbeats would commit on every one) and at a clean stop; read back once, by the first check for lost nodes
+    after a start."""
 
     leading = True
     catch_ups = 0  # (metrics: nobody else writes, so nothing is ever caught up)
+
+    def __init__(self, store=None, record_s: float = 10.0):
+        self.store = store  # None: nothing recorded (a store without node_seen)
+        self.record_s = record_s
+        self._seen: dict[str, int] = {}
+        self._restored = False
+        self._task: asyncio.Task | None = None
 
     def leads(self) -> bool:
         return True
 
     def heard(self, node_id: str, at_ms: int) -> None:
-        pass
+        if self.store is not None and at_ms > self._seen.get(node_id, 0):
+            self._seen[node_id] = at_ms
 
     async def heard_elsewhere(self) -> dict[str, int]:
-        return {}
+        """Once, after a start: the heartbeats heard before it."""
+        if self._restored or self.store is None:
+            return {}
+        self._restored = True
+        try:
+            return await self.store.last_seen()
+        except Exception as exc:  # noqa: BLE001 - shown again once agents speak
+            log.warning("could not read the nodes' last heartbeats", error=str(exc))
+            return {}
 
     async def start(self, refresh: Callable[[], None], became_leader: Callable[[], None]) -> None:
         became_leader()  # alone on its database, it leads from the start
+        if self.store is not None:
+            self._task = asyncio.ensure_future(self._record_heartbeats())
 
     async def stop(self) -> None:
-        pass
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+            await self._record()
+
+    async def _record_heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.record_s)
+            await self._record()
+
+    async def _record(self) -> None:
+        seen, self._seen = self._seen, {}
+        if not seen:
+            return
+        try:
+            await self.store.record_seen(seen)
+        except Exception as exc:  # noqa: BLE001 - kept for the next try (a full disk, a store closing)
+            for node_id, at in seen.items():
+                self.heard(node_id, at)
+            log.warning("could not record the nodes' heartbeats; trying again", error=str(exc))
 
     async def caught_up(self) -> None:
         """Nobody else writes: the memory has everything."""

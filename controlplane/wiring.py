@@ -165,7 +165,7 @@ def replicas_of(store: Store):
     from controlplane.replicas import Shared, Solo
     from controlplane.store.postgres import PgStore
 
-    return Shared(store) if isinstance(store, PgStore) else Solo()
+    return Shared(store) if isinstance(store, PgStore) else Solo(store)
 
 
 class ControlPlane:

@@ -34,7 +34,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     service = request.app[NODES]
     node = _node(request)
     body = await read_json(request, HeartbeatRequest)
-    return json_response(await service.heartbeat(node, body.inventory))
+    return json_response(await service.heartbeat(node, body.inventory, body.agentVersion))
 
 
 async def watch(request: web.Request) -> web.Response:

@@ -109,6 +109,7 @@ CREATE TABLE IF NOT EXISTS quotes (
   expires_at INTEGER NOT NULL,
   doc BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS node_seen (node_id TEXT PRIMARY KEY, seen_at INTEGER NOT NULL);
 """
 
 GROUP_MAX = 256
@@ -296,6 +297,12 @@ class SqliteTx(SqliteReads, JobOutcome):
         self._writing().execute("DELETE FROM quotes WHERE expires_at < ?", (expires_at - 86_400_000,))
 
     # catalog and tokens
+    def record_seen(self, seen: dict[str, int]) -> None:
+        """Agents' last heartbeats (epoch ms), never moving one back (replicas.Solo)."""
+        self._writing().executemany(
+            "INSERT INTO node_seen (node_id, seen_at) VALUES (?, ?) ON CONFLICT (node_id)"
+            " DO UPDATE SET seen_at = MAX(seen_at, excluded.seen_at)", list(seen.items()))
+
     def put_catalog(self, kind: str, ident: str, doc: bytes) -> None:
         self._writing().execute(
             "INSERT INTO catalog (kind, id, doc) VALUES (?, ?, ?) ON CONFLICT (kind, id) DO UPDATE SET doc = excluded.doc",
@@ -643,6 +650,14 @@ class SqliteStore(WriterFront, SqliteReads, CommittedReads):
 
     def events_numbered(self) -> int:
         return events_numbered(self.conn)
+
+    async def record_seen(self, seen: dict[str, int]) -> None:
+        """Record agents' last heartbeats (epoch ms), never moving one back."""
+        await self.call(lambda tx: tx.record_seen(seen))
+
+    async def last_seen(self) -> dict[str, int]:
+        """The agents' last heartbeats recorded (epoch ms): before this process started too."""
+        return dict(self.conn.execute("SELECT node_id, seen_at FROM node_seen"))
 
     async def state_counts(self) -> list[tuple[str, str, int]]:
         if self.path == ":memory:":  # no other connection sees it (tests): a small one, read here

@@ -494,3 +494,44 @@ def test_waiting_reports_go_in_calls_of_their_own_after_the_others():
     assert ["r2", "r4"] == [r.reservationId for r in next_batch(queue)]
     assert ["r1", "r3"] == [r.reservationId for r in next_batch([queue[0], queue[2]])]
     assert REPORT_BATCH == len(next_batch([Report(f"r{i}", "bound") for i in range(REPORT_BATCH + 5)]))
+
+
+async def test_an_agent_sends_its_version_only_to_a_control_plane_that_names_one_and_never_loses_a_heartbeat(
+        aiohttp_server):
+    """A control plane of an earlier release answers heartbeats without a version and refuses the field (its
+    requests are strict): the agent never sends it there. Behind one balancer in a rolling upgrade a newer replica
+    may name another version and an older one get the next heartbeat: refused with it, it goes again without."""
+    from aiohttp import web
+
+    from agent.link import ControlPlaneLink
+
+    seen: list[dict] = []
+    names = {"version": None}  # what the answers say; None: an earlier release's, which says nothing of it
+
+    async def heartbeat(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        if "agentVersion" in body and names["version"] is None:
+            return web.json_response({"error": {"code": "INVALID_INPUT", "message": "unknown field",
+                                                "details": {"field": "agentVersion"}}}, status=400)
+        answer = {"resourceVersion": 1, "graceSeconds": 30, "reportStatuses": ["bound"]}
+        return web.json_response(answer if names["version"] is None else {**answer, "agentVersion": names["version"]})
+
+    app = web.Application()
+    app.router.add_post("/api/nodes/heartbeat", heartbeat)
+    server = await aiohttp_server(app)
+    link = ControlPlaneLink(str(server.make_url("/")), "", None, None, None, AgentMetrics(), inventory=lambda: None,
+                            agent_version="0.2.0", wall_ms=lambda: 0, on_node=print)
+    link.client.token = "nt_x"
+    try:
+        for _ in range(3):
+            assert (await link._heartbeat(None)).agentVersion is None
+        assert all("agentVersion" not in body for body in seen)
+        names["version"] = "0.1.0"  # a newer replica answers
+        await link._heartbeat(None)
+        names["version"] = None  # and an older one takes the next heartbeat, which carries the version
+        seen.clear()
+        assert (await link._heartbeat(None)).agentVersion is None
+        assert ["0.2.0", None] == [body.get("agentVersion") for body in seen]  # refused, then sent without
+    finally:
+        await link.client.close()

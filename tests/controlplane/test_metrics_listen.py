@@ -108,3 +108,31 @@ def test_the_metrics_on_the_api_s_own_address_is_refused_before_anything_binds(t
         )
         assert (2, True) == (out.returncode, "the API listens there (--listen)" in out.stderr), out.stderr
     assert not (tmp_path / "cp.db").exists()
+
+
+def test_after_a_restart_a_node_whose_agent_stays_silent_shows_when_it_was_last_heard_from(tmp_path):
+    """Heartbeat times lived in memory only: after a restart a node whose agent had died showed no last heartbeat
+    and no heartbeat age (the documented alert on it never fired) until it was lost. They are kept in the file."""
+    import time
+
+    from tests.controlplane.test_nodes import inventory
+    from tests.waiting import wait_for
+
+    (tmp_path / "b.json").write_text(json.dumps(bootstrap_doc()))
+    with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json", ["--node-grace", "60"]) as first:
+        status, reg = first.post("/api/nodes/register", "node-token-h100-000001",
+                                 {"hostname": "h1.test", "inventory": inventory("h1.test"), "agentVersion": "0.1.0"})
+        assert status == 200, reg
+        assert 200 == first.post("/api/nodes/heartbeat", reg["nodeToken"], {})[0]
+        heard = first.post("/api/admin/nodes/get", ADMIN, {"nodeId": "h1"})[1]["node"]["lastHeartbeat"]
+        assert heard is not None
+    time.sleep(1.5)
+    with ServerProcess(tmp_path / "cp.db", tmp_path / "b.json", ["--node-grace", "60"]) as second:
+        def shown():
+            node = second.post("/api/admin/nodes/get", ADMIN, {"nodeId": "h1"})[1]["node"]
+            return node if node["lastHeartbeat"] is not None else None
+        node = wait_for(shown, timeout=10)
+        assert node["lastHeartbeat"] == heard and node["heartbeatAgeSeconds"] >= 1.5, node
+        assert "ready" == node["state"]  # not lost: its agent has the grace from this start to speak again
+        status, text = get(second.url + "/metrics", ADMIN)
+        assert re.search(r'^berth_node_heartbeat_age_seconds\{node="h1",pool="h100"\} ([0-9.]+)$', text, re.M), text

@@ -659,3 +659,27 @@ async def test_after_a_restart_the_grace_counts_from_the_start_for_every_registe
     assert not again.cp.catalog.current.nodes[dead["nodeId"]].schedulable
     never = [n for n in again.cp.catalog.current.nodes.values() if n.id not in (dead["nodeId"], alive["nodeId"])]
     assert never and all(n.schedulable for n in never)  # declared, never registered: no agent to wait for
+
+
+async def test_an_agent_restarted_after_an_upgrade_shows_its_version_by_its_heartbeats(api):
+    """An agent keeps its node token across restarts and does not register again: the node showed the version it
+    first registered with after an upgrade in place, and none at all after the control plane restarted. A heartbeat
+    answer names the version on record; an agent whose own differs sends it with its next heartbeat."""
+    from agent.link import ControlPlaneLink
+    from agent.metrics import AgentMetrics
+    from tests.controlplane.test_admin_api import ok
+    status, reg = await node_call(api, "register", BOOT, {"hostname": "h1.test", "inventory": inventory("h1.test"),
+                                                          "agentVersion": "0.1.0"})
+    assert status == 200, reg
+    upgraded = ControlPlaneLink(str(api.client.server.make_url("")), "", None, None, None, AgentMetrics(),
+                                inventory=lambda: None, agent_version="0.2.0", wall_ms=lambda: 0, on_node=print)
+    upgraded.client.token = reg["nodeToken"]
+    try:
+        assert "0.1.0" == (await upgraded._heartbeat(None)).agentVersion  # the first heartbeat does not carry it
+        assert "0.2.0" == (await upgraded._heartbeat(None)).agentVersion
+        assert not upgraded.version_unknown  # and the next ones do not either
+    finally:
+        await upgraded.client.close()
+    assert "0.2.0" == (await ok(api, "nodes/get", {"nodeId": "h1"}))["node"]["agentVersion"]
+    status, doc = await node_call(api, "heartbeat", reg["nodeToken"], {"agentVersion": "x" * 65})
+    assert (status, doc["error"]["details"]["field"]) == (400, "agentVersion"), doc
