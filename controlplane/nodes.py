@@ -46,14 +46,41 @@ HEARTBEAT_S = 5
 WATCH_MAX_MS = 30_000
 
 
-def units_of(inventory: Inventory, pool: Pool) -> tuple[tuple[Unit, ...], int, list[str]]:
-    """(bookable units, GPUs, notes) of an agent's inventory in this pool. GPUs counts the GPUs that give units here,
-    as a declared node counts the GPUs it lists (each gives units): whole GPUs in an exclusive or slots pool (the
-    per-GPU share divides the host by them), GPUs in MIG mode in a MIG pool (a node binding books every one)."""
+def gpu_names(inventory: Inventory, before: Node | None) -> dict[str, str]:
+    """The name each GPU's units take (`gpuN`, before `/migM` or `/slotM`), by GPU uuid: the one they had. NVML numbers
+    GPUs in their order, so after a GPU leaves (a dead one, at a driver reload) the others move up an index: named
+    by the index, a unit came to name another GPU than its bookings hold, one that other bookings held already (two
+    reservations bound to one GPU). A GPU new to the node takes `gpuN` of its index unless a GPU still there has it,
+    else `gpuN-` and its uuid's last eight characters."""
+    had: dict[str, str] = {}  # uuid -> name, from the node's last inventory and the units made of it
+    if before is not None and before.inventory is not None:
+        uuid_at = {g.index: g.uuid for g in before.inventory.gpus}
+        for unit in before.units:
+            if unit.gpu_index in uuid_at:
+                had.setdefault(uuid_at[unit.gpu_index], unit.id.split("/", 1)[0])
+    names: dict[str, str] = {}
+    kept = {had[g.uuid] for g in inventory.gpus if g.uuid in had}
+    for gpu in inventory.gpus:
+        if gpu.uuid in had:
+            names[gpu.uuid] = had[gpu.uuid]
+            continue
+        name = f"gpu{gpu.index}"
+        if name in kept or name in names.values():
+            name = f"gpu{gpu.index}-{gpu.uuid[-8:]}"
+        names[gpu.uuid] = name
+    return names
+
+
+def units_of(inventory: Inventory, pool: Pool, before: Node | None = None) -> tuple[tuple[Unit, ...], int, list[str]]:
+    """(bookable units, GPUs, notes) of an agent's inventory in this pool, named as `before` (the node as it was)
+    named them (gpu_names). GPUs counts the GPUs that give units here, as a declared node counts the GPUs it lists
+    (each gives units): whole GPUs in an exclusive or slots pool (the per-GPU share divides the host by them), GPUs
+    in MIG mode in a MIG pool (a node binding books every one)."""
     units: list[Unit] = []
     notes: list[str] = []
+    names = gpu_names(inventory, before)
     for gpu in inventory.gpus:
-        index, uuid, minor = gpu.index, gpu.uuid, gpu.minor
+        index, uuid, minor, name = gpu.index, gpu.uuid, gpu.minor, names[gpu.uuid]
         if gpu.deviceClass != pool.gpu_model:
             notes.append(f"GPU {index} is {gpu.deviceClass}, not pool {pool.id}'s {pool.gpu_model}: not bookable here")
             continue
@@ -70,16 +97,16 @@ def units_of(inventory: Inventory, pool: Pool) -> tuple[tuple[Unit, ...], int, l
                 if not mig.health.healthy or not mig.profile:
                     continue
                 caps = mig.capMinors
-                units.append(Unit(f"gpu{index}/mig{mig.index}", index, numa, mig.profile, mig.uuid, minor,
+                units.append(Unit(f"{name}/mig{mig.index}", index, numa, mig.profile, mig.uuid, minor,
                                   tuple(c for c in (caps.gi, caps.ci) if c is not None)))
             continue
         if mig_on:
             notes.append(f"GPU {index} is in MIG mode; pool {pool.id} books whole GPUs")
             continue
         if pool.sharing == "slots":
-            units.extend(Unit(f"gpu{index}/slot{j}", index, numa, None, uuid, minor) for j in range(pool.policy.slots_per_gpu))
+            units.extend(Unit(f"{name}/slot{j}", index, numa, None, uuid, minor) for j in range(pool.policy.slots_per_gpu))
         else:
-            units.append(Unit(f"gpu{index}", index, numa, None, uuid, minor))
+            units.append(Unit(name, index, numa, None, uuid, minor))
     return tuple(units), len({u.gpu_index for u in units}), notes
 
 
@@ -362,8 +389,8 @@ class NodeService:
     def _apply_inventory(self, tx: Tx, catalog: Catalog, pool: Pool, node_id: str, hostname: str,
                          inventory: Inventory, machine_id: str | None = None) -> Node:
         """machine_id: given by a registration (recorded, and any release used up); None keeps the node's."""
-        units, gpus, notes = units_of(inventory, pool)
         old = catalog.nodes.get(node_id)
+        units, gpus, notes = units_of(inventory, pool, old)
         if machine_id is None:
             machine_id, released = (old.machine_id, old.identity_released) if old is not None else ("", False)
         else:

@@ -683,3 +683,53 @@ async def test_an_agent_restarted_after_an_upgrade_shows_its_version_by_its_hear
     assert "0.2.0" == (await ok(api, "nodes/get", {"nodeId": "h1"}))["node"]["agentVersion"]
     status, doc = await node_call(api, "heartbeat", reg["nodeToken"], {"agentVersion": "x" * 65})
     assert (status, doc["error"]["details"]["field"]) == (400, "agentVersion"), doc
+
+
+async def test_gpus_renumbered_after_one_left_keep_their_units_so_no_gpu_is_bound_twice(api):
+    """NVML numbers GPUs in their order: after GPU 0 dies the others move up an index. Units named by the index
+    then named other GPUs: the reservation on the dead GPU was not told, and a new booking of the unit its GPU had
+    was bound to the GPU another reservation held (two tenants on one GPU)."""
+    from tests.controlplane.test_admin_api import ok
+    inv = inventory("h1.test")
+    node = await register(api, "h1.test", inv)
+    await ok(api, "nodes/cordon", {"nodeId": "h2", "reason": "only h1 here"})
+    held = {}
+    for key in ("a", "b"):
+        res = (await api.create(key=key, gpuCount=1))[1]["reservation"]
+        held[key] = (res["id"], res["placements"][0]["devices"][0])
+    uuid_of = {f"gpu{g['index']}": g["uuid"] for g in inv["gpus"]}
+    gone = uuid_of[held["a"][1]]
+    renumbered = copy.deepcopy(inv)
+    renumbered["gpus"] = [g for g in renumbered["gpus"] if g["uuid"] != gone]
+    for i, gpu in enumerate(renumbered["gpus"]):
+        gpu["index"] = i
+    status, _ = await node_call(api, "heartbeat", node["nodeToken"], {"inventory": renumbered})
+    assert status == 200
+    lost = await api.ok("get", "alice", {"reservationId": held["a"][0]})
+    assert any(c["type"] == "DevicesLost" for c in lost["conditions"]), lost["conditions"]
+    kept = await api.ok("get", "alice", {"reservationId": held["b"][0]})
+    assert not any(c["type"] == "DevicesLost" for c in kept["conditions"]), kept["conditions"]
+    await api.ok("release", "alice", {"reservationId": held["a"][0]})
+    for i in range(6):  # every other GPU of the node, once the dead one's reservation let go
+        status, doc = await api.create(key=f"more{i}", gpuCount=1)
+        assert status == 202, doc
+    await api.settle()
+    status, doc = await node_call(api, "watch", node["nodeToken"], {"timeoutMs": 0})
+    uuids = [u["uuid"] for b in doc["bindings"] for u in b["units"]]
+    assert len(uuids) == len(set(uuids)) == 7 and gone not in uuids, doc["bindings"]
+    b_binding = next(b for b in doc["bindings"] if b["reservationId"] == held["b"][0])
+    assert [u["uuid"] for u in b_binding["units"]] == [uuid_of[held["b"][1]]]
+    status, doc = await api.create(key="none-left", gpuCount=1)  # 7 GPUs, 7 booked
+    assert doc["reservation"]["state"] == "pending", doc
+    # a new card at the last index, whose unit name a GPU that moved up still has: a name of its own
+    card = copy.deepcopy(renumbered["gpus"][-1])
+    card.update(index=7, uuid="GPU-a-new-card-0000000000001", minor=99, pciBusId="00000000:F0:00.0")
+    status, doc = await node_call(api, "heartbeat", node["nodeToken"], {
+        "inventory": {**renumbered, "gpus": renumbered["gpus"] + [card]}})
+    assert status == 200, doc
+    names = {u.uuid: u.id for u in api.cp.catalog.current.nodes["h1"].units}
+    assert names[card["uuid"]] == "gpu7-00000001" and names[uuid_of["gpu7"]] == "gpu7", names
+    # the dead GPU back (a new driver, a reseated card): its own unit again, the others untouched
+    status, _ = await node_call(api, "heartbeat", node["nodeToken"], {"inventory": inv})
+    assert status == 200
+    assert sorted(u.id for u in api.cp.catalog.current.nodes["h1"].units) == sorted(uuid_of)
