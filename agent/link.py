@@ -144,7 +144,7 @@ class ControlPlaneLink:
                                  poolId=ans.poolId, hostname=inv.hostname, registeredAtMs=self.wall_ms(),
                                  heartbeatSeconds=interval)
         self.state.write_identity(self.identity)
-        self.heartbeat_s = self.fixed_heartbeat_s or interval
+        self.heartbeat_s = heartbeat_interval(self.fixed_heartbeat_s or interval, ans.graceSeconds)
         self.inventory_dirty = False  # register carried it
         self.on_node(ans.nodeId)
         self.checkpoint.set_node(ans.nodeId)
@@ -179,6 +179,8 @@ class ControlPlaneLink:
                 continue
             except (Unreachable, NodeApiError) as exc:
                 self.metrics.watch_reconnects += 1
+                if isinstance(exc, NodeApiError) and exc.code == "INVALID_INPUT":
+                    rv = 0  # the control plane will not take this version (it never gave it): start again whole
                 delay = backoff.next()
                 self.log.warning("watch failed; reconnecting", error=str(exc), retry_in_s=round(delay, 3),
                                  resource_version=rv)
@@ -204,6 +206,7 @@ class ControlPlaneLink:
             send = inv if self.inventory_dirty else None
             try:
                 ans = await self._heartbeat(send)
+                self._keep_to_grace(ans.graceSeconds)
                 self._takes_reports(ans.reportStatuses)
                 await self._heard_node_state(ans.nodeState)
                 self.metrics.heartbeats_ok += 1
@@ -218,6 +221,16 @@ class ControlPlaneLink:
                 self.metrics.heartbeat_failures += 1
                 self.log.warning("heartbeat failed", error=str(exc))
             await asyncio.sleep(self.heartbeat_s)
+
+    def _keep_to_grace(self, grace_s: float | None) -> None:
+        """Three heartbeats in the grace each answer names: a control plane restarted with a shorter `--node-grace`
+        than the one the stored interval (or `--heartbeat-seconds`) was made for lost the node between heartbeats."""
+        wanted = self.fixed_heartbeat_s or (self.identity.heartbeatSeconds if self.identity else self.heartbeat_s)
+        interval = heartbeat_interval(wanted, grace_s)
+        if interval != self.heartbeat_s:
+            self.log.info("heartbeat interval set to fit the control plane's grace", heartbeat_s=interval,
+                          grace_s=grace_s)
+            self.heartbeat_s = interval
 
     async def _heartbeat(self, inventory: Inventory | None) -> HeartbeatAnswer:
         """One heartbeat, with this agent's version when the last answer named another (a restarted control plane,

@@ -92,11 +92,14 @@ class NodeClient:
         if status >= 400:
             try:
                 err = msgspec.json.decode(raw, type=ErrorEnvelope).error
-                code, message = err.code, err.message
             except (msgspec.DecodeError, msgspec.ValidationError):
-                code, message = "UNKNOWN", raw[:200].decode(errors="replace")
+                # not the control plane's error document: a load balancer or a proxy answered (a 404 page while
+                # it reloads, a 502): nothing was decided, so nothing is dropped or registered again; try later
+                raise Unreachable(f"node API {method} at {url}: HTTP {status} without the control plane's error "
+                                  f"document (a proxy or load balancer answered?): "
+                                  f"{raw[:200].decode(errors='replace')!r}") from None
             cls = Unauthorized if status == 401 else NodeApiError
-            raise cls(method, status, code, message)
+            raise cls(method, status, err.code, err.message)
         try:
             return msgspec.json.decode(raw, type=answer)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

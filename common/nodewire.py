@@ -59,7 +59,7 @@ class RegisterAnswer(Answer):
     poolId: str = ""
     heartbeatSeconds: float = 5.0
     graceSeconds: float = 30.0
-    resourceVersion: int = 0
+    resourceVersion: ResourceVersion = 0
 
 
 # -- heartbeat ------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ class HeartbeatAnswer(Answer):
     """`reportStatuses`: the report statuses this control plane takes (a newer agent sends no other: an older
     control plane refuses a whole report call for one status it does not know)."""
 
-    resourceVersion: int = 0
+    resourceVersion: ResourceVersion = 0
     graceSeconds: float | None = None
     reportStatuses: tuple[str, ...] = ()
     agentVersion: str | None = None  # the agent's version on record here (None: this control plane takes none)
@@ -141,7 +141,7 @@ class Binding(Answer):
 
 
 class WatchAnswer(Answer):
-    resourceVersion: int
+    resourceVersion: ResourceVersion  # bounded as the watch request takes it back: a bad one is a bad answer
     # required: an answer without it (a proxy's, a broken replica's) is no answer, never "nothing is wanted"
     bindings: tuple[Binding, ...]
     changed: bool = True

@@ -535,3 +535,112 @@ async def test_an_agent_sends_its_version_only_to_a_control_plane_that_names_one
         assert ["0.2.0", None] == [body.get("agentVersion") for body in seen]  # refused, then sent without
     finally:
         await link.client.close()
+
+
+async def _fake_control_plane(aiohttp_server, routes: dict):
+    from aiohttp import web
+    app = web.Application()
+    for method, handler in routes.items():
+        app.router.add_post(f"/api/nodes/{method}", handler)
+    return await aiohttp_server(app)
+
+
+def _link(server, **kw):
+    from types import SimpleNamespace
+
+    from agent.link import ControlPlaneLink
+    import msgspec
+    from common.inventory import Inventory
+    from tests.controlplane.test_nodes import inventory
+    inv = msgspec.convert(inventory("h1.test"), Inventory)
+    link = ControlPlaneLink(str(server.make_url("/")), "", None, None, SimpleNamespace(kubernetes=None, nodes=None),
+                            AgentMetrics(), inventory=lambda: inv, agent_version="0.2.0", wall_ms=lambda: 0,
+                            on_node=print, backoff_min_s=0.01, backoff_max_s=0.02, **kw)
+    link.client.token = "nt_x"
+    link._registered.set()
+    return link
+
+
+async def test_the_heartbeat_keeps_three_to_each_grace_the_control_plane_names(aiohttp_server):
+    """The interval was fixed at register (or by --heartbeat-seconds): a control plane restarted with a shorter
+    --node-grace lost the node between heartbeats, over and over."""
+    import asyncio
+    from aiohttp import web
+    grace = {"s": 3.0}
+
+    async def heartbeat(request: web.Request) -> web.Response:
+        return web.json_response({"resourceVersion": 1, "graceSeconds": grace["s"], "reportStatuses": ["bound"]})
+
+    server = await _fake_control_plane(aiohttp_server, {"heartbeat": heartbeat})
+    link = _link(server, heartbeat_s=10.0)
+    task = asyncio.ensure_future(link.heartbeat_loop())
+    try:
+        await asyncio.sleep(0.3)
+        assert link.heartbeat_s == 1.0 and link.metrics.heartbeats_ok >= 1
+        grace["s"] = 60.0  # a longer grace again: back to what was asked
+        await asyncio.sleep(1.3)
+        assert link.heartbeat_s == 10.0
+    finally:
+        task.cancel()
+        await link.client.close()
+
+
+async def test_a_bad_resource_version_is_a_bad_answer_and_a_refused_one_starts_the_watch_again(aiohttp_server):
+    """One watch answer with resourceVersion -1 (a broken proxy) was kept, and every later watch sent it back and
+    was refused: the node took no new binding until the agent restarted, while its heartbeats kept it ready."""
+    import asyncio
+    from aiohttp import web
+    sent: list[int] = []
+    answers = [{"resourceVersion": -1, "bindings": []}, {"resourceVersion": 7, "bindings": []}]
+
+    async def watch(request: web.Request) -> web.Response:
+        body = await request.json()
+        sent.append(body["resourceVersion"])
+        if body["resourceVersion"] < 0 or sent.count(7) == 1 and body["resourceVersion"] == 7:  # (a restored
+            # database that never gave 7, say) refused once
+            return web.json_response({"error": {"code": "INVALID_INPUT", "message": "resourceVersion: refused",
+                                                "details": {"field": "resourceVersion"}}}, status=400)
+        if answers:
+            return web.json_response(answers.pop(0))
+        await asyncio.sleep(0.05)
+        return web.json_response({"resourceVersion": 7, "bindings": [], "changed": False})
+
+    server = await _fake_control_plane(aiohttp_server, {"watch": watch})
+    link = _link(server)
+    reconciled: list[int] = []
+
+    async def reconcile(bindings, seen, resource_version, why):
+        reconciled.append(resource_version)
+    link.controller.reconcile, link.controller.started = reconcile, False
+    task = asyncio.ensure_future(link.watch_loop())
+    try:
+        await asyncio.sleep(0.4)
+    finally:
+        task.cancel()
+        await link.client.close()
+    assert sent[:4] == [0, 0, 7, 0] and reconciled[:1] == [7], (sent, reconciled)
+
+
+async def test_an_answer_without_the_control_planes_error_document_drops_nothing(aiohttp_server):
+    """A load balancer's 404 page while it reloaded was taken for the control plane refusing the reports, which
+    were dropped for good: the unbound of a released reservation was lost."""
+    from aiohttp import web
+
+    from agent.nodeclient import NodeApiError, Unreachable
+
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(status=404, text="<html><body>404 Not Found</body></html>", content_type="text/html")
+
+    async def envelope(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"code": "INVALID_INPUT", "message": "no", "details": {}}}, status=400)
+
+    server = await _fake_control_plane(aiohttp_server, {"report": page, "heartbeat": envelope})
+    link = _link(server)
+    try:
+        with pytest.raises(Unreachable, match="without the control plane's error document"):
+            await link.client.report([])
+        with pytest.raises(NodeApiError) as refused:
+            await link.client.heartbeat()
+        assert refused.value.code == "INVALID_INPUT"
+    finally:
+        await link.client.close()
