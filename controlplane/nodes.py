@@ -712,7 +712,10 @@ class NodeService:
                if rep.ssh is not None else None)
         same = mine is not None and (mine.cgroup, mine.devices, mine.end, mine.ssh) == (rep.cgroup, devices, rep.end,
                                                                                          ssh)
-        if same and rep.oomKills <= mine.oom_kills:
+        # an active reservation's node that reported a failure (a GPU gone, pods in the way) and bound it again
+        failed_before = res.state == states.ACTIVE and any(
+            c.type == "DevicesBound" and c.status == "False" for c in res.conditions)
+        if same and rep.oomKills <= mine.oom_kills and not failed_before:
             return  # a repeated report changes nothing
         before = mine.oom_kills if mine is not None and mine.cgroup == rep.cgroup else 0
         if rep.oomKills > before:
@@ -723,6 +726,8 @@ class NodeService:
                   node.inventory if res.binding == "node" and node is not None else None)
         res.bound = [b for b in res.bound if b.node_id != node_id] + [
             Bound(node_id, mine.at if same else now, rep.cgroup, devices, rep.end, rep.oomKills, ssh, handed)]
+        if failed_before and {p.node_id for p in res.placements} <= {b.node_id for b in res.bound}:
+            self.moves.devices_bound(res, now)
         if same:
             self.moves.save(tx, res)
             return

@@ -294,10 +294,14 @@ class Transitions:
             self.end(tx, res, now, "node-lost", actor="platform", nodeId=lost[0])
         return True
 
+    @staticmethod
+    def devices_bound(res: Reservation, now: int) -> None:
+        res.set_condition("DevicesBound", "True", "Bound", "every node reported the devices bound", now)
+
     def mark_active(self, tx: Tx, res: Reservation, now: int) -> bool:
         """binding -> active once every node reported the devices bound; the create operation succeeds."""
         states.move(res, states.ACTIVE, now)
-        res.set_condition("DevicesBound", "True", "Bound", "every node reported the devices bound", now)
+        self.devices_bound(res, now)
         res.billing_start = now  # confirmed readiness: billing starts
         tx.bill_from(res, now)
         op = res.create_operation()

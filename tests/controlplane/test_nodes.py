@@ -244,6 +244,29 @@ async def test_failed_and_foreign_reports(api):
     assert cond["reason"] == "BindFailed" and "no hugetlb" in cond["message"]
 
 
+async def test_an_active_reservation_bound_again_after_a_failure_says_it_is_bound(api):
+    """A GPU lost and back: the node reported failed, then bound again with the same cgroup and devices, which was
+    taken for a repeated report, and DevicesBound stayed BindFailed ("will not resolve by itself") for good."""
+    node = await register(api, "h1.test")
+    await register(api, "h2.test")
+    res = (await api.create(key="a", gpuCount=8))[1]["reservation"]
+    await api.settle()
+    token = node["nodeToken"] if res["placements"][0]["nodeId"] == "h1" else (await register(api, "h2.test"))["nodeToken"]
+    bound = {"reservationId": res["id"], "status": "bound", "cgroup": "/berth/x", "devices": ["/dev/nvidia0"]}
+    await node_call(api, "report", token, {"reports": [bound]})
+    assert "active" == (await api.ok("get", "alice", {"reservationId": res["id"]}))["state"]
+    await node_call(api, "report", token, {"reports": [{"reservationId": res["id"], "status": "failed",
+                                                        "message": "GPU-1 is gone"}]})
+    cond = next(c for c in (await api.ok("get", "alice", {"reservationId": res["id"]}))["conditions"]
+                if c["type"] == "DevicesBound")
+    assert (cond["status"], cond["reason"]) == ("False", "BindFailed")
+    status, doc = await node_call(api, "report", token, {"reports": [bound]})
+    assert doc["accepted"] == [res["id"]], doc
+    cond = next(c for c in (await api.ok("get", "alice", {"reservationId": res["id"]}))["conditions"]
+                if c["type"] == "DevicesBound")
+    assert (cond["status"], cond["reason"]) == ("True", "Bound")
+
+
 async def test_a_silent_node_is_lost_after_the_grace_and_back_on_its_heartbeat(api):
     n1 = await register(api, "h1.test")
     n2 = await register(api, "h2.test")
