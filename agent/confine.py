@@ -187,8 +187,21 @@ def environment(env: Mapping[str, str], user: WorkloadUser | None) -> dict[str, 
     return out
 
 
+def ordinary_oom_score() -> None:
+    """The OOM score of a process started from a login, 0: a workload started through the agent's socket inherited
+    the agent's, which its unit protects (OOMScoreAdjust=-900), and a host short of memory killed sshd before it.
+    Raising it is always allowed; where the caller's was higher and lowering it is not (no CAP_SYS_RESOURCE), it
+    stays higher: less protected, never more."""
+    try:
+        Path("/proc/self/oom_score_adj").write_text("0")
+    except OSError:
+        pass
+
+
 def enter(procs: Sequence[Path | str], user: WorkloadUser | None) -> None:
-    """All the steps up to exec: join, check, namespace, and (user given) drop root. ConfineError on failure."""
+    """All the steps up to exec: the ordinary OOM score, join, check, namespace, and (user given) drop root.
+    ConfineError on failure."""
+    ordinary_oom_score()
     join(procs)
     expected = Path(procs[0]).parent
     mount = host.cgroup2_mount()

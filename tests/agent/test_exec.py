@@ -334,6 +334,23 @@ def test_an_allowed_uid_starts_the_tenants_confined_workload_through_the_agents_
 
 
 @pytest.mark.kernel
+@pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"{SYSTEM_PYTHON} is needed to run as another uid")
+def test_a_workload_does_not_inherit_the_agents_oom_score(bound):
+    """The launcher is the agent's child, and the agent's unit sets OOMScoreAdjust=-900: workloads ran as protected
+    as the agent. Shown with the agent at +300 (this host gives no CAP_SYS_RESOURCE to go below 0): they get 0."""
+    binder, state = bound
+    own = Path("/proc/self/oom_score_adj")
+    own.write_text("300")
+    try:
+        with GateThread(gate_for(binder, state, NOBODY_MAY_ACME)):
+            code, out, err = as_nobody(["--state-dir", str(state), "r1", "--", SYSTEM_PYTHON, "-c",
+                                        "print(open('/proc/self/oom_score_adj').read().strip())"])
+    finally:
+        own.write_text("0")
+    assert (0, "0") == (code, out.strip()), err
+
+
+@pytest.mark.kernel
 def test_through_the_socket_the_exit_status_and_a_signal_come_back(bound):
     binder, state = bound
     with GateThread(gate_for(binder, state, NOBODY_MAY_ACME)):
