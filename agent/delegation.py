@@ -102,6 +102,10 @@ def resolve(cgroup_root: str | None, enable_from: str | None = None, *, proc: Pa
                           "own; point it at a cgroup below one delegated to it")
     delegated_own = own != mount and _below(root, own)
     top = Path(enable_from) if enable_from else (own if delegated_own else scope)
+    if enable_from and not (top == mount or _below(top, mount)):
+        raise LayoutError(f"--cgroup-enable-from {top} is not on the cgroup2 hierarchy, which this host mounts at "
+                          f"{mount}: give {mount} or a cgroup below it (on a hybrid host, /sys/fs/cgroup holds the v1 "
+                          "hierarchies, whose controllers need no enabling)")
     if top is not None and not (top == root or _below(root, top)):
         raise LayoutError(f"--cgroup-enable-from {top} is not an ancestor of the cgroup root {root}")
     # Under systemd the unit's own cgroup is delegated too (Delegate=yes): the agent keeps itself in a leaf of it,

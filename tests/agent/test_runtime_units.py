@@ -377,6 +377,17 @@ def test_a_layout_that_cannot_work_says_which_option_to_change(tmp_path, own, ro
         delegation.resolve(root, enable_from, proc=fake_proc(tmp_path, own), systemd=False)
 
 
+def test_on_a_hybrid_host_enabling_from_the_v1_tmpfs_is_refused_naming_the_cgroup2_mount(tmp_path):
+    """docs/operations.md gave every host --cgroup-enable-from /sys/fs/cgroup, the v1 hierarchies' tmpfs on a
+    hybrid host: the agent exited reading its cgroup.controllers (no such file), restarted by its unit for ever."""
+    proc = fake_proc(tmp_path, "/x")
+    (proc / "self/mountinfo").write_text("41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n")
+    with pytest.raises(delegation.LayoutError, match="not on the cgroup2 hierarchy.*/sys/fs/cgroup/unified"):
+        delegation.resolve("/sys/fs/cgroup/unified/x/w", "/sys/fs/cgroup", proc=proc, systemd=False)
+    lay = delegation.resolve("/sys/fs/cgroup/unified/x/w", "/sys/fs/cgroup/unified", proc=proc, systemd=False)
+    assert str(lay.enable_from) == "/sys/fs/cgroup/unified"
+
+
 def test_the_workloads_scope_is_a_delegated_scope_around_a_keeper_in_a_leaf():
     cmd = delegation.scope_command(Path("/sys/fs/cgroup"))
     assert cmd[:2] == ["systemd-run", "--scope"]
