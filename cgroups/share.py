@@ -153,7 +153,9 @@ def _host_facts(proc: Path, sys: Path) -> tuple[frozenset[int], frozenset[int], 
 
 def read_capacity(parent: Path, *, proc: Path = Path("/proc"), sys: Path = Path("/sys"),
                   fields: frozenset[str] = CAPACITY_FIELDS, dirs: Mapping[str, Path] | None = None) -> Capacity:
-    """The host's CPUs, nodes, memory and 1 GiB pool, narrowed by the parent cgroup's own files where present.
+    """The host's CPUs, nodes, memory and 1 GiB pool, narrowed by the parent cgroup's files where present: its
+    effective CPUs and nodes, and the lowest memory and 1 GiB limits of it and every cgroup above it (a limit on
+    berth.slice bounds what a reservation below can use whatever its own files say).
 
     Only `fields` are read (see CgroupShare.asks). `dirs` names, per controller (cpuset, memory, hugetlb), the
     parent's directory in the hierarchy that enforces it, when that is a cgroup v1 one (its files have the v1
@@ -169,14 +171,14 @@ def read_capacity(parent: Path, *, proc: Path = Path("/proc"), sys: Path = Path(
     if "mems" in fields:
         out["mems"] = _effective(cpuset, "cpuset.mems.effective", "cpuset.effective_mems") or nodes
     if "memory_bytes" in fields:
-        parent_max = _limit(mem, "memory.max", "memory.limit_in_bytes")
+        parent_max = _lowest_limit(mem, "memory.max", "memory.limit_in_bytes")
         out["memory_bytes"] = memory if parent_max is None else min(memory, parent_max)
     if "hugepages_1g" in fields:
         try:
             pages = hostfacts.hugepages_total(hostfacts.SIZE_1G_KIB, str(sys)) or 0
         except hostfacts.HostReadError as exc:
             raise CgroupError(f"reading the 1 GiB hugepage pool: {exc}", path=Path(exc.path)) from None
-        parent_pages = _limit(huge, "hugetlb.1GB.max", "hugetlb.1GB.limit_in_bytes")
+        parent_pages = _lowest_limit(huge, "hugetlb.1GB.max", "hugetlb.1GB.limit_in_bytes")
         out["hugepages_1g"] = pages if parent_pages is None else min(pages, parent_pages // host.GIB)
     return Capacity(**out)
 
@@ -191,10 +193,22 @@ def _effective(dir: Path, *names: str) -> frozenset[int] | None:
     return None
 
 
-def _limit(dir: Path, *names: str) -> int | None:
-    for name in names:
-        try:
-            return parse_max(read_file(dir, name))
-        except FileMissing:
-            continue
-    return None
+def _lowest_limit(dir: Path, *names: str) -> int | None:
+    """The lowest limit in the first of the names (the cgroup2 one, then the v1 one) at dir and at each cgroup above
+    it, up to the first without the file (a cgroup2 root has none; a v1 mount's parent is no cgroup); None: none."""
+    lowest = None
+    while True:
+        for name in names:
+            try:
+                text = read_file(dir, name)
+                break
+            except FileMissing:
+                continue
+        else:
+            return lowest
+        limit = parse_max(text)
+        if limit is not None:
+            lowest = limit if lowest is None else min(lowest, limit)
+        if dir.parent == dir:
+            return lowest
+        dir = dir.parent

@@ -60,6 +60,31 @@ def test_capacity_is_the_parents_limits_bounded_by_the_host(fake_cgroupfs):
     assert Capacity(frozenset(range(8)), frozenset({0, 1}), 8 * GIB, 2) == cap
 
 
+def test_a_limit_on_a_cgroup_above_the_parent_bounds_the_capacity_too(fake_cgroupfs, tmp_path):
+    """A 3 GiB limit on berth.slice, above the agent's root: a 6 GiB share was bound, and its workload OOM-killed at
+    4 GiB, where ShareTooLarge was promised (the parent's own file alone was read). On v1 names as on cgroup2."""
+    root = fake_cgroupfs.mount
+    slice_, agent = root / "berth.slice", root / "berth.slice" / "agent"
+    agent.mkdir(parents=True)
+    (slice_ / "memory.max").write_text(f"{3 * GIB}\n")
+    (agent / "memory.max").write_text("max\n")
+    (root / "hugetlb.1GB.max").write_text(f"{1 * GIB}\n")
+    (slice_ / "hugetlb.1GB.max").write_text("max\n")
+    (agent / "hugetlb.1GB.max").write_text(f"{2 * GIB}\n")
+    cap = read_capacity(agent, proc=fake_cgroupfs.proc, sys=fake_cgroupfs.sys)
+    assert (cap.memory_bytes, cap.hugepages_1g) == (3 * GIB, 1)
+    with pytest.raises(ShareTooLarge) as info:
+        CgroupShare(memory_bytes=6 * GIB).check_fits(cap)
+    assert (info.value.field, info.value.available) == ("memory_bytes", 3 * GIB)
+    v1 = tmp_path / "v1" / "memory"
+    (v1 / "berth.slice" / "agent").mkdir(parents=True)
+    for d, limit in ((v1, 9223372036854771712), (v1 / "berth.slice", 3 * GIB), (v1 / "berth.slice" / "agent", 8 * GIB)):
+        (d / "memory.limit_in_bytes").write_text(f"{limit}\n")
+    cap = read_capacity(agent, proc=fake_cgroupfs.proc, sys=fake_cgroupfs.sys, fields=frozenset({"memory_bytes"}),
+                        dirs={"memory": v1 / "berth.slice" / "agent"})
+    assert cap.memory_bytes == 3 * GIB
+
+
 def test_a_share_asks_the_capacity_only_about_what_it_limits():
     assert (frozenset(), frozenset({"cpus", "memory_bytes", "hugepages_1g"})) == (
         CgroupShare().asks(), CgroupShare(vcpu_milli=100, memory_high_bytes=GIB, hugepages_1g=1).asks())
