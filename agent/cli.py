@@ -21,6 +21,13 @@ RUNTIME_USAGE = ("berth agent --control-plane URL --bootstrap-token-file FILE [-
                  "[--cgroup-root PATH] [--state-dir DIR] [options]; `berth agent discover` prints this host's inventory")
 
 
+def _minutes(text: str) -> float:
+    value = argtypes.amount(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give minutes above 0, e.g. 60")
+    return value
+
+
 def _library(text: str) -> str:
     """--nvml-library: a file that is a shared library (ELF), so that a typo is refused here, not taken for a host
     without a driver. Empty (an unset BERTH_NVML_LIBRARY): the system's libnvidia-ml.so.1."""
@@ -201,6 +208,9 @@ def _runtime_parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-memory-gib", type=argtypes.amount, default=4.0, metavar="GIB",
                    help="memory kept for the system (default 4)")
     p.add_argument("--device-classes", metavar="FILE", help="operator device class rules (JSON)")
+    p.add_argument("--gpu-health-quiet-minutes", type=_minutes, default=None, metavar="M",
+                   help="a GPU an XID or an ECC error marked unhealthy is healthy again after M minutes without "
+                        "another (default: until the operator's word, SIGUSR1 to the agent, or a restart)")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     p.add_argument("--watch-timeout-ms", type=argtypes.whole(1), default=25_000, help=argparse.SUPPRESS)
@@ -302,6 +312,7 @@ def runtime_main(argv: list[str]) -> int:
         metrics_listen=args.metrics_listen, nvml_library=args.nvml_library, reserve=reserve, device_classes=classes,
         exec_policy=policy, watch_timeout_ms=args.watch_timeout_ms, heartbeat_s=args.heartbeat_seconds,
         reconcile_s=args.reconcile_seconds, rediscover_s=args.rediscover_seconds,
+        health_quiet_s=args.gpu_health_quiet_minutes * 60 if args.gpu_health_quiet_minutes is not None else None,
         backoff_max_s=args.backoff_max_seconds, request_timeout_s=args.request_timeout_seconds, proc=Path(args.proc_root), sys=Path(args.sys_root),
         machine_id_file=Path(args.machine_id_file), kubelet_root=Path(args.kubelet_root), kubeconfig=args.kubeconfig,
         kubernetes_node_name=args.kubernetes_node_name, ssl_context=ssl_context, tenant_root=tenant_root)
@@ -311,7 +322,9 @@ def runtime_main(argv: list[str]) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await Agent(config).run(stop)
+        agent = Agent(config)
+        loop.add_signal_handler(signal.SIGUSR1, agent.reset_health)  # the operator's word on GPU health
+        await agent.run(stop)
 
     try:
         asyncio.run(run())

@@ -28,6 +28,7 @@ down (hugetlb, which systemd does not delegate).
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -112,6 +113,37 @@ def resolve(cgroup_root: str | None, enable_from: str | None = None, *, proc: Pa
     # so the unit's top stays empty (systemd's .control subgroup, and any layout change, stay possible).
     leaf = own / AGENT_LEAF if delegated_own or (scope is not None and own != mount) else None
     return Layout(mount, own, root, top, leaf, scope)
+
+
+def claim(root: Path, proc: Path = Path("/proc")) -> int:
+    """Hold the cgroup root for this agent's life: an flock on its directory, which the kernel drops when the process
+    ends (close-on-exec, so no workload keeps it). A second agent given the same --cgroup-root with a state directory
+    of its own took every reservation cgroup there for a leftover and removed it, killing the first's workloads.
+    Returns the descriptor to keep open."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _flock_holder(os.fstat(fd), proc)
+        os.close(fd)
+        raise LayoutError(f"--cgroup-root {root} is in use by another agent"
+                          + (f" (pid {holder})" if holder else "")
+                          + ": give each agent on a host a --cgroup-root and a --state-dir of its own") from None
+    return fd
+
+
+def _flock_holder(st: os.stat_result, proc: Path) -> int | None:
+    """The pid holding an flock on the file `st` is of, from /proc/locks (None if not found there)."""
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = (proc / "locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key:
+            return int(fields[4]) if fields[4].isdigit() else None
+    return None
 
 
 def enter_leaf(layout: Layout) -> list[int]:

@@ -92,6 +92,7 @@ class AgentConfig:
     exec_policy: ExecPolicy = field(default_factory=ExecPolicy)
     watch_timeout_ms: int = 25_000
     heartbeat_s: float | None = None  # None: what the control plane says at register
+    health_quiet_s: float | None = None  # a GPU marked unhealthy is healthy again after this long without an event
     rediscover_s: float = 60.0
     reconcile_s: float = 30.0  # re-check (drift repair) the last wanted set this often
     oom_check_s: float = 2.0  # read each bound reservation's OOM kill count this often
@@ -129,6 +130,8 @@ class Agent:
         self.started_at = time.monotonic()
         self._rediscovery: Rediscovery | None = None
         self._watcher = None
+        self._root_claim: int | None = None  # the flock on the cgroup root (delegation.claim), held for life
+        self._health = None  # agent.health.HealthPolicy: NVML's GPUs only (a simulated host has no XID watcher)
         self._exec_gate: ExecGate | None = None
         self._metrics_runner = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,6 +163,7 @@ class Agent:
         self.subtree = Subtree(self.layout.root, controllers=self.probe.enforced,
                                enable_from=self.layout.enable_from, proc=cfg.proc, sys=cfg.sys)
         self.subtree.prepare()
+        self._root_claim = delegation.claim(self.layout.root, cfg.proc)  # before anything there is read or removed
         self.checkpoint = self.state.load_checkpoint(boot_id=read_boot_id(cfg.proc), cgroup_root=str(self.layout.root))
         self.log.info("checkpoint", note=self.checkpoint.note)
         binder = Binder(self.subtree, self.checkpoint, wall_ms=self.wall_ms)
@@ -243,7 +247,7 @@ class Agent:
             from agent.health import HealthPolicy
             from agent.nvml import NvmlGpus
 
-            self._health = HealthPolicy()
+            self._health = HealthPolicy(quiet_time_s=cfg.health_quiet_s)
             kwargs["health"] = self._health
             gpus = NvmlGpus(library=cfg.nvml_library, sys_root=str(cfg.sys), proc_root=str(cfg.proc))
             host = kernel
@@ -257,6 +261,17 @@ class Agent:
         self._rediscovery.refresh()
         assert self._rediscovery.current is not None
         return self._rediscovery.current
+
+    def reset_health(self) -> None:
+        """The operator's word (SIGUSR1 to the agent: `systemctl kill -s USR1 berth-agent`): every device marked
+        unhealthy is healthy again, and the inventory is discovered again at once so the control plane hears it."""
+        if self._health is None:
+            self.log.warning("health reset asked, but this agent watches no GPU health (a simulated host)")
+            return
+        cleared = sum(self._health.reset(uuid) for uuid in {m.target.gpu_uuid for m in self._health.marks()})
+        self.log.info("health marks cleared by the operator's signal", cleared=cleared)
+        if cleared and self._rediscovery is not None and self._loop is not None:
+            self._loop.run_in_executor(None, self._rediscovery.refresh)
 
     def refresh_inventory(self) -> None:
         assert self._rediscovery is not None

@@ -41,6 +41,7 @@ def test_help_lists_the_pinned_flags(capsys):
     (["--reserve-memory-gib", "inf"], "argument --reserve-memory-gib: 'inf': give a number of at least 0"),
     (["--reserve-vcpu", "nan"], "argument --reserve-vcpu: 'nan'"),
     (["--heartbeat-seconds", "0"], "argument --heartbeat-seconds: '0': give seconds above 0"),
+    (["--gpu-health-quiet-minutes", "0"], "argument --gpu-health-quiet-minutes: '0': give minutes above 0"),
     (["--log-level", "bogus"], "argument --log-level: invalid choice: 'bogus'"),
     (["--nvml-library", "/etc/hostname"], "/etc/hostname: not a shared library"),
     (["--nvml-library", "/nonexistent/libnvidia-ml.so.1"], "No such file or directory: give the path"),

@@ -655,3 +655,24 @@ async def test_an_answer_without_the_control_planes_error_document_drops_nothing
         assert refused.value.code == "INVALID_INPUT"
     finally:
         await link.client.close()
+
+
+def test_the_operators_word_clears_every_health_mark_and_the_quiet_time_reaches_the_policy(tmp_path,
+                                                                                            standin_library):
+    """A GPU an XID marked unhealthy stayed so until the agent restarted: no quiet time was configurable and nothing
+    called the policy's reset. --gpu-health-quiet-minutes sets the one; SIGUSR1 (agent/cli.py) calls the other."""
+    from agent.health import HealthPolicy, XidEvent
+    from agent.runtime import Agent, AgentConfig
+
+    agent = Agent(AgentConfig(control_plane="http://127.0.0.1:9", bootstrap_token="t", state_dir=tmp_path))
+    agent._health = HealthPolicy(quiet_time_s=None)
+    agent._health.observe(XidEvent(kind="xid", xid=79, gpu_uuid="GPU-a"))
+    agent._health.observe(XidEvent(kind="ecc-dbe", xid=None, gpu_uuid="GPU-b", gpu_instance_id=1,
+                                   compute_instance_id=0))
+    assert 2 == len(agent._health.marks())
+    agent.reset_health()
+    assert [] == agent._health.marks() and agent._health.health_of("GPU-a").healthy
+    quiet = Agent(AgentConfig(control_plane="http://127.0.0.1:9", bootstrap_token="t", state_dir=tmp_path,
+                              nvml_library=str(standin_library), health_quiet_s=90.0))
+    quiet._build_discovery()
+    assert quiet._health.quiet_time_s == 90.0

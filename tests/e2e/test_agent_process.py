@@ -85,6 +85,36 @@ def test_a_second_agent_on_the_same_state_dir_exits_naming_the_first(cp, agents,
     assert f"is in use by another agent (pid {a.pid})" in out.stderr, out.stderr
 
 
+def test_a_second_agent_on_the_same_cgroup_root_exits_naming_the_first_and_kills_nothing(cp, agents, bpf_works,
+                                                                                          tmp_path):
+    """With a state directory of its own, a second agent given the first's --cgroup-root took the first's
+    reservation cgroups for leftovers and removed them: its workloads were killed, the control plane unaware."""
+    a = agents("one", cp.url, H100_TOKEN, extra=FAST)
+    a.wait_event("reconciled")
+    rid = cp.create(gpuCount=1)["id"]
+    cp.wait_state(rid, "active", timeout=5)
+    cgroup = a.root / f"rsv-{rid}"
+    out = subprocess.run([sys.executable, "-m", "berth", "agent", "--control-plane", cp.url,
+                          "--bootstrap-token", H100_TOKEN, "--cgroup-root", str(a.root), "--state-dir",
+                          str(tmp_path / "another-state"), *FAST], capture_output=True, text=True, timeout=30,
+                         cwd=str(REPO))
+    assert 1 == out.returncode
+    assert f"--cgroup-root {a.root} is in use by another agent (pid {a.pid})" in out.stderr, out.stderr
+    assert cgroup.is_dir() and alive(a.pid)
+
+
+def test_the_operators_signal_to_reset_gpu_health_is_heard_and_stops_nothing(cp, agents, bpf_works):
+    """SIGUSR1 is the operator's word on GPU health marks (its default action ends a process). A simulated host
+    has no XID watcher, and says so; NVML's path is tests/agent/test_runtime_units.py's."""
+    import os
+    import signal
+    a = agents("usr1", cp.url, H100_TOKEN, extra=FAST)
+    a.wait_event("reconciled")
+    os.kill(a.pid, signal.SIGUSR1)
+    a.wait_event("health reset asked, but this agent watches no GPU health (a simulated host)")
+    assert alive(a.pid)
+
+
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as resp:
         return resp.read().decode()
