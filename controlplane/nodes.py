@@ -17,7 +17,7 @@ import asyncio
 import hashlib
 import secrets
 from dataclasses import dataclass, replace
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping
 
 import msgspec
 import structlog
@@ -47,13 +47,14 @@ WATCH_MAX_MS = 30_000
 
 
 def gpu_names(inventory: Inventory, before: Node | None) -> dict[str, str]:
-    """The name each GPU's units take (`gpuN`, before `/migM` or `/slotM`), by GPU uuid: the one they had. NVML numbers
-    GPUs in their order, so after a GPU leaves (a dead one, at a driver reload) the others move up an index: named
-    by the index, a unit came to name another GPU than its bookings hold, one that other bookings held already (two
-    reservations bound to one GPU). A GPU new to the node takes `gpuN` of its index unless a GPU still there has it,
-    else `gpuN-` and its uuid's last eight characters."""
-    had: dict[str, str] = {}  # uuid -> name, from the node's last inventory and the units made of it
-    if before is not None and before.inventory is not None:
+    """The name of each GPU's units (`gpuN`, before `/migM` or `/slotM`), by GPU uuid: the one it had, whether it
+    gave units then or not (unhealthy, or in MIG mode with no instance). NVML numbers GPUs in their order, so after
+    a GPU leaves (a dead one, at a driver reload) the others move up an index: named by the index, a unit came to
+    name another GPU than its bookings hold, one that other bookings held already (two reservations bound to one
+    GPU). A GPU new to the node takes `gpuN` of its index unless a GPU still there has it, else `gpuN-` and its
+    uuid's last eight characters."""
+    had: dict[str, str] = dict(before.gpu_names) if before is not None else {}
+    if before is not None and not had and before.inventory is not None:  # recorded by a release before the names
         uuid_at = {g.index: g.uuid for g in before.inventory.gpus}
         for unit in before.units:
             if unit.gpu_index in uuid_at:
@@ -71,16 +72,17 @@ def gpu_names(inventory: Inventory, before: Node | None) -> dict[str, str]:
     return names
 
 
-def units_of(inventory: Inventory, pool: Pool, before: Node | None = None) -> tuple[tuple[Unit, ...], int, list[str]]:
-    """(bookable units, GPUs, notes) of an agent's inventory in this pool, named as `before` (the node as it was)
-    named them (gpu_names). GPUs counts the GPUs that give units here, as a declared node counts the GPUs it lists
-    (each gives units): whole GPUs in an exclusive or slots pool (the per-GPU share divides the host by them), GPUs
-    in MIG mode in a MIG pool (a node binding books every one)."""
+def units_of(inventory: Inventory, pool: Pool, names: Mapping[str, str] | None = None
+             ) -> tuple[tuple[Unit, ...], int, list[str]]:
+    """(bookable units, GPUs, notes) of an agent's inventory in this pool, each GPU's units under its name in
+    `names` (gpu_names; by default `gpuN`, N its index). GPUs counts the GPUs that give units here, as a declared
+    node counts the GPUs it lists (each gives units): whole GPUs in an exclusive or slots pool (the per-GPU share
+    divides the host by them), GPUs in MIG mode in a MIG pool (a node binding books every one)."""
     units: list[Unit] = []
     notes: list[str] = []
-    names = gpu_names(inventory, before)
     for gpu in inventory.gpus:
-        index, uuid, minor, name = gpu.index, gpu.uuid, gpu.minor, names[gpu.uuid]
+        index, uuid, minor = gpu.index, gpu.uuid, gpu.minor
+        name = (names or {}).get(uuid) or f"gpu{index}"
         if gpu.deviceClass != pool.gpu_model:
             notes.append(f"GPU {index} is {gpu.deviceClass}, not pool {pool.id}'s {pool.gpu_model}: not bookable here")
             continue
@@ -390,7 +392,8 @@ class NodeService:
                          inventory: Inventory, machine_id: str | None = None) -> Node:
         """machine_id: given by a registration (recorded, and any release used up); None keeps the node's."""
         old = catalog.nodes.get(node_id)
-        units, gpus, notes = units_of(inventory, pool, old)
+        names = gpu_names(inventory, old)
+        units, gpus, notes = units_of(inventory, pool, names)
         if machine_id is None:
             machine_id, released = (old.machine_id, old.identity_released) if old is not None else ("", False)
         else:
@@ -401,7 +404,7 @@ class NodeService:
                     state=old.state if old is not None else "ready",  # an operator's cordon outlives inventories
                     state_reason=old.state_reason if old is not None else "",
                     bmc=old.bmc if old is not None else None, inventory=inventory,
-                    cleaning=old.cleaning if old is not None else None)
+                    cleaning=old.cleaning if old is not None else None, gpu_names=tuple(sorted(names.items())))
         if old != node:
             tx.put_catalog("node", node_id, encode_item(node))
             tx.touch()
@@ -686,6 +689,8 @@ class NodeService:
                         continue
                     message = f"node {node.id}: {(rep.message or 'binding failed')[:500]}"
                     res.set_condition("DevicesBound", "False", "BindFailed", message, now)
+                    # bound here before: until this node binds again (another node's report does not clear it)
+                    res.bound = [replace(b, failed=message) if b.node_id == node.id else b for b in res.bound]
                     if res.binding == "node" and res.state == states.BINDING:
                         self._handover_failed(tx, res, node.id, message, now)
                     else:
@@ -712,9 +717,7 @@ class NodeService:
                if rep.ssh is not None else None)
         same = mine is not None and (mine.cgroup, mine.devices, mine.end, mine.ssh) == (rep.cgroup, devices, rep.end,
                                                                                          ssh)
-        # an active reservation's node that reported a failure (a GPU gone, pods in the way) and bound it again
-        failed_before = res.state == states.ACTIVE and any(
-            c.type == "DevicesBound" and c.status == "False" for c in res.conditions)
+        failed_before = mine is not None and mine.failed is not None  # this node reported failed since it bound
         if same and rep.oomKills <= mine.oom_kills and not failed_before:
             return  # a repeated report changes nothing
         before = mine.oom_kills if mine is not None and mine.cgroup == rep.cgroup else 0
@@ -726,8 +729,12 @@ class NodeService:
                   node.inventory if res.binding == "node" and node is not None else None)
         res.bound = [b for b in res.bound if b.node_id != node_id] + [
             Bound(node_id, mine.at if same else now, rep.cgroup, devices, rep.end, rep.oomKills, ssh, handed)]
-        if failed_before and {p.node_id for p in res.placements} <= {b.node_id for b in res.bound}:
-            self.moves.devices_bound(res, now)
+        if failed_before and res.state == states.ACTIVE:  # bound again (a GPU back): said once no node is failed
+            other = next((b.failed for b in res.bound if b.failed is not None), None)
+            if other is not None:
+                res.set_condition("DevicesBound", "False", "BindFailed", other, now)
+            elif {p.node_id for p in res.placements} <= {b.node_id for b in res.bound}:
+                self.moves.devices_bound(res, now)
         if same:
             self.moves.save(tx, res)
             return

@@ -154,6 +154,8 @@ class Node:
     bmc: BmcRef | None = None  # from the bootstrap file: for cleaning redfish
     inventory: Inventory | None = None  # the last inventory its agent sent (recorded at a node binding's hand-over)
     cleaning: Cleaning | None = None  # while the node is being cleaned after a node binding
+    # (GPU uuid, the name of its units) for every GPU of the last inventory, units or not (nodes.gpu_names)
+    gpu_names: tuple[tuple[str, str], ...] = ()
 
     @property
     def placeable(self) -> bool:
@@ -202,6 +204,7 @@ class Bound:
     oom_kills: int = 0  # processes the node's OOM killer ended in the reservation's cgroup, as last reported
     ssh: SshEndpoint | None = None  # node binding: how the tenant connects
     inventory: Inventory | None = None  # node binding: the node's inventory at the hand-over, to clean back to
+    failed: str | None = None  # the node's report since it bound was `failed` (its message), until it binds again
 
 
 @dataclass(frozen=True, slots=True)

@@ -756,3 +756,63 @@ async def test_gpus_renumbered_after_one_left_keep_their_units_so_no_gpu_is_boun
     status, _ = await node_call(api, "heartbeat", node["nodeToken"], {"inventory": inv})
     assert status == 200
     assert sorted(u.id for u in api.cp.catalog.current.nodes["h1"].units) == sorted(uuid_of)
+
+
+async def test_a_gpu_that_gave_no_units_for_a_while_keeps_its_name(api):
+    """Names were remembered through the units only: a GPU unhealthy in one inventory (or in MIG mode with no
+    instance) came back under its index's name, which after a renumbering was another GPU's (its reservation lost
+    its devices, a new booking was bound to it), or took the name of the GPU that had just died."""
+    inv = inventory("h1.test")
+    node = await register(api, "h1.test", inv)
+    uuid = [g["uuid"] for g in inv["gpus"]]
+
+    async def beat(gpus: list[dict]) -> None:
+        status, doc = await node_call(api, "heartbeat", node["nodeToken"], {"inventory": {**inv, "gpus": gpus}})
+        assert status == 200, doc
+
+    def gpus_with(present: list[int], sick: tuple[int, ...] = ()) -> list[dict]:
+        out = []
+        for i, old in enumerate(present):
+            gpu = copy.deepcopy(inv["gpus"][old])
+            gpu["index"] = i
+            if old in sick:
+                gpu.update(health={"healthy": False, "xid": 79, "reason": "XID 79", "sinceMs": T0}, bookable=False)
+            out.append(gpu)
+        return out
+
+    def names() -> dict[str, str]:
+        return {u.uuid: u.id for u in api.cp.catalog.current.nodes["h1"].units}
+
+    await beat(gpus_with([0, 1, 2, 3, 4, 5, 6, 7], sick=(1,)))  # GPU 1 unhealthy: no unit for a while
+    await beat(gpus_with([1, 2, 3, 4, 5, 6, 7]))  # then GPU 0 dies, and GPU 1, healthy again, moves to index 0
+    assert names()[uuid[1]] == "gpu1" and "gpu0" not in names().values(), names()
+    await beat(gpus_with([1, 2, 3, 4, 5, 6, 7], sick=(2,)))  # after the renumbering: unhealthy at index 1
+    await beat(gpus_with([1, 2, 3, 4, 5, 6, 7]))
+    assert names() == {uuid[i]: f"gpu{i}" for i in range(1, 8)}, names()
+
+
+async def test_one_nodes_bound_report_does_not_clear_another_nodes_failure(api):
+    """DevicesBound went back to True when any node repeated its bound report, though the node that failed had not
+    bound again."""
+    nodes = {n["nodeId"]: n["nodeToken"] for n in [await register(api, "h1.test"), await register(api, "h2.test")]}
+    res = (await api.create(key="gang", gpuCount=8, nodeCount=2))[1]["reservation"]
+    await api.settle()
+
+    def bound(i: int) -> dict:
+        return {"reservationId": res["id"], "status": "bound", "cgroup": f"/berth/{i}", "devices": ["/dev/nvidia0"]}
+
+    for i, token in enumerate(nodes.values()):
+        await node_call(api, "report", token, {"reports": [bound(i)]})
+    assert "active" == (await api.ok("get", "alice", {"reservationId": res["id"]}))["state"]
+    first, second = nodes.values()
+    await node_call(api, "report", first, {"reports": [{"reservationId": res["id"], "status": "failed",
+                                                        "message": "GPU-1 is gone"}]})
+    await node_call(api, "report", second, {"reports": [{**bound(1), "oomKills": 1}]})  # the other node, again
+
+    def shown(got):
+        cond = next(c for c in got["conditions"] if c["type"] == "DevicesBound")
+        return cond["status"], cond["reason"], "GPU-1 is gone" in cond["message"]
+
+    assert shown(await api.ok("get", "alice", {"reservationId": res["id"]})) == ("False", "BindFailed", True)
+    await node_call(api, "report", first, {"reports": [bound(0)]})  # the failed node binds again
+    assert shown(await api.ok("get", "alice", {"reservationId": res["id"]}))[:2] == ("True", "Bound")
