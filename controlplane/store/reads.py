@@ -10,7 +10,12 @@ from typing import Any, Callable
 from controlplane.domain.errors import invalid
 from controlplane.domain.ids import operation_parts
 from controlplane.domain.model import Confirmation, Operation, Reservation
+from controlplane.domain.states import TERMINAL
 from controlplane.store import codec
+
+# The live reservations' partial indexes' condition (store/sqlite.py, store/pg_schema.py), written the same way in a
+# query that is to use them
+LIVE = "state NOT IN ('released', 'cancelled')"
 
 
 @lru_cache(maxsize=256)
@@ -95,6 +100,11 @@ class CommittedReads(Reads):
             if value is not None:
                 sql.append(f"AND {column} = ?")
                 args.append(value)
+        if state is not None and state not in TERMINAL:
+            # the partial index's own condition, written out: SQLite uses an index on a subset of rows only when the
+            # query states that subset, and without it walked the tenant's whole history back (every ended
+            # reservation) for the few live ones, on the API's loop
+            sql.append(f"AND {LIVE}")
         if before_seq is not None:
             sql.append("AND seq < ?")
             args.append(before_seq)

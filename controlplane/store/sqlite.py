@@ -57,6 +57,8 @@ CREATE TABLE IF NOT EXISTS reservations (
 CREATE INDEX IF NOT EXISTS reservations_by_tenant ON reservations (tenant_id, seq);
 CREATE INDEX IF NOT EXISTS reservations_by_principal ON reservations (tenant_id, principal_id, seq);
 CREATE INDEX IF NOT EXISTS reservations_live ON reservations (state) WHERE state NOT IN ('released', 'cancelled');
+CREATE INDEX IF NOT EXISTS reservations_live_by_tenant ON reservations (tenant_id, state, seq)
+  WHERE state NOT IN ('released', 'cancelled');
 CREATE TABLE IF NOT EXISTS bookings (
   id INTEGER PRIMARY KEY,
   reservation_id TEXT NOT NULL,

@@ -116,3 +116,27 @@ async def test_a_group_whose_rows_cannot_be_written_fails_whole_and_memory_follo
             conn.close()
     status, doc = await api.create(key="lost")  # the same key, now it can be written
     assert (202, "placed") == (status, doc["reservation"]["state"])
+
+
+@pytest.mark.parametrize("state, index", [
+    ("active", "reservations_live_by_tenant"), ("pending", "reservations_live_by_tenant"),
+    ("released", "reservations_by_tenant"), (None, "reservations_by_tenant")])
+def test_a_list_by_a_live_state_searches_the_tenants_live_rows_not_its_history(tmp_path, state, index):
+    """`list {state: active}` walked the tenant's whole history back on SQLite (every ended reservation, newest
+    first, for the few live ones: 192 ms at 190,000, on the API's loop): a live state now reads its own rows."""
+    store = sq.SqliteStore(str(tmp_path / "cp.db"))
+    try:
+        traced: list[str] = []
+        store.conn.set_trace_callback(traced.append)
+        for principal in (None, "alice"):
+            store.reservations_page("acme", principal, state, None, 10**6 if principal else None, 50)
+        store.conn.set_trace_callback(None)
+        lists = [sql for sql in traced if sql.startswith("SELECT doc, seq FROM reservations")]
+        assert len(lists) == 2
+        for sql in lists:
+            plan = " ".join(row[-1] for row in store.conn.execute("EXPLAIN QUERY PLAN " + sql))
+            assert f"USING INDEX {index} " in plan or (index == "reservations_by_tenant" and "INDEX reservations_by_"
+                                                      in plan), (sql, plan)  # (or by its principal)
+            assert "TEMP B-TREE" not in plan, plan  # no sort: newest first from the index
+    finally:
+        store.close()
