@@ -104,6 +104,7 @@ class WriterState:
                 self.ledger.refund(res.tenant_id, res.charge)
         for index in (*self.pending.values(), *self.spot.values(), *self.held_billing.values()):
             index.pop(reservation_id, None)
+        self.timers.forget(reservation_id)
 
     def track(self, res: Reservation) -> None:
         """Keep the indexes (pending queue, spot set, timers) in step with the reservation's state."""

@@ -1,13 +1,20 @@
 """Timers: when each live reservation next needs the reconciler, so a pass touches only what is due.
 
-A min-heap of (due, kind, reservation id). Entries are never removed when a
-reservation changes; the reconciler checks each popped entry against the
-reservation as it stands and skips the stale ones, so scheduling is O(log n)
-and a pass costs O(due entries), not O(live reservations).
+A min-heap of (due, kind, reservation id). An entry is not taken out when its
+reservation changes, so scheduling is O(log n) and a pass costs O(due
+entries), not O(live reservations); each reservation's wanted entries are
+remembered, so a save that changes no timer pushes none, a stale entry is
+dropped when it pops (the reconciler still checks each entry it gets against
+the reservation as the database has it), and once stale entries are half the
+heap it is rebuilt from the wanted ones: a
+reservation renewed every few seconds, or thousands released long before
+their windows' ends, would otherwise grow it until those ends (O(wanted)
+memory, rebuilt in O(heap) about as often as it doubles).
 """
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from itertools import count
 
 from controlplane.domain import states
@@ -25,6 +32,7 @@ CLEANING = "cleaning"  # a node's cleaning after a node binding is past its time
 
 CONFIRMATION_WINDOW_MS = 30 * 60_000
 RETRY_MS = 30_000
+COMPACT_MIN = 256  # stale entries below which the heap is never rebuilt
 
 
 class Timers:
@@ -32,12 +40,20 @@ class Timers:
         self._heap: list[tuple[int, int, str, str]] = []
         self._seq = count()
         self._retry_due: dict[str, int] = {}  # pool -> the retry already scheduled
+        self._wanted: dict[str, frozenset[tuple[int, str]]] = {}  # reservation -> its (due, kind) in the heap
+        self._extra: Counter = Counter()  # (due, kind, id) given to add(): a node's cleaning, a timer set aside
+        self._stale = 0  # entries in the heap that nothing wants any more
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def add(self, due: int, kind: str, ident: str) -> None:
+    def _push(self, due: int, kind: str, ident: str) -> None:
         heapq.heappush(self._heap, (due, next(self._seq), kind, ident))
+
+    def add(self, due: int, kind: str, ident: str) -> None:
+        """One timer, whatever is scheduled for `ident` besides."""
+        self._extra[(due, kind, ident)] += 1
+        self._push(due, kind, ident)
 
     def next_due(self) -> int | None:
         return self._heap[0][0] if self._heap else None
@@ -50,8 +66,51 @@ class Timers:
                 if self._retry_due.get(ident) != due:
                     continue
                 del self._retry_due[ident]
+            elif self._extra.get((due, kind, ident)):
+                self._extra[(due, kind, ident)] -= 1
+                if not self._extra[(due, kind, ident)]:
+                    del self._extra[(due, kind, ident)]
+            elif (due, kind) in self._wanted.get(ident, ()):
+                self._keep(ident, self._wanted[ident] - {(due, kind)})
+            else:  # its reservation changed or ended since: nothing to do (the reconciler would read it for nothing)
+                self._stale = max(0, self._stale - 1)
+                continue
             out.append((due, kind, ident))
         return out
+
+    def _keep(self, ident: str, wanted: frozenset[tuple[int, str]]) -> None:
+        if wanted:
+            self._wanted[ident] = wanted
+        else:
+            self._wanted.pop(ident, None)
+
+    def forget(self, ident: str) -> None:
+        """A reservation memory no longer holds: its entries are stale."""
+        self._stale += len(self._wanted.pop(ident, ()))
+        self._compact_if_worth_it()
+
+    def _compact_if_worth_it(self) -> None:
+        if self._stale < COMPACT_MIN or self._stale * 2 < len(self._heap):
+            return
+        wanted = {ident: set(w) for ident, w in self._wanted.items()}
+        extra = Counter(self._extra)
+        kept = []
+        for entry in self._heap:
+            due, _, kind, ident = entry
+            if kind == RETRY:
+                keep = self._retry_due.get(ident) == due
+            elif extra[(due, kind, ident)] > 0:
+                extra[(due, kind, ident)] -= 1
+                keep = True
+            elif (due, kind) in wanted.get(ident, ()):
+                wanted[ident].discard((due, kind))
+                keep = True
+            else:
+                keep = False
+            if keep:
+                kept.append(entry)
+        heapq.heapify(kept)
+        self._heap, self._stale = kept, 0
 
     def retry_pool(self, pool_id: str, due: int) -> None:
         """Schedule one retry of a pool's pending queue (an earlier one already scheduled wins)."""
@@ -62,20 +121,35 @@ class Timers:
         self.add(due, RETRY, pool_id)
 
     def schedule(self, res: Reservation) -> None:
-        """The timers a reservation needs in its current state."""
-        if res.hold is not None:
-            self.add(res.hold.until, HOLD, res.id)
-        if res.state in states.TERMINAL:
-            return
-        if res.lease_deadline is not None and res.state in (states.PENDING, states.PLACED, states.BINDING, states.ACTIVE):
-            self.add(res.lease_deadline, LEASE, res.id)
-        if res.state == states.PLACED and res.start is not None:
-            self.add(res.start, START, res.id)
-        if res.state in states.BOOKED and res.end is not None:
-            self.add(res.end, END, res.id)
-            if res.ending_warning_ms and res.ending_warned != res.end:
-                self.add(res.end - res.ending_warning_ms, ENDING, res.id)
-        if res.state == states.PENDING and not res.asap and res.end is not None:
-            self.add(res.end, EXPIRE, res.id)
-        if res.state == states.AWAITING_CONFIRMATION:
-            self.add(res.updated_at + CONFIRMATION_WINDOW_MS, CONFIRMATION, res.id)
+        """The timers a reservation needs in its current state: those it did not have are pushed, those it no
+        longer needs become stale."""
+        wanted = needed(res)
+        had = self._wanted.get(res.id, frozenset())
+        for due, kind in wanted - had:
+            self._push(due, kind, res.id)
+        self._keep(res.id, wanted)
+        if had - wanted:
+            self._stale += len(had - wanted)
+            self._compact_if_worth_it()
+
+
+def needed(res: Reservation) -> frozenset[tuple[int, str]]:
+    """The (due, kind) timers a reservation needs in its current state."""
+    out: set[tuple[int, str]] = set()
+    if res.hold is not None:
+        out.add((res.hold.until, HOLD))
+    if res.state in states.TERMINAL:
+        return frozenset(out)
+    if res.lease_deadline is not None and res.state in (states.PENDING, states.PLACED, states.BINDING, states.ACTIVE):
+        out.add((res.lease_deadline, LEASE))
+    if res.state == states.PLACED and res.start is not None:
+        out.add((res.start, START))
+    if res.state in states.BOOKED and res.end is not None:
+        out.add((res.end, END))
+        if res.ending_warning_ms and res.ending_warned != res.end:
+            out.add((res.end - res.ending_warning_ms, ENDING))
+    if res.state == states.PENDING and not res.asap and res.end is not None:
+        out.add((res.end, EXPIRE))
+    if res.state == states.AWAITING_CONFIRMATION:
+        out.add((res.updated_at + CONFIRMATION_WINDOW_MS, CONFIRMATION))
+    return frozenset(out)
