@@ -79,9 +79,9 @@ class ControlPlaneLink:
         self.metrics = metrics
         self.inventory = inventory
         self.agent_version = agent_version
-        # the last heartbeat's answer named another version than ours: the next heartbeat carries ours (not the first:
-        # an older control plane refuses the field, and says nothing of versions)
-        self.version_unknown = False
+        # the last heartbeat's answer named a version (this control plane's release takes the field): every heartbeat
+        # carries ours (behind a balancer each replica learns it so), but not the first (an older one refuses it)
+        self.sends_version = False
         self.wall_ms = wall_ms
         self.on_node = on_node  # the node id is known (bind it into the logs)
         self.fixed_heartbeat_s = heartbeat_s  # None: what the control plane says
@@ -233,18 +233,18 @@ class ControlPlaneLink:
             self.heartbeat_s = interval
 
     async def _heartbeat(self, inventory: Inventory | None) -> HeartbeatAnswer:
-        """One heartbeat, with this agent's version when the last answer named another (a restarted control plane,
-        or this agent restarted after an upgrade: it keeps its token and does not register again). Refused with it
-        (behind one balancer in a rolling upgrade, a replica of an earlier release refuses the field), it goes again
-        at once without it."""
-        version, self.version_unknown = (self.agent_version if self.version_unknown else ""), False
+        """One heartbeat, with this agent's version once answers name versions (an agent keeps its token across
+        restarts and does not register again, so after an upgrade in place, or a control plane's restart, this is how
+        every replica learns what runs). Refused with it (behind one balancer in a rolling upgrade, a replica of an
+        earlier release refuses the field), it goes again at once without it."""
+        version = self.agent_version if self.sends_version else ""
         try:
             ans = await self.client.heartbeat(inventory, version)
         except NodeApiError as exc:
             if not version or isinstance(exc, Unauthorized):
                 raise
             ans = await self.client.heartbeat(inventory)
-        self.version_unknown = ans.agentVersion is not None and ans.agentVersion != self.agent_version
+        self.sends_version = ans.agentVersion is not None
         return ans
 
     async def _heard_node_state(self, state: str) -> None:

@@ -44,6 +44,7 @@ log = structlog.get_logger("berth.nodes")
 
 HEARTBEAT_S = 5
 WATCH_MAX_MS = 30_000
+FOLLOWER_MERGE_PASSES = 5  # a replica that does not lead reads the others' heartbeats every 5th monitor pass
 
 
 def gpu_names(inventory: Inventory, before: Node | None) -> dict[str, str]:
@@ -212,6 +213,7 @@ class NodeService:
         self.heartbeat_s = min(HEARTBEAT_S, max(0.2, grace_s / 3))  # three heartbeats fit in the grace
         self.closing = False
         self.watching_since: float | None = None  # (monotonic) since when this replica leads: took_the_lead
+        self._passes_following = 0  # monitor passes since this replica last led (check_lost)
         # Several replicas (controlplane/replicas.py): only the leader declares nodes lost; a heartbeat heard here
         # is shared with it, and heartbeats heard by the others are merged in before each check.
         self.leads: Callable[[], bool] = lambda: True
@@ -492,7 +494,13 @@ class NodeService:
         """Mark nodes silent for longer than the grace as lost; the ids newly lost (none unless this replica
         leads: the others hear heartbeats and share them)."""
         if not self.leads():
+            # what a replica that does not lead shows (the admin API, /metrics) is what every replica heard too,
+            # read every few passes: an agent behind a balancer may beat on the others only
+            self._passes_following += 1
+            if self._passes_following % FOLLOWER_MERGE_PASSES == 1:
+                await self._merge_heard_elsewhere()
             return []
+        self._passes_following = 0
         await self._merge_heard_elsewhere()
         now = self.clock.monotonic()
         nodes = self.catalog.current.nodes

@@ -510,8 +510,9 @@ def test_waiting_reports_go_in_calls_of_their_own_after_the_others():
 async def test_an_agent_sends_its_version_only_to_a_control_plane_that_names_one_and_never_loses_a_heartbeat(
         aiohttp_server):
     """A control plane of an earlier release answers heartbeats without a version and refuses the field (its
-    requests are strict): the agent never sends it there. Behind one balancer in a rolling upgrade a newer replica
-    may name another version and an older one get the next heartbeat: refused with it, it goes again without."""
+    requests are strict): the agent never sends it there. One that names versions gets it with every heartbeat.
+    Behind one balancer in a rolling upgrade a newer replica may answer and an older one get the next heartbeat:
+    refused with it, it goes again without."""
     from aiohttp import web
 
     from agent.link import ControlPlaneLink
@@ -540,6 +541,10 @@ async def test_an_agent_sends_its_version_only_to_a_control_plane_that_names_one
         assert all("agentVersion" not in body for body in seen)
         names["version"] = "0.1.0"  # a newer replica answers
         await link._heartbeat(None)
+        seen.clear()
+        for _ in range(2):  # from then on every heartbeat carries it: behind a balancer each replica learns it
+            await link._heartbeat(None)
+        assert ["0.2.0", "0.2.0"] == [body.get("agentVersion") for body in seen]
         names["version"] = None  # and an older one takes the next heartbeat, which carries the version
         seen.clear()
         assert (await link._heartbeat(None)).agentVersion is None

@@ -700,7 +700,7 @@ async def test_an_agent_restarted_after_an_upgrade_shows_its_version_by_its_hear
     try:
         assert "0.1.0" == (await upgraded._heartbeat(None)).agentVersion  # the first heartbeat does not carry it
         assert "0.2.0" == (await upgraded._heartbeat(None)).agentVersion
-        assert not upgraded.version_unknown  # and the next ones do not either
+        assert upgraded.sends_version  # and every one after, so each replica behind a balancer learns it
     finally:
         await upgraded.client.close()
     assert "0.2.0" == (await ok(api, "nodes/get", {"nodeId": "h1"}))["node"]["agentVersion"]

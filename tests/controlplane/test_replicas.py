@@ -671,6 +671,27 @@ def test_heartbeats_heard_by_a_replica_that_does_not_lead_keep_the_node_alive_on
         wait_for(lambda: b.post("/api/admin/nodes/get", ADMIN, {"nodeId": "h1"})[1]["node"]["lost"], timeout=5)
 
 
+def test_a_replica_that_does_not_lead_shows_the_heartbeats_the_leader_heard(database, bootstrap):
+    """A replica that does not lead showed only the heartbeats it heard itself: none for a node whose agent beats on
+    the leader, or an age growing past the grace for a healthy node (an alert scraping it fired)."""
+    from tests.controlplane.test_nodes import inventory
+
+    with contextlib.ExitStack() as stack:
+        a = stack.enter_context(ServerProcess(database, bootstrap, ["--node-grace", "30"]))
+        wait_for(lambda: leads(a))
+        b = stack.enter_context(ServerProcess(database, bootstrap, ["--node-grace", "30"]))
+        status, node = a.post("/api/nodes/register", NODE_BOOT,
+                              {"hostname": "h1.test", "inventory": inventory("h1.test")})
+        assert status == 200, node
+        beating = time.monotonic()
+        shown: list = []
+        while time.monotonic() - beating < 9:  # every heartbeat to the leader
+            assert 200 == a.post("/api/nodes/heartbeat", node["nodeToken"], {})[0]
+            shown.append(b.post("/api/admin/nodes/get", ADMIN, {"nodeId": "h1"})[1]["node"]["heartbeatAgeSeconds"])
+            time.sleep(0.5)
+        assert shown[-1] is not None and shown[-1] < 8, shown
+
+
 def test_an_agent_watching_one_replica_is_bound_by_a_create_on_the_other(database, tmp_path):
     from tests.controlplane.test_nodes import inventory
 
