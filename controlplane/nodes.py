@@ -737,20 +737,19 @@ class NodeService:
                   node.inventory if res.binding == "node" and node is not None else None)
         res.bound = [b for b in res.bound if b.node_id != node_id] + [
             Bound(node_id, mine.at if same else now, rep.cgroup, devices, rep.end, rep.oomKills, ssh, handed)]
+        failed = next((b.failed for b in res.bound if b.failed is not None), None)  # another node's, still
+        every = {p.node_id for p in res.placements} <= {b.node_id for b in res.bound}
         if failed_before and res.state == states.ACTIVE:  # bound again (a GPU back): said once no node is failed
-            other = next((b.failed for b in res.bound if b.failed is not None), None)
-            if other is not None:
-                res.set_condition("DevicesBound", "False", "BindFailed", other, now)
-            elif {p.node_id for p in res.placements} <= {b.node_id for b in res.bound}:
+            if failed is not None:
+                res.set_condition("DevicesBound", "False", "BindFailed", failed, now)
+            elif every:
                 self.moves.devices_bound(res, now)
-        if same:
-            self.moves.save(tx, res)
-            return
-        self.moves.confirm(res, now)
-        if rep.unenforced:  # bound, but the host could not enforce all of the share
-            res.set_condition("Enforced", "False", "PartialEnforcement",
-                              f"node {node_id} could not enforce: {', '.join(rep.unenforced)}"[:500], now)
-        if res.state == states.BINDING and {p.node_id for p in res.placements} <= {b.node_id for b in res.bound}:
+        if not same:
+            self.moves.confirm(res, now)
+            if rep.unenforced:  # bound, but the host could not enforce all of the share
+                res.set_condition("Enforced", "False", "PartialEnforcement",
+                                  f"node {node_id} could not enforce: {', '.join(rep.unenforced)}"[:500], now)
+        if res.state == states.BINDING and every and failed is None:  # a gang's node that failed holds it back
             self.moves.mark_active(tx, res, now)
         else:
             self.moves.save(tx, res)

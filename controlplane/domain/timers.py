@@ -118,7 +118,7 @@ class Timers:
         if current is not None and current <= due:
             return
         self._retry_due[pool_id] = due
-        self.add(due, RETRY, pool_id)
+        self._push(due, RETRY, pool_id)  # (not add(): _retry_due is what keeps a retry)
 
     def schedule(self, res: Reservation) -> None:
         """The timers a reservation needs in its current state: those it did not have are pushed, those it no

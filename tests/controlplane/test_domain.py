@@ -323,3 +323,14 @@ def test_timers_keep_what_reservations_need_not_every_save_they_had():
     later = timers.pop_due(30 * 24 * H, 10_000)
     assert sorted(later) == sorted([(30 * 24 * H, END, f"p{i}") for i in range(4_000, 5_000)] + [(720 * H, END, "r")])
     assert len(timers) == 0
+
+
+def test_a_pools_retries_leave_nothing_behind_once_they_ran():
+    """retry_pool went through add(), whose bookkeeping only a pop of a non-retry entry cleared: every retry of a
+    pool with a pending queue (one each 30 s) stayed in memory for good."""
+    from controlplane.domain.timers import RETRY, Timers
+    timers = Timers()
+    for i in range(1_000):
+        timers.retry_pool("p", i * 30_000)
+        assert timers.pop_due(i * 30_000, 10) == [(i * 30_000, RETRY, "p")]
+    assert len(timers) == 0 and not timers._extra and not timers._retry_due

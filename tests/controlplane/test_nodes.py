@@ -816,3 +816,23 @@ async def test_one_nodes_bound_report_does_not_clear_another_nodes_failure(api):
     assert shown(await api.ok("get", "alice", {"reservationId": res["id"]})) == ("False", "BindFailed", True)
     await node_call(api, "report", first, {"reports": [bound(0)]})  # the failed node binds again
     assert shown(await api.ok("get", "alice", {"reservationId": res["id"]}))[:2] == ("True", "Bound")
+
+
+async def test_a_gang_whose_node_failed_while_binding_waits_for_it_to_bind_again(api):
+    """A node that bound, then failed, while its gang was binding: the other node's bound report made the
+    reservation active, with 'every node reported the devices bound', its create succeeded and billing began."""
+    nodes = {n["nodeId"]: n["nodeToken"] for n in [await register(api, "h1.test"), await register(api, "h2.test")]}
+    res = (await api.create(key="gang", gpuCount=8, nodeCount=2))[1]["reservation"]
+    await api.settle()
+    first, second = nodes.values()
+    bound = {"reservationId": res["id"], "status": "bound", "cgroup": "/berth/x", "devices": ["/dev/nvidia0"]}
+    await node_call(api, "report", first, {"reports": [bound]})
+    await node_call(api, "report", first, {"reports": [{"reservationId": res["id"], "status": "failed",
+                                                        "message": "GPU-1 is gone"}]})
+    await node_call(api, "report", second, {"reports": [bound]})
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    cond = next(c for c in got["conditions"] if c["type"] == "DevicesBound")
+    assert (got["state"], cond["status"], cond["reason"]) == ("binding", "False", "BindFailed"), got
+    await node_call(api, "report", first, {"reports": [bound]})  # bound again, as it was
+    got = await api.ok("get", "alice", {"reservationId": res["id"]})
+    assert got["state"] == "active", got
