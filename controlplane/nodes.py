@@ -44,7 +44,7 @@ log = structlog.get_logger("berth.nodes")
 
 HEARTBEAT_S = 5
 WATCH_MAX_MS = 30_000
-FOLLOWER_MERGE_PASSES = 5  # a replica that does not lead reads the others' heartbeats every 5th monitor pass
+FOLLOWER_MERGE_PASSES = 3  # a replica that does not lead reads the others' heartbeats every 3rd monitor pass
 
 
 def gpu_names(inventory: Inventory, before: Node | None) -> dict[str, str]:
