@@ -183,14 +183,20 @@ def read_capacity(parent: Path, *, proc: Path = Path("/proc"), sys: Path = Path(
     return Capacity(**out)
 
 
-def _effective(dir: Path, *names: str) -> frozenset[int] | None:
-    """The first of the names (the cgroup2 one, then the v1 one) that exists in dir, as a set; empty is None."""
+def _first(dir: Path, names: tuple[str, ...]) -> str | None:
+    """The text of the first of the names (the cgroup2 one, then the v1 one) that exists in dir; None: none does."""
     for name in names:
         try:
-            return parse_cpulist(read_file(dir, name)) or None
+            return read_file(dir, name)
         except FileMissing:
             continue
     return None
+
+
+def _effective(dir: Path, *names: str) -> frozenset[int] | None:
+    """The first of the names that exists in dir, as a set; empty is None."""
+    text = _first(dir, names)
+    return (parse_cpulist(text) or None) if text is not None else None
 
 
 def _lowest_limit(dir: Path, *names: str) -> int | None:
@@ -198,13 +204,8 @@ def _lowest_limit(dir: Path, *names: str) -> int | None:
     it, up to the first without the file (a cgroup2 root has none; a v1 mount's parent is no cgroup); None: none."""
     lowest = None
     while True:
-        for name in names:
-            try:
-                text = read_file(dir, name)
-                break
-            except FileMissing:
-                continue
-        else:
+        text = _first(dir, names)
+        if text is None:
             return lowest
         limit = parse_max(text)
         if limit is not None:

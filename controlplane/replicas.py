@@ -47,6 +47,29 @@ CATCH_UP_S = 2.0
 CATCH_UP_SPACING_S = 0.05
 
 
+class HeardHeartbeats:
+    """The agents' heartbeats a control plane heard since it last wrote them to `node_seen` (the latest per node),
+    and that write: a failed one keeps them for the next."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+
+    def heard(self, node_id: str, at_ms: int) -> None:
+        if at_ms > self._seen.get(node_id, 0):
+            self._seen[node_id] = at_ms
+
+    async def record(self, store) -> None:
+        seen, self._seen = self._seen, {}
+        if not seen:
+            return
+        try:
+            await store.record_seen(seen)
+        except Exception as exc:  # noqa: BLE001 - kept for the next try (the database away, a full disk)
+            for node_id, at in seen.items():
+                self.heard(node_id, at)
+            log.warning("could not record the nodes' heartbeats; trying again", error=str(exc))
+
+
 class Solo:
     """One control plane on its own database: it leads, and there is nobody to hear or tell. What its agents'
     heartbeats said goes into the file every `record_s` (one small commit: a database of the whole fleet's
@@ -59,7 +82,7 @@ class Solo:
     def __init__(self, store=None, record_s: float = 10.0):
         self.store = store  # None: nothing recorded (a store without node_seen)
         self.record_s = record_s
-        self._seen: dict[str, int] = {}
+        self._heartbeats = HeardHeartbeats()
         self._restored = False
         self._task: asyncio.Task | None = None
 
@@ -67,8 +90,8 @@ class Solo:
         return True
 
     def heard(self, node_id: str, at_ms: int) -> None:
-        if self.store is not None and at_ms > self._seen.get(node_id, 0):
-            self._seen[node_id] = at_ms
+        if self.store is not None:
+            self._heartbeats.heard(node_id, at_ms)
 
     async def heard_elsewhere(self) -> dict[str, int]:
         """Once, after a start: the heartbeats heard before it."""
@@ -90,23 +113,12 @@ class Solo:
         if self._task is not None:
             self._task.cancel()
             self._task = None
-            await self._record()
+            await self._heartbeats.record(self.store)
 
     async def _record_heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self.record_s)
-            await self._record()
-
-    async def _record(self) -> None:
-        seen, self._seen = self._seen, {}
-        if not seen:
-            return
-        try:
-            await self.store.record_seen(seen)
-        except Exception as exc:  # noqa: BLE001 - kept for the next try (a full disk, a store closing)
-            for node_id, at in seen.items():
-                self.heard(node_id, at)
-            log.warning("could not record the nodes' heartbeats; trying again", error=str(exc))
+            await self._heartbeats.record(self.store)
 
     async def caught_up(self) -> None:
         """Nobody else writes: the memory has everything."""
@@ -123,7 +135,7 @@ class Shared:
         self.connector = store.connector
         self.tick_s = tick_s
         self.leading = False
-        self._seen: dict[str, int] = {}
+        self._heartbeats = HeardHeartbeats()
         self._tasks: list = []
         self._stopping = False
         self._main: asyncio.AbstractEventLoop | None = None
@@ -139,8 +151,7 @@ class Shared:
         return self.leading
 
     def heard(self, node_id: str, at_ms: int) -> None:
-        if at_ms > self._seen.get(node_id, 0):
-            self._seen[node_id] = at_ms
+        self._heartbeats.heard(node_id, at_ms)
 
     async def heard_elsewhere(self) -> dict[str, int]:
         try:
@@ -269,12 +280,4 @@ class Shared:
     async def _share_heartbeats(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self.tick_s)
-            seen, self._seen = self._seen, {}
-            if not seen:
-                continue
-            try:
-                await self.store.record_seen(seen)
-            except Exception as exc:  # noqa: BLE001 - kept for the next try
-                for node_id, at in seen.items():
-                    self.heard(node_id, at)
-                log.warning("could not share heartbeats; trying again", error=str(exc))
+            await self._heartbeats.record(self.store)

@@ -40,7 +40,7 @@ class Timers:
         self._heap: list[tuple[int, int, str, str]] = []
         self._seq = count()
         self._retry_due: dict[str, int] = {}  # pool -> the retry already scheduled
-        self._wanted: dict[str, frozenset[tuple[int, str]]] = {}  # reservation -> its (due, kind) in the heap
+        self._wanted: dict[str, set[tuple[int, str]]] = {}  # reservation -> its (due, kind) in the heap
         self._extra: Counter = Counter()  # (due, kind, id) given to add(): a node's cleaning, a timer set aside
         self._stale = 0  # entries in the heap that nothing wants any more
 
@@ -66,23 +66,28 @@ class Timers:
                 if self._retry_due.get(ident) != due:
                     continue
                 del self._retry_due[ident]
-            elif self._extra.get((due, kind, ident)):
-                self._extra[(due, kind, ident)] -= 1
-                if not self._extra[(due, kind, ident)]:
-                    del self._extra[(due, kind, ident)]
-            elif (due, kind) in self._wanted.get(ident, ()):
-                self._keep(ident, self._wanted[ident] - {(due, kind)})
-            else:  # its reservation changed or ended since: nothing to do (the reconciler would read it for nothing)
+            elif not self._claim(due, kind, ident, self._wanted, self._extra):
+                # its reservation changed or ended since: nothing to do (the reconciler would read it for nothing)
                 self._stale = max(0, self._stale - 1)
                 continue
             out.append((due, kind, ident))
         return out
 
-    def _keep(self, ident: str, wanted: frozenset[tuple[int, str]]) -> None:
-        if wanted:
-            self._wanted[ident] = wanted
-        else:
-            self._wanted.pop(ident, None)
+    @staticmethod
+    def _claim(due: int, kind: str, ident: str, wanted: dict[str, set[tuple[int, str]]], extra: Counter) -> bool:
+        """Whether a (non-retry) entry is one still wanted, taken out of `wanted` or `extra` if so."""
+        if extra.get((due, kind, ident)):
+            extra[(due, kind, ident)] -= 1
+            if not extra[(due, kind, ident)]:
+                del extra[(due, kind, ident)]
+            return True
+        mine = wanted.get(ident)
+        if mine is None or (due, kind) not in mine:
+            return False
+        mine.discard((due, kind))
+        if not mine:
+            del wanted[ident]
+        return True
 
     def forget(self, ident: str) -> None:
         """A reservation memory no longer holds: its entries are stale."""
@@ -92,23 +97,11 @@ class Timers:
     def _compact_if_worth_it(self) -> None:
         if self._stale < COMPACT_MIN or self._stale * 2 < len(self._heap):
             return
-        wanted = {ident: set(w) for ident, w in self._wanted.items()}
+        wanted = {ident: set(w) for ident, w in self._wanted.items()}  # copies: claimed as the heap is walked
         extra = Counter(self._extra)
-        kept = []
-        for entry in self._heap:
-            due, _, kind, ident = entry
-            if kind == RETRY:
-                keep = self._retry_due.get(ident) == due
-            elif extra[(due, kind, ident)] > 0:
-                extra[(due, kind, ident)] -= 1
-                keep = True
-            elif (due, kind) in wanted.get(ident, ()):
-                wanted[ident].discard((due, kind))
-                keep = True
-            else:
-                keep = False
-            if keep:
-                kept.append(entry)
+        kept = [(due, seq, kind, ident) for due, seq, kind, ident in self._heap
+                if (self._retry_due.get(ident) == due if kind == RETRY
+                    else self._claim(due, kind, ident, wanted, extra))]
         heapq.heapify(kept)
         self._heap, self._stale = kept, 0
 
@@ -124,10 +117,13 @@ class Timers:
         """The timers a reservation needs in its current state: those it did not have are pushed, those it no
         longer needs become stale."""
         wanted = needed(res)
-        had = self._wanted.get(res.id, frozenset())
+        had = self._wanted.get(res.id, set())
         for due, kind in wanted - had:
             self._push(due, kind, res.id)
-        self._keep(res.id, wanted)
+        if wanted:
+            self._wanted[res.id] = set(wanted)
+        else:
+            self._wanted.pop(res.id, None)
         if had - wanted:
             self._stale += len(had - wanted)
             self._compact_if_worth_it()
