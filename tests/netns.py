@@ -1,28 +1,41 @@
-"""Network namespaces for tests, through pyroute2: several hosts on one machine, joined by veth pairs.
+"""Network namespaces for tests, through iproute2's `ip`: several hosts on one machine, joined by veth pairs.
 
 Namespaces made here carry the caller's tag in their name and are removed by
 `close()` (their veth ends go with them). Only addresses on the links made
 here are used; nothing leaves the machine.
+
+`ip` runs as a child process on purpose: pyroute2 forks the test process to
+enter a namespace, and a fork that runs Python (its garbage collector) while
+gRPC's threads live in the parent crashed the child (CI, after the kubelet
+plugin's tests). A fork straight into exec runs no Python in the child.
 """
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import socket
+import subprocess
 import threading
 import uuid
-
-from pyroute2 import IPRoute, NetNS, netns
 
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
-def _up(handle, ifname: str, address: str | None = None, prefixlen: int = 30) -> None:
-    index = handle.link_lookup(ifname=ifname)[0]
+def _ip(*args: str, netns: str | None = None) -> str:
+    """Run `ip [-n netns] args...`; a failure raises with ip's own message."""
+    command = ["ip", *(("-n", netns) if netns else ()), *args]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise OSError(f"{' '.join(command)}: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def _up(ifname: str, address: str | None = None, prefixlen: int = 30, netns: str | None = None) -> None:
     if address is not None:
-        handle.addr("add", index=index, address=address, prefixlen=prefixlen)
-    handle.link("set", index=index, state="up")
+        _ip("addr", "add", f"{address}/{prefixlen}", "dev", ifname, netns=netns)
+    _ip("link", "set", ifname, "up", netns=netns)
 
 
 class Namespaces:
@@ -35,30 +48,22 @@ class Namespaces:
 
     def add(self, role: str) -> str:
         name = f"{self.prefix}-{self.tag}-{role}"
-        netns.create(name)
+        _ip("netns", "add", name)
         self.names.append(name)
-        with NetNS(name) as ns:
-            _up(ns, "lo")
+        _up("lo", netns=name)
         return name
 
     def link(self, a: str | None, a_if: str, a_addr: str, b: str, b_if: str, b_addr: str, prefixlen: int = 30) -> None:
         """A veth pair a_if (in namespace a, or the root namespace when a is None) <-> b_if (in namespace b), up."""
-        with IPRoute() as ip:
-            ip.link("add", ifname=a_if, kind="veth", peer={"ifname": b_if, "net_ns_fd": b})
-            if a is not None:
-                ip.link("set", index=ip.link_lookup(ifname=a_if)[0], net_ns_fd=a)
-            else:
-                _up(ip, a_if, a_addr, prefixlen)
+        _ip("link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns", b)
         if a is not None:
-            with NetNS(a) as ns:
-                _up(ns, a_if, a_addr, prefixlen)
-        with NetNS(b) as ns:
-            _up(ns, b_if, b_addr, prefixlen)
+            _ip("link", "set", a_if, "netns", a)
+        _up(a_if, a_addr, prefixlen, netns=a)
+        _up(b_if, b_addr, prefixlen, netns=b)
 
     def set_link(self, name: str, ifname: str, up: bool) -> None:
         """Bring an interface inside a namespace up or down (cutting a link is how a partition is tested)."""
-        with NetNS(name) as ns:
-            ns.link("set", index=ns.link_lookup(ifname=ifname)[0], state="up" if up else "down")
+        _ip("link", "set", ifname, "up" if up else "down", netns=name)
 
     @staticmethod
     def path(name: str) -> str:
@@ -95,16 +100,17 @@ class Namespaces:
     def close(self) -> None:
         for name in reversed(self.names):
             try:
-                netns.remove(name)
+                _ip("netns", "delete", name)
             except OSError:
                 pass
         self.names.clear()
 
     def left(self) -> list[str]:
         """Namespaces of this tag still there (a check after close)."""
-        return [n for n in netns.listnetns() if n.startswith(f"{self.prefix}-{self.tag}")]
+        listed = (line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip())
+        return [n for n in listed if n.startswith(f"{self.prefix}-{self.tag}")]
 
     @staticmethod
     def addresses_in_use() -> set[str]:
-        with IPRoute() as ip:
-            return {a.get_attr("IFA_ADDRESS") for a in ip.get_addr()}
+        return {a["local"] for link in json.loads(_ip("-j", "addr", "show") or "[]")
+                for a in link.get("addr_info", ()) if "local" in a}
