@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -56,7 +58,18 @@ def host(tmp_path):
 
 
 @pytest.fixture
-async def kubelet(tmp_path):
-    """A kubelet that speaks the device plugin and pod resources APIs on unix sockets below tmp_path."""
-    async with StubKubelet(tmp_path) as stub:
+def kubelet_root() -> Iterator[Path]:
+    """A kubelet's root directory short enough for its sockets: pytest's tmp_path under a worker of pytest-xdist
+    and a long test name gave a plugin socket past the 107 bytes of a unix socket's path."""
+    root = Path(tempfile.mkdtemp(prefix="bk-", dir="/tmp"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+async def kubelet(kubelet_root):
+    """A kubelet that speaks the device plugin and pod resources APIs on unix sockets below kubelet_root."""
+    async with StubKubelet(kubelet_root) as stub:
         yield stub

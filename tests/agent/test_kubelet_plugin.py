@@ -1,5 +1,5 @@
 """agent.kubelet.plugin against the stub kubelet (tests/agent/kubelet_stub.py): registration, the advertised list on
-ListAndWatch, Allocate, GetPreferredAllocation, kubelet restarts and stop. All sockets live under tmp_path."""
+ListAndWatch, Allocate, GetPreferredAllocation, kubelet restarts and stop. All sockets live under kubelet_root."""
 from __future__ import annotations
 
 import asyncio
@@ -47,8 +47,8 @@ GPUS = [gpu(0, 0), gpu(1, 0), gpu(2, 1), gpu(3, 1)]
 
 
 @pytest.fixture
-async def plugin(tmp_path, kubelet):
-    plugin = DevicePlugin(RESOURCE, tmp_path, poll_s=0.05)
+async def plugin(kubelet_root, kubelet):
+    plugin = DevicePlugin(RESOURCE, kubelet_root, poll_s=0.05)
     await plugin.start()
     yield plugin
     await plugin.stop()
@@ -67,32 +67,32 @@ async def test_registration_names_the_version_the_endpoint_and_the_resource(plug
     assert plugin.registered.is_set()
 
 
-async def test_a_plugin_started_before_the_kubelet_registers_once_the_kubelet_is_up(tmp_path):
-    plugin = DevicePlugin(RESOURCE, tmp_path, poll_s=0.05)
+async def test_a_plugin_started_before_the_kubelet_registers_once_the_kubelet_is_up(kubelet_root):
+    plugin = DevicePlugin(RESOURCE, kubelet_root, poll_s=0.05)
     plugin.socket_path.parent.mkdir(parents=True)
     plugin.socket_path.write_text("stale")  # what a crashed earlier run leaves behind
     await plugin.start()
     try:
         assert not plugin.registered.is_set()
-        async with StubKubelet(tmp_path) as kubelet:  # it wipes the directory, our socket with it
+        async with StubKubelet(kubelet_root) as kubelet:  # it wipes the directory, our socket with it
             await kubelet.wait_registered(RESOURCE)
             assert 1 == plugin.registrations
     finally:
         await plugin.stop()
 
 
-async def test_a_kubelet_root_that_cannot_hold_the_socket_is_a_kubelet_error_naming_the_option(tmp_path):
+async def test_a_kubelet_root_that_cannot_hold_the_socket_is_a_kubelet_error_naming_the_option(kubelet_root):
     """A KubeletError fails that resource's bookings (BindFailed); an OSError stopped the whole agent."""
-    (tmp_path / "device-plugins").write_text("not a directory")
-    plugin = DevicePlugin(RESOURCE, tmp_path, poll_s=0.05)
+    (kubelet_root / "device-plugins").write_text("not a directory")
+    plugin = DevicePlugin(RESOURCE, kubelet_root, poll_s=0.05)
     with pytest.raises(KubeletError, match="--kubelet-root"):
         await plugin.start()
     await plugin.stop()
 
 
-async def test_a_refused_registration_is_retried_and_its_error_kept(tmp_path, kubelet):
+async def test_a_refused_registration_is_retried_and_its_error_kept(kubelet_root, kubelet):
     kubelet.refusals = [grpc.StatusCode.UNAVAILABLE]
-    async with DevicePlugin(RESOURCE, tmp_path, poll_s=0.05) as plugin:
+    async with DevicePlugin(RESOURCE, kubelet_root, poll_s=0.05) as plugin:
         await kubelet.wait_registered(RESOURCE)
         assert [] == kubelet.refusals
         assert 1 == plugin.registrations
@@ -100,9 +100,9 @@ async def test_a_refused_registration_is_retried_and_its_error_kept(tmp_path, ku
     assert 1 == len(kubelet.registrations)
 
 
-async def test_the_last_registration_error_says_what_failed(tmp_path, kubelet):
+async def test_the_last_registration_error_says_what_failed(kubelet_root, kubelet):
     kubelet.refusals = [grpc.StatusCode.PERMISSION_DENIED] * 50
-    async with DevicePlugin(RESOURCE, tmp_path, poll_s=0.05) as plugin:
+    async with DevicePlugin(RESOURCE, kubelet_root, poll_s=0.05) as plugin:
         await kubelet.wait_refused(2)  # the second attempt comes only after the first failure was recorded
         assert "PERMISSION_DENIED" in plugin.last_error
         assert str(kubelet.registration_socket) in plugin.last_error
@@ -148,8 +148,8 @@ async def test_setting_the_same_devices_again_sends_nothing(plugin, kubelet):
     assert [(), shown(*GPUS), shown(GPUS[0])] == connection.lists
 
 
-def test_a_device_id_given_twice_is_refused(tmp_path):
-    plugin = DevicePlugin(RESOURCE, tmp_path)
+def test_a_device_id_given_twice_is_refused(kubelet_root):
+    plugin = DevicePlugin(RESOURCE, kubelet_root)
     with pytest.raises(ValueError, match=GPUS[0].id):
         plugin.set_devices([GPUS[0], GPUS[0]])
 
@@ -168,9 +168,9 @@ async def test_allocate_gives_each_device_node_once_and_the_visible_ids(plugin, 
     assert {"NVIDIA_VISIBLE_DEVICES": f"{GPUS[2].id},{GPUS[0].id}"} == dict(answer.envs)
 
 
-async def test_allocate_of_a_mig_device_adds_its_cap_nodes(tmp_path, kubelet):
+async def test_allocate_of_a_mig_device_adds_its_cap_nodes(kubelet_root, kubelet):
     device = mig(minor=0, gi_cap=12, ci_cap=13, numa=0)
-    async with DevicePlugin("berth.dev/mig-1g.10gb", tmp_path, poll_s=0.05) as plugin:
+    async with DevicePlugin("berth.dev/mig-1g.10gb", kubelet_root, poll_s=0.05) as plugin:
         plugin.set_devices([device])
         await kubelet.wait_registered("berth.dev/mig-1g.10gb")
         answer = await kubelet.allocate("berth.dev/mig-1g.10gb", [device.id])
@@ -251,8 +251,8 @@ async def test_a_kubelet_restart_makes_the_plugin_register_again_and_the_stream_
     assert {"NVIDIA_VISIBLE_DEVICES": GPUS[0].id} == dict(answer.envs)
 
 
-async def test_stop_removes_the_plugin_socket_and_ends_the_stream(tmp_path, kubelet):
-    plugin = DevicePlugin(RESOURCE, tmp_path, poll_s=0.05)
+async def test_stop_removes_the_plugin_socket_and_ends_the_stream(kubelet_root, kubelet):
+    plugin = DevicePlugin(RESOURCE, kubelet_root, poll_s=0.05)
     await plugin.start()
     await kubelet.wait_registered(RESOURCE)
     assert plugin.socket_path.is_socket()
@@ -286,11 +286,11 @@ def test_the_default_endpoint_is_the_domain_label_and_the_name(resource, endpoin
     assert endpoint == default_endpoint(resource)
 
 
-def test_a_resource_name_without_a_domain_is_refused(tmp_path):
+def test_a_resource_name_without_a_domain_is_refused(kubelet_root):
     with pytest.raises(KubeletError, match="no domain"):
-        DevicePlugin("h100", tmp_path)
+        DevicePlugin("h100", kubelet_root)
 
 
-def test_a_kubelet_root_too_long_for_a_unix_socket_is_refused(tmp_path):
+def test_a_kubelet_root_too_long_for_a_unix_socket_is_refused(kubelet_root):
     with pytest.raises(KubeletError, match="shorter --kubelet-root"):
-        DevicePlugin(RESOURCE, tmp_path / ("x" * 120))
+        DevicePlugin(RESOURCE, kubelet_root / ("x" * 120))

@@ -23,6 +23,7 @@ and openssh-server/openssh-client, and skip with the reason otherwise.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import random
@@ -32,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +44,9 @@ from tests.waiting import wait_for
 
 SSHD = "/usr/sbin/sshd"
 RUN_PRIVSEP = Path("/run/sshd")  # sshd's compiled-in privilege separation directory (Debian)
+# Held shared by every test sshd that runs (in any pytest worker) and exclusive by the last to stop; it reads
+# "made" when tests made RUN_PRIVSEP, which the last one then removes, the lock file with it.
+PRIVSEP_LOCK = Path("/run/berth-test-sshd-privsep.lock")
 SSHD_DROP_IN = Path(__file__).resolve().parents[2] / "examples" / "sshd-berth.conf"  # what berth-agent ships
 
 
@@ -222,6 +227,56 @@ def read_line(proc: subprocess.Popen, timeout: float = 10) -> str:
     return proc.stdout.readline().strip()
 
 
+def _lock_privsep(mode: int) -> int:
+    """PRIVSEP_LOCK opened and flocked in `mode`; again if the last user removed the file meanwhile."""
+    while True:
+        fd = os.open(PRIVSEP_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, mode)
+        try:
+            if os.fstat(fd).st_ino == os.stat(PRIVSEP_LOCK).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+@contextmanager
+def _privsep_dir():
+    """RUN_PRIVSEP, which sshd chroots its pre-authentication child into, for as long as the caller's sshd runs.
+
+    Test sshds in several pytest workers share it: one that removed it while another still ran had that one
+    reset every new connection. The directory is made when missing (under the lock held exclusively), and
+    removed, when tests made it, by the last test to stop."""
+    while True:
+        fd = _lock_privsep(fcntl.LOCK_SH)
+        if RUN_PRIVSEP.is_dir():
+            break
+        os.close(fd)
+        fd = _lock_privsep(fcntl.LOCK_EX)
+        try:
+            if not RUN_PRIVSEP.exists():
+                RUN_PRIVSEP.mkdir(mode=0o755)
+                os.write(fd, b"made")
+        finally:
+            os.close(fd)
+    try:
+        yield
+    finally:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # only the last user gets it
+        except BlockingIOError:
+            pass
+        else:
+            if os.pread(fd, 4, 0) == b"made":
+                try:
+                    RUN_PRIVSEP.rmdir()
+                except OSError:
+                    pass  # something else was put there meanwhile: leave it
+            PRIVSEP_LOCK.unlink()
+        finally:
+            os.close(fd)
+
+
 def _free_link_net() -> tuple[str, str]:
     """Two addresses of a /30 in 169.254.0.0/16 (not 169.254.169.x) that no interface here uses."""
     used = Namespaces.addresses_in_use()
@@ -248,21 +303,22 @@ def _write_config(path: Path, *, listen: str, port: int, host_keys: list[Path], 
 def sshd_server(tmp_path, tenant_user):
     """A started Sshd for `tenant_user`, in its own network namespace; everything it made is gone after."""
     require_root_tools(SSHD, "ssh", "ssh-keygen", "nsenter")
+    with _privsep_dir():
+        yield from _started_sshd(tmp_path, tenant_user)
+
+
+def _started_sshd(tmp_path: Path, tenant_user: pwd.struct_passwd):
     spaces = Namespaces("berth-ssh")
     tag = spaces.tag
     work = tmp_path / "sshd"
     (work / "hostkeys").mkdir(parents=True)
     run_dir = Path(f"/run/berth-test-{tag}")
-    made_privsep = False
     pid: int | None = None
     started: int | None = None
     try:
         run_dir.mkdir(mode=0o755)
         os.chmod(run_dir, 0o755)
         keys_dir = run_dir / "ssh-keys"
-        if not RUN_PRIVSEP.exists():
-            RUN_PRIVSEP.mkdir(mode=0o755)
-            made_privsep = True
         host_keys = []
         for kind in ("ed25519", "ecdsa", "rsa"):
             key = work / "hostkeys" / f"ssh_host_{kind}_key"
@@ -311,10 +367,5 @@ def sshd_server(tmp_path, tenant_user):
             _kill_all(left)
         spaces.close()
         shutil.rmtree(run_dir, ignore_errors=True)
-        if made_privsep:
-            try:
-                RUN_PRIVSEP.rmdir()
-            except OSError:
-                pass  # another sshd made something there meanwhile: leave it
         assert spaces.left() == [], f"namespaces {spaces.left()} are still there"
         assert not run_dir.exists(), f"{run_dir} is still there"
