@@ -42,6 +42,8 @@ BENCHES = [
     (["bench/ab.py", str(ROOT), str(ROOT), "--pairs", "1", "--seconds", "0.5"], "pg", r"^B +[\d,]+ +\d+ ", False),
     (["bench/token_flood.py", "--seconds", "0.5", "--rounds", "1"], "pg",
      r"^with the flood / alone, median of 1: postgresql [\d.]+x, sqlite [\d.]+x ", False),
+    (["bench/rebuild.py", "--ended", "2000", "--live", "20", "--rounds", "1"], "pg",
+     r"^rebuild reads / every reservation read once, with 2,000 ended and 20 live: sqlite [\d.]+x, postgresql ", False),
     (["bench/create_cost.py", "--creates", "60", "--connections", "6"], "pg valgrind",
      r"^\(per create, in the server's process; 60 creates", False),
 ]

@@ -15,8 +15,9 @@ from controlplane.domain.model import Reservation
 from controlplane.domain.states import TERMINAL
 from controlplane.store import codec
 from controlplane.store.groups import Appends, JobOutcome
-from controlplane.store.pg_sql import (CATALOG_CHANGED_SINCE, CHANGED_SINCE, LIVE_BOOKINGS, LIVE_BOOKINGS_OF, MOVE_END,
-                                       TOKENS, BookingRow, EventRow, PgAppends, ReservationRow)
+from controlplane.store.pg_sql import (CATALOG_CHANGED_SINCE, CHANGED_SINCE, HELD_RESERVATIONS, LIVE_BOOKINGS,
+                                       LIVE_BOOKINGS_OF, LIVE_RESERVATIONS, MOVE_END, TOKENS, BookingRow, EventRow,
+                                       PgAppends, ReservationRow)
 from controlplane.store.port import CatalogChanges
 from controlplane.store.reads import Reads, numbered, reservation_of
 
@@ -187,12 +188,9 @@ class PgTx(Reads, JobOutcome):
     # what the writer's memory is built from
     def live_reservations(self, now: int) -> list[Reservation]:
         self.flush()
-        rows = self._fetch(
-            "SELECT doc, seq FROM reservations WHERE state NOT IN ('released', 'cancelled') ORDER BY seq")
+        rows = self._fetch(LIVE_RESERVATIONS)
         live = [res for res in (reservation_of(doc, seq) for doc, seq in rows) if res.state not in TERMINAL]
-        held = self._fetch(
-            "SELECT r.doc, r.seq FROM reservations r WHERE r.state = 'released' AND EXISTS (SELECT 1 FROM bookings b"
-            " WHERE b.reservation_id = r.id AND b.end_ms > $1) ORDER BY r.seq", now)
+        held = self._fetch(HELD_RESERVATIONS, now)
         return live + [res for res in (reservation_of(doc, seq) for doc, seq in held) if res.hold is not None]
 
     def live_bookings(self, now: int) -> list[Booking]:
