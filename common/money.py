@@ -14,6 +14,7 @@ MAX_MONEY = Decimal(10) ** 12  # a trillion dollars: beyond any price or budget,
 RULE = "plain decimal digits, at most six decimals, below 10^12 (e.g. 3.420000; not 1e3, 1_000 or +3)"
 
 _PLAIN = re.compile(r"[0-9]{1,13}(?:\.[0-9]{1,6})?")  # below 10^12 is checked on the value
+PATTERN = f"^{_PLAIN.pattern}$"  # the same, for a schema's `pattern` (anchored there; fullmatch here)
 
 
 def parse_money(text: str) -> Decimal | None:

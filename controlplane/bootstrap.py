@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -22,6 +22,7 @@ from controlplane.schemas import field_of, syntax_error
 from controlplane.domain.calendar import Calendar
 from controlplane.domain.model import (SHARING_MODES, BmcRef, Node, Offer, Pool, PoolPolicy, Principal, Tenant,
                                        Unit)
+from common import money
 from common.inventory import HOSTNAME_RULE, is_hostname
 from common.share import Share
 
@@ -30,6 +31,8 @@ Id = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-
 # with a control or a non-ASCII character, or a space at either end, could never be sent (every call 401).
 TOKEN_PATTERN = r"^[!-~](?:[ -~]*[!-~])?(?![\s\S])"  # to the text's end: $ would take a final newline
 Token = Annotated[str, Meta(min_length=16, max_length=4096, pattern=TOKEN_PATTERN)]
+# A price or budget: the API's money (a JSON number is also taken, read by its shortest text: _money).
+MoneyText = Annotated[str, Meta(pattern=money.PATTERN, description=money.RULE)]
 TOKEN_RULE = ("must be printable ASCII, with no space at either end (a token a header can carry as it is); "
               "`openssl rand -base64 32` makes one")
 NonNegative = Annotated[float, Meta(ge=0)]
@@ -43,7 +46,7 @@ class TenantDoc(Struct, forbid_unknown_fields=True):
     id: Id
     # Each value is checked by _quota, which names its key (msgspec's message cannot): a number >= 0.
     quota: dict[str, Annotated[Any, Meta(description="a number >= 0")]] = {}
-    budgetUsd: str | float | None = None
+    budgetUsd: MoneyText | float | None = None
 
 
 class PrincipalDoc(Struct, forbid_unknown_fields=True):
@@ -114,9 +117,9 @@ class PoolDoc(Struct, forbid_unknown_fields=True):
     region: Id
     gpuModel: Id
     sharing: Literal["exclusive", "mig", "slots"] = "exclusive"
-    pricePerGpuHourUsd: str | float = "0"  # per device-hour: a GPU, a MIG instance or a slot
-    pricePerVcpuHourUsd: str | float = "0"  # host resources above the per-GPU share
-    pricePerGibHourUsd: str | float = "0"
+    pricePerGpuHourUsd: MoneyText | float = "0"  # per device-hour: a GPU, a MIG instance or a slot
+    pricePerVcpuHourUsd: MoneyText | float = "0"  # host resources above the per-GPU share
+    pricePerGibHourUsd: MoneyText | float = "0"
     archived: bool = False
     policy: PolicyDoc = msgspec.field(default_factory=PolicyDoc)
     offers: list[OfferDoc] = []
@@ -167,12 +170,11 @@ class BootstrapDoc(Struct, forbid_unknown_fields=True):
 
 
 def _money(value, field: str) -> Decimal:
-    try:
-        amount = Decimal(str(value))
-    except InvalidOperation:
-        raise BootstrapError(f"{field}: {value!r} is not a decimal amount") from None
-    if not amount.is_finite() or amount < 0:
-        raise BootstrapError(f"{field}: must be a non-negative amount")
+    """A price or budget in the API's grammar (common/money.py). A JSON number is read by its shortest text, so
+    2.49 is 2.49, and 1e400 or 0.0000001 are refused as their strings are."""
+    amount = money.parse_money(value if isinstance(value, str) else repr(value))
+    if amount is None:
+        raise BootstrapError(f"{field}: {value!r} is not an amount: {money.RULE}")
     return amount
 
 
@@ -312,6 +314,8 @@ def parse(raw: bytes, base_dir: Path | None = None) -> tuple[Catalog, dict[str, 
         field, rule = field_of(str(exc), BootstrapDoc)
         if field.endswith(("token", "Token")) and "matching regex" in rule:
             rule = TOKEN_RULE
+        elif field.endswith("Usd") and "matching regex" in rule:
+            rule = money.RULE
         raise BootstrapError(f"{'the document' if field == 'body' else field}: "
                              f"{rule.replace('of this request', 'of a bootstrap document')}") from None
     except msgspec.DecodeError as exc:

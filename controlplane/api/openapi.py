@@ -48,6 +48,8 @@ class Described:
     idempotency_key: bool = False  # also takes the Idempotency-Key header
     also: tuple[tuple[int, str], ...] = ()  # other statuses it answers with the same document (not the error
     # envelope), and when; such a status is not also described as a refusal
+    refuses: tuple[str, ...] = ()  # error codes a route without a body refuses with besides a failure, a missing
+    # token and a path that names nothing (every code may refuse a body)
 
 
 RESERVATION = ("reservation",)
@@ -62,7 +64,7 @@ DESCRIBED: dict[tuple[str, str], Described] = {
                                                 "requests to another replica"),)),
     ("GET", PATH): Described("This document", answer=("openapi", "info", "paths", "components")),
     ("GET", "/metrics"): Described("Prometheus text: reservations, nodes, bindings, the store and the reconciler",
-                                   media=("text/plain",)),
+                                   media=("text/plain",), refuses=(e.ACCESS_DENIED,)),  # a token not the admin's
     ("GET", "/ui"): Described("Redirects to /ui/", status=302, media=()),
     ("GET", "/ui/"): Described("The calendar page", media=("text/html",)),
     ("GET", "/ui/{name}"): Described("A file of the calendar page", media=tuple(sorted(set(ui.TYPES.values())))),
@@ -213,7 +215,8 @@ def refusals_of(described: Described, secured: bool, templated: bool) -> list[in
     what needs no body: a failure, a missing token where one is needed, a path that names nothing."""
     if described.body is not None:
         return list(refusal_statuses())
-    codes = [e.PROVIDER_UNAVAILABLE, *([e.UNAUTHENTICATED] if secured else []), *([e.NOT_FOUND] if templated else [])]
+    codes = [e.PROVIDER_UNAVAILABLE, *([e.UNAUTHENTICATED] if secured else []), *([e.NOT_FOUND] if templated else []),
+             *described.refuses]
     return sorted(error_table.STATUS[code] for code in codes)
 
 
@@ -253,6 +256,8 @@ def operation(method: str, path: str, described: Described, refs: dict[type, dic
                               for name in re.findall(r"\{([^}:]+)", path)]
     if described.idempotency_key:
         parameters.append({"$ref": "#/components/parameters/IdempotencyKey"})
+    if security == [{"nodeToken": []}] and path != "/api/nodes/register":
+        parameters.append({"$ref": "#/components/parameters/MachineId"})
     op: dict[str, Any] = {"operationId": operation_id(method, path), "summary": described.summary,
                           "tags": [tag_of(path)], "security": security}
     if parameters:
@@ -294,7 +299,11 @@ def document(router: web.UrlDispatcher) -> dict:
             "parameters": {"IdempotencyKey": {
                 "name": "Idempotency-Key", "in": "header", "required": False,
                 "schema": msgspec.json.schema(schemas.Key),
-                "description": "printable ASCII; the same as the body's idempotencyKey when both are given"}},
+                "description": "printable ASCII; the same as the body's idempotencyKey when both are given"},
+                "MachineId": {
+                "name": nodewire.MACHINE_ID_HEADER, "in": "header", "required": False, "schema": {"type": "string"},
+                "description": "the agent's host (/etc/machine-id), as register named it: the node token from "
+                               "another host is refused, 409 CONFLICT (details.field: this header, rule: machine_id)"}},
             "securitySchemes": SECURITY_SCHEMES,
         },
     }

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from common.money import RULE as MONEY_RULE
 from controlplane.bootstrap import BootstrapError, parse
 from tests.controlplane.conftest import bootstrap_doc
 
@@ -23,6 +24,32 @@ def test_a_quota_value_that_is_not_a_count_is_refused_naming_its_key(value, rule
     with pytest.raises(BootstrapError) as err:
         parse(json.dumps(doc).encode())
     assert str(err.value) == f"tenants[0].quota.gpu:H100_80GB: {rule}"
+
+
+MONEY_FIELDS = [("pools", "pricePerGpuHourUsd"), ("pools", "pricePerVcpuHourUsd"), ("pools", "pricePerGibHourUsd"),
+                ("tenants", "budgetUsd")]
+
+
+@pytest.mark.parametrize("kind, field", MONEY_FIELDS)
+@pytest.mark.parametrize("value", ["1e3", "1_000", "+3", "-0", "-1", " 5", "5.", ".5", "\u0663", "3\n", "1.1234567",
+                                   "1000000000000", "1" + "0" * 60, "1e400", "NaN", 1e-7, 1e60, -1])
+def test_a_price_or_budget_outside_the_apis_money_grammar_is_refused_naming_its_field(kind, field, value):
+    """The API's money (docs/api.md): an amount it could not take on the wire does not come in by the file either
+    (a price of 10^60 made every quote in its pool a 503; "1e3" and an Arabic-Indic digit were read as numbers)."""
+    doc = bootstrap_doc()
+    doc[kind][0][field] = value
+    with pytest.raises(BootstrapError) as err:
+        parse(json.dumps(doc).encode())
+    assert str(err.value).startswith(f"{kind}[0].{field}: ") and str(err.value).endswith(MONEY_RULE)
+
+
+@pytest.mark.parametrize("value, amount", [("2.5", "2.5"), ("999999999999.999999", "999999999999.999999"),
+                                           (2.49, "2.49"), (5, "5.0"), ("0", "0")])
+def test_a_price_in_the_money_grammar_or_a_plain_json_number_is_taken_as_written(value, amount):
+    doc = bootstrap_doc()
+    doc["pools"][0]["pricePerGpuHourUsd"] = value
+    catalog = parse(json.dumps(doc).encode())[0]
+    assert str(catalog.pools[doc["pools"][0]["id"]].price_per_gpu_hour) == amount
 
 
 def test_a_fractional_gpu_quota_and_an_unknown_row_are_named():

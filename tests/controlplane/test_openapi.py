@@ -14,6 +14,7 @@ from common.version import VERSION
 from controlplane.api import openapi
 from controlplane.api.app import create_app
 from controlplane.wiring import Config
+from tests.controlplane.conftest import TOKENS
 from tests.controlplane.test_nodes import ADMIN, BOOT, inventory, register
 
 JSON = "application/json"
@@ -195,3 +196,20 @@ async def test_the_real_answers_are_what_the_document_says(api):
     assert "not lead" in leader["503"]["description"]  # its own answer, not the error envelope
     check_answer(doc, "GET", "/healthz/leader", 503, {"status": "ok", "leads": False})
 
+
+
+async def test_metrics_refuses_a_token_not_the_admins_as_the_document_says(api):
+    doc = await fetch(api)
+    resp = await api.client.get("/metrics", headers={"Authorization": "Bearer " + TOKENS["alice"]})
+    assert 403 == resp.status
+    check_answer(doc, "GET", "/metrics", 403, await resp.json())
+
+
+async def test_every_call_with_a_node_token_names_the_machine_id_header_it_is_checked_against(api):
+    doc = await fetch(api)
+    header = deref(doc, {"$ref": "#/components/parameters/MachineId"})
+    assert ("Berth-Machine-Id", "header") == (header["name"], header["in"])
+    for path, item in doc["paths"].items():
+        if path.startswith("/api/nodes/"):
+            named = {p.get("$ref") for p in item["post"].get("parameters", [])}
+            assert ("#/components/parameters/MachineId" in named) == (path != "/api/nodes/register"), path
