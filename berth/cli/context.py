@@ -147,3 +147,14 @@ def same_command(ctx: Context, argv: Sequence[str]) -> str:
     return shlex.join(["berth", *without(argv, "--token")])
 
 
+def times_resolved(ctx: Context, argv: Sequence[str], flags: Mapping[str, str]) -> list[str]:
+    """argv with each time flag (flag -> its dest) at the moment this invocation resolved it: `now` or `-1d` typed
+    again later would name another moment than the one a cursor of this answer belongs to."""
+    out = list(argv)
+    for flag, dest in flags.items():
+        value = getattr(ctx.args, dest, None)
+        if value is not None:
+            out = [*without(out, flag), flag, _flag_value(value, "time")]
+    return out
+
+

@@ -9,7 +9,7 @@ import time
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any, Sequence
 
-from berth.cli.context import Context, request_command, same_command, without
+from berth.cli.context import Context, request_command, same_command, times_resolved, without
 from berth.client import (AdminNode, AdminPool, AdminTenant, Condition, Confirmation, Event, NodeAction, NodeBooking,
                           NodeCondition, OfferedPool, Operation, Quote, Reservation, ReservationPage, Resources, Usage,
                           Whoami, now_ms)
@@ -290,7 +290,8 @@ def render_usage(u: Usage, ctx: Context, argv: Sequence[str]) -> str:
         parts.append(table(("RESERVATION", "TOTAL"), [(t.reservation_id, money(t.total_usd)) for t in u.by_reservation],
                            width=ctx.width))
     if u.next_cursor:
-        parts.append(f"more: {same_command(ctx, [*without(argv, '--cursor'), '--cursor', u.next_cursor])}")
+        again = times_resolved(ctx, without(argv, "--cursor"), {"--since": "since", "--until": "until"})
+        parts.append(f"more: {same_command(ctx, [*again, '--cursor', u.next_cursor])}")
     return "\n\n".join(parts)
 
 

@@ -57,6 +57,10 @@ def cannot_connect(exc: BaseException, dsn: str = "") -> str:
             return (f"{said}; this server takes only TLS connections from here: give sslmode=verify-full and "
                     "sslrootcert=/path/to/ca.pem in the URL")
         return f"{said}; the server's pg_hba.conf lets no such connection in: its administrator adds a line for it"
+    if isinstance(exc, asyncpg.InsufficientPrivilegeError):  # met by the schema's first statement
+        return (f"{said}; the user the URL names must own the database and Berth's tables in it: createdb -O USER "
+                "(or ALTER DATABASE ... OWNER TO USER), and restore a dump as that user's (pg_restore --no-owner "
+                "--role=USER)")
     if isinstance(exc, asyncpg.InvalidCatalogNameError):
         return f"{said}; create the database first (createdb), or name an existing one in the URL"
     if isinstance(exc, FileNotFoundError):  # a file the URL names (sslrootcert, sslcert, sslkey), or a unix socket

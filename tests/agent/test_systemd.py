@@ -95,3 +95,12 @@ def test_the_control_plane_unit_serves_the_pinned_command_unprivileged():
     assert "--db" not in s["ExecStart"][0]
     assert "BERTH_DB=sqlite:////var/lib/berth/controlplane/controlplane.db" in s["Environment"]
     assert (["berth"], ["yes"]) == (s["User"], s["NoNewPrivileges"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_both_units_start_again_after_every_failed_start_for_ever(name):
+    """docs/operations.md: 2 s after any failed start, with no start limit (systemd's default stops at five starts
+    in ten seconds, and a database failing over may take longer)."""
+    s = service(name)
+    assert (["0"], ["2s"]) == (s["StartLimitIntervalSec"], s["RestartSec"])
+    assert s["Restart"][0] in ("always", "on-failure")

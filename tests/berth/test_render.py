@@ -93,6 +93,25 @@ def test_usage_has_a_held_column_only_where_a_kubernetes_release_was_held():
     assert "HELD" == header.split()[-1] and not first.endswith("yes") and second.endswith("yes")
 
 
+def test_the_next_page_of_usage_carries_the_moments_this_invocation_resolved():
+    """docs/cli.md: a suggested command carries the resolved moment, so it continues the same request (run later,
+    `--since=-1d` or `--until now` would name another window than the cursor's)."""
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from berth.cli.render import render_usage
+    from berth.client.answers import Usage
+
+    since, until = parse_time("2026-12-06T01:02:03.456Z", 0), parse_time("2026-12-07T00:00:00Z", 0)
+    page = msgspec.convert({"lines": [], "pageTotalUsd": "0", "totalUsd": "0", "nextCursor": "c2"}, Usage)
+    ctx = SimpleNamespace(width=None, args=SimpleNamespace(since=since, until=until))
+    argv = ["usage", "--since=-1d", "--until", "now", "--limit", "1", "--cursor", "c1", "--table"]
+    more = render_usage(page, ctx, argv).splitlines()[-1]
+    assert more == ("more: berth usage --limit 1 --table --since 2026-12-06T01:02:03.456Z "
+                    "--until 2026-12-07T00:00:00Z --cursor c2")
+
+
 def test_a_tenant_row_without_a_limit_reads_0_not_none():
     """A missing limit grants 0 (controlplane/domain/quota.py): quota held under a row since removed is over it."""
     from berth.cli.render import render_tenant, render_tenants

@@ -400,3 +400,16 @@ async def test_a_create_decided_again_later_queues_behind_what_was_queued_meanwh
     await api.settle()
     got = [(await api.ok("get", "alice", {"reservationId": r["id"]}))["state"] for r in (queued, again["reservation"])]
     assert ["binding", "pending"] == got
+
+
+async def test_a_document_removes_nothing_and_a_principal_named_with_a_new_token_loses_its_old_one(api):
+    """README, "The bootstrap file": what a document does not name is kept (bob, left out, still calls); to take a
+    principal's access away, name it with a new token: the old one is refused at once, the new one works."""
+    before = await ok(api, "bootstrap", bootstrap_doc())
+    new = "token-acme-alice-rotated-0001"
+    after = await ok(api, "bootstrap", {"tenants": [{"id": "acme"}],
+                                        "principals": [{"id": "alice", "tenant": "acme", "token": new}]})
+    assert before == after  # the stored catalog's counts: nothing removed
+    assert 401 == (await api.call("list", TOKENS["alice"], {}))[0]
+    assert 200 == (await api.call("list", new, {}))[0]
+    assert 200 == (await api.call("list", TOKENS["bob"], {}))[0]

@@ -268,10 +268,19 @@ def pg_tool(cluster, name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_pg_dump_and_pg_restore_as_documented_bring_a_replica_back(pg_cluster, tmp_path, bootstrap):  # noqa: F811
-    source, target = (f"berth_{uuid.uuid4().hex[:12]}" for _ in range(2))
+    """As docs/operations.md says, with the replicas' own role (not the cluster's superuser, who runs the tools):
+    the restored database and its tables are that role's, or the replicas cannot open it."""
+    source, target, stray = (f"berth_{uuid.uuid4().hex[:12]}" for _ in range(3))
+    role = f"berth_{uuid.uuid4().hex[:8]}"
     dump = Path(f"/tmp/{source}.dump")  # where the cluster's user may write
+    pg_cluster.psql(f'CREATE ROLE "{role}" LOGIN')
+
+    def owned_by_role(name: str) -> str:
+        pg_cluster.psql(f'CREATE DATABASE "{name}" OWNER "{role}"')  # createdb -O ROLE
+        return pg_cluster.dsn(name).replace(f"//{pg_cluster.user}@", f"//{role}@", 1)
+
     try:
-        url = pg_cluster.createdb(source)
+        url = owned_by_role(source)
         with ServerProcess(url, bootstrap) as server:
             made = [server.post(API + "create", TOKENS["alice"], create_body(f"k{i}", i))[1]["reservation"]["id"]
                     for i in range(30)]
@@ -280,8 +289,15 @@ def test_pg_dump_and_pg_restore_as_documented_bring_a_replica_back(pg_cluster, t
             assert server.post(API + "create", TOKENS["alice"], create_body("late", 31))[0] == 202
         # as docs/operations.md says: the old database's last event number, where it can still be read
         old_last = int(pg_cluster.psql(LAST_EVENT, source))
-        restored = pg_cluster.createdb(target)
-        pg_tool(pg_cluster, "pg_restore", "--no-owner", "--exit-on-error", "-d", target, str(dump))
+        # restored by the superuser without --role: every table is the superuser's, and the replica says what to do
+        pg_cluster.createdb(stray)
+        pg_tool(pg_cluster, "pg_restore", "--no-owner", "--exit-on-error", "-d", stray, str(dump))
+        stray_url = pg_cluster.dsn(stray).replace(f"//{pg_cluster.user}@", f"//{role}@", 1)
+        refused = berth("serve", "--listen", "127.0.0.1:0", "--db", stray_url, "--bootstrap", str(bootstrap))
+        assert 2 == refused.returncode, refused.stderr
+        assert "InsufficientPrivilegeError" in refused.stderr and "--role=" in refused.stderr, refused.stderr
+        restored = owned_by_role(target)
+        pg_tool(pg_cluster, "pg_restore", "--no-owner", f"--role={role}", "--exit-on-error", "-d", target, str(dump))
         assert int(pg_cluster.psql(LAST_EVENT, target)) < old_last  # the dump's own, before "late"
         with ServerProcess(restored, bootstrap) as server:  # before the setval: a cursor from the old database
             status, doc = server.post(EVENTS, TOKENS["alice"], {"after": old_last})  # is past the dump's numbers
@@ -301,5 +317,6 @@ def test_pg_dump_and_pg_restore_as_documented_bring_a_replica_back(pg_cluster, t
         assert seqs and min(s for (s,) in seqs) > old_last
     finally:
         dump.unlink(missing_ok=True)
-        for name in (source, target):
+        for name in (source, target, stray):
             pg_cluster.psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        pg_cluster.psql(f'DROP ROLE IF EXISTS "{role}"')
