@@ -403,12 +403,13 @@ async def test_a_create_decided_again_later_queues_behind_what_was_queued_meanwh
 
 
 async def test_a_document_removes_nothing_and_a_principal_named_with_a_new_token_loses_its_old_one(api):
-    """README, "The bootstrap file": what a document does not name is kept (bob, left out, still calls); to take a
-    principal's access away, name it with a new token: the old one is refused at once, the new one works."""
-    before = await ok(api, "bootstrap", bootstrap_doc())
+    """README, "The bootstrap file": what the file no longer names is kept (bob, taken out of it, still calls); to
+    take a principal's access away, give it a new token in the file: the old one is refused, the new one works."""
+    doc = bootstrap_doc()
+    before = await ok(api, "bootstrap", doc)
     new = "token-acme-alice-rotated-0001"
-    after = await ok(api, "bootstrap", {"tenants": [{"id": "acme"}],
-                                        "principals": [{"id": "alice", "tenant": "acme", "token": new}]})
+    doc["principals"] = [{**p, "token": new} if p["id"] == "alice" else p for p in doc["principals"] if p["id"] != "bob"]
+    after = await ok(api, "bootstrap", doc)
     assert before == after  # the stored catalog's counts: nothing removed
     assert 401 == (await api.call("list", TOKENS["alice"], {}))[0]
     assert 200 == (await api.call("list", new, {}))[0]
