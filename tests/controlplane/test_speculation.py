@@ -761,3 +761,29 @@ async def test_one_set_of_bindings_has_one_version_on_every_replica_however_its_
     status, again = await api.post("/api/nodes/watch", token, {"resourceVersion": here["resourceVersion"],
                                                                "timeoutMs": 200})
     assert (False, here["resourceVersion"]) == (again["changed"], again["resourceVersion"]), again
+
+
+async def test_what_a_bootstrap_on_another_replica_took_away_is_refused_here_at_once(api, other):
+    """A release the other replica's policies just forbade, and a cancel with a token it just replaced, reach this
+    replica before it heard of that commit: a mutation decided from memory first catches up (DECIDED_FRESH in
+    controlplane/api/app.py), so both are refused as the other replica would refuse them."""
+    await asyncio.sleep(0.5)  # the other replica's start heard
+    api.cp.replicas._refresh = lambda: None  # this replica hears no NOTIFY now: only the catch-up brings it on
+    status, alices = await api.call("create", "alice", body("alice's"))
+    assert status == 202, alices
+    status, bobs = await api.call("create", "bob", {**body("bob's"), "start": START + 7_200_000,
+                                                    "end": START + 10_800_000})
+    assert status == 202, bobs
+    boot = bootstrap_doc()
+    boot["policies"] += ('\nforbid (principal == User::"alice", action == Action::"compute:reservations:release",'
+                         ' resource);\n')
+    boot["principals"] = [{**p, "token": "token-acme-bob-replaced-0001"} if p["id"] == "bob" else p
+                          for p in boot["principals"]]
+    status, doc = await asyncio.to_thread(other.post, "/api/admin/bootstrap", boot["adminToken"], boot)
+    assert status == 200, doc
+    status, doc = await api.call("release", "alice", {"reservationId": alices["reservation"]["id"]})
+    assert (status, doc["error"]["code"]) == (403, "ACCESS_DENIED"), doc
+    status, doc = await api.call("cancel", TOKENS["bob"], {"reservationId": bobs["reservation"]["id"]})
+    assert (status, doc["error"]["code"]) == (401, "UNAUTHENTICATED"), doc
+    status, doc = await api.call("cancel", "token-acme-bob-replaced-0001", {"reservationId": bobs["reservation"]["id"]})
+    assert status == 202 and doc["reservation"]["state"] == "cancelled", doc
