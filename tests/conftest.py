@@ -35,6 +35,7 @@ def _rank(group: str) -> int:
     return next((i for i, head in enumerate(FIRST) if group.startswith(head)), len(FIRST))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     groups = {id(item): _group(item) for item in items}
     for item in items:
