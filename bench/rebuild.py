@@ -77,43 +77,36 @@ def sqlite_figures(ended: int, live: int, doc: bytes, rounds: int, where: Path) 
     return figures
 
 
-async def _pg(dsn: str, ended: int, live: int, doc: bytes, rounds: int) -> dict[str, float]:
+def postgresql_figures(dsn: str, ended: int, live: int, doc: bytes, rounds: int) -> dict[str, float]:
     import asyncpg
 
-    conn = await asyncpg.connect(dsn)
+    loop = asyncio.new_event_loop()  # one connection, driven statement by statement: timed as SQLite's are
+    run = loop.run_until_complete
+    conn = run(asyncpg.connect(dsn))
     try:
-        await pg_schema.migrate(conn)
+        run(pg_schema.migrate(conn))
         progress(f"postgresql: writing {ended:,} ended reservations")
-        await conn.execute("INSERT INTO reservations (id, tenant_id, principal_id, pool_id, state, doc) SELECT 'old-' || i,"
-                           " 'acme', 'alice', 'h100', 'released', $2 FROM generate_series(1, $1) i", ended, doc)
-        await conn.execute("INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
-                           " memory_mib, hugepages_1g) SELECT 'old-' || i, 'h100', 'h1', '{g0}', i, i + 1, 0, 0, 0"
-                           " FROM generate_series(1, $1) i", ended)
-        await conn.execute("INSERT INTO reservations (id, tenant_id, principal_id, pool_id, state, doc) SELECT 'live-' || i,"
-                           " 'acme', 'alice', 'h100', 'active', $2 FROM generate_series(1, $1) i", live, doc)
-        await conn.execute("INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
-                           " memory_mib, hugepages_1g) SELECT 'live-' || i, 'h100', 'h1', '{g0}', $2, $3, 0, 0, 0"
-                           " FROM generate_series(1, $1) i", live, NOW - 1, NOW + 1)
-        await conn.execute("VACUUM ANALYZE")
+        run(conn.execute("INSERT INTO reservations (id, tenant_id, principal_id, pool_id, state, doc) SELECT 'old-' || i,"
+                         " 'acme', 'alice', 'h100', 'released', $2 FROM generate_series(1, $1) i", ended, doc))
+        run(conn.execute("INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
+                         " memory_mib, hugepages_1g) SELECT 'old-' || i, 'h100', 'h1', '{g0}', i, i + 1, 0, 0, 0"
+                         " FROM generate_series(1, $1) i", ended))
+        run(conn.execute("INSERT INTO reservations (id, tenant_id, principal_id, pool_id, state, doc) SELECT 'live-' || i,"
+                         " 'acme', 'alice', 'h100', 'active', $2 FROM generate_series(1, $1) i", live, doc))
+        run(conn.execute("INSERT INTO bookings (reservation_id, pool_id, node_id, units, start_ms, end_ms, vcpu_milli,"
+                         " memory_mib, hugepages_1g) SELECT 'live-' || i, 'h100', 'h1', '{g0}', $2, $3, 0, 0, 0"
+                         " FROM generate_series(1, $1) i", live, NOW - 1, NOW + 1))
+        run(conn.execute("VACUUM ANALYZE"))
         figures = {}
         for name in STATEMENTS:
             sql = getattr(pg_sql, name)
             args = (NOW,) if "$1" in sql else ()
-            figures[name] = await _timed_async(lambda: conn.fetch(sql, *args), rounds)
-        figures["whole"] = await _timed_async(lambda: conn.fetch(WHOLE), rounds)
+            figures[name] = _timed(lambda: run(conn.fetch(sql, *args)), rounds)
+        figures["whole"] = _timed(lambda: run(conn.fetch(WHOLE)), rounds)
         return figures
     finally:
-        await conn.close()
-
-
-async def _timed_async(run, rounds: int) -> float:
-    await run()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        await run()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+        run(conn.close())
+        loop.close()
 
 
 def show(engine: str, figures: dict[str, float]) -> float:
@@ -137,7 +130,7 @@ def main() -> int:
         ratios["sqlite"] = show("sqlite", sqlite_figures(args.ended, args.live, doc, args.rounds, Path(where)))
     try:
         with throwaway_cluster() as cluster:
-            figures = asyncio.run(_pg(cluster.createdb("rebuild"), args.ended, args.live, doc, args.rounds))
+            figures = postgresql_figures(cluster.createdb("rebuild"), args.ended, args.live, doc, args.rounds)
         ratios["postgresql"] = show("postgresql", figures)
     except ClusterError as exc:
         print(f"postgresql  not measured: {exc}")

@@ -143,15 +143,15 @@ HELD_RESERVATIONS = ("SELECT r.doc, r.seq FROM reservations r WHERE r.state = 'r
 # (bringing the memory up to other replicas' writes) or of every reservation (rebuilding it). The whole read takes
 # the halves apart: as one OR, PostgreSQL joins every booking ever made to its reservation (1 s at a million);
 # apart, it reads live reservations by their index and only the released ones' bookings that end after $1.
-_HELD_BY = ("r.state IN ('placed', 'binding', 'active')", "r.state = 'released' AND b.end_ms > {now}")
-_LIVE = f"(({_HELD_BY[0]}) OR ({_HELD_BY[1]})) AND b.end_ms > b.start_ms"
+_LIVE_HALVES = ("r.state IN ('placed', 'binding', 'active')", "r.state = 'released' AND b.end_ms > {now}")
+_LIVE = f"(({_LIVE_HALVES[0]}) OR ({_LIVE_HALVES[1]})) AND b.end_ms > b.start_ms"
 _BOOKING = ("b.reservation_id, b.pool_id, b.node_id, b.units, b.start_ms, b.end_ms, b.vcpu_milli, b.memory_mib,"
             " b.hugepages_1g")
 _JOINED = " FROM bookings b JOIN reservations r ON r.id = b.reservation_id WHERE "
 LIVE_BOOKINGS_OF = (f"SELECT {_BOOKING}{_JOINED}{_LIVE.format(now='$1')} AND b.reservation_id = ANY($2::text[])"
                     " ORDER BY b.id")
 LIVE_BOOKINGS = " UNION ALL ".join(f"SELECT {_BOOKING}, b.id{_JOINED}{half.format(now='$1')} AND b.end_ms > b.start_ms"
-                                   for half in _HELD_BY) + " ORDER BY id"
+                                   for half in _LIVE_HALVES) + " ORDER BY id"
 # What a refresh reads, in one statement (one snapshot, one round trip), each row tagged with its kind: 0 the state
 # row (as BEGUN's: generation, catalog generation, rebuild generation, last seq), 1 the reservations changed after
 # $1 up to that generation (CHANGED_SINCE), 2 their bookings live at $2 (LIVE_BOOKINGS_OF), and where the catalog
